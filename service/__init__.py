@@ -1,0 +1,1 @@
+"""The gRPC sidecar around a ``TieredStore`` (see the service issue); nothing here yet."""

@@ -1,0 +1,60 @@
+"""tierkv: a tiered KV-cache store for LLM inference.
+
+Blocks of K/V tensors, keyed by the chained content hash of their tokens, are kept across GPU
+HBM, shared host memory and LMDB on local disk. The first rule: a hit returns exactly the bytes
+stored under that key, or is a miss; never anything else.
+"""
+
+from tierkv.config import (
+    DiskTierConfig,
+    GpuTierConfig,
+    HostTierConfig,
+    Priority,
+    StoreConfig,
+    Tier,
+    WritePolicy,
+)
+from tierkv.errors import (
+    CapacityError,
+    ConfigError,
+    DiskFullError,
+    InvalidArgumentError,
+    StoreClosedError,
+    TierKVError,
+    UnknownNamespaceError,
+)
+from tierkv.hashing import ExtraKeys, MultiModalItem, block_hashes
+from tierkv.keys import BlockHash, BlockKey, Namespace, NamespaceId
+from tierkv.layout import DType, KVLayout
+from tierkv.store import StoreStats, TieredStore, TierStats
+
+__all__ = [
+    "BlockHash",
+    "BlockKey",
+    "CapacityError",
+    "ConfigError",
+    "DType",
+    "DiskFullError",
+    "DiskTierConfig",
+    "ExtraKeys",
+    "GpuTierConfig",
+    "HostTierConfig",
+    "InvalidArgumentError",
+    "KVLayout",
+    "MultiModalItem",
+    "Namespace",
+    "NamespaceId",
+    "Priority",
+    "StoreClosedError",
+    "StoreConfig",
+    "StoreStats",
+    "Tier",
+    "TierKVError",
+    "TierStats",
+    "TieredStore",
+    "UnknownNamespaceError",
+    "WritePolicy",
+    "block_hashes",
+]
+
+__version__ = "0.1.0"

@@ -1,0 +1,302 @@
+"""``tierkv bench store``: the embedded store against memcpy, raw disk I/O and plain cbor2.
+
+Every figure is measured beside its baseline in the same run, on the same bytes: 2 MiB blocks
+(one Llama-3-8B fp16 block), batches of 32. Throughputs are medians over ``repeats`` runs.
+"""
+
+from __future__ import annotations
+
+import functools
+import gc
+import hashlib
+import os
+import shutil
+import time
+import tracemalloc
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TypeVar
+
+import cbor2
+import numpy as np
+import torch
+
+from tierkv.bench.report import Row, median_of, timed
+from tierkv.config import DiskTierConfig, HostTierConfig, StoreConfig, Tier, WritePolicy
+from tierkv.hashing import block_hashes, none_hash
+from tierkv.keys import Namespace
+from tierkv.layout import PRESETS, KVLayout
+from tierkv.store import TieredStore
+
+GB = 1e9
+T = TypeVar("T")
+Progress = Callable[[str], None]
+
+
+@dataclass(frozen=True, slots=True)
+class StoreBenchConfig:
+    """What to measure and how much."""
+
+    work_dir: Path
+    batch_blocks: int = 32
+    num_batches: int = 8
+    num_disk_batches: int = 4
+    repeats: int = 5
+    lookup_blocks: int = 8192
+    hash_tokens: int = 131072
+    index_blocks: int = 1_000_000
+
+
+def _random_blocks(layout: KVLayout, num_blocks: int) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(1234)
+    raw = torch.randint(-(2**15), 2**15, (num_blocks, *layout.block_shape), dtype=torch.int32,
+                        generator=generator)
+    return raw.to(torch.int16).view(layout.torch_dtype)
+
+
+def _total_s(fn: Callable[[T], object], items: Sequence[T]) -> float:
+    """Seconds ``fn`` takes over all ``items``, one timed call each."""
+    return sum(timed(functools.partial(fn, item)) for item in items)
+
+
+def _fresh_hashes(num: int) -> list[bytes]:
+    return [hashlib.sha256(os.urandom(16)).digest() for _ in range(num)]
+
+
+def bench_host(cfg: StoreBenchConfig, progress: Progress) -> list[Row]:
+    """HOST put / get_into / get against numpy.copyto of the same bytes."""
+    layout = PRESETS["llama-3-8b"].layout()
+    batch_bytes = cfg.batch_blocks * layout.bytes_per_block
+    total_bytes = batch_bytes * cfg.num_batches
+    source = _random_blocks(layout, cfg.batch_blocks)
+    source_np = source.view(torch.uint8).reshape(-1).numpy()
+    namespace = Namespace("bench", layout)
+    config = StoreConfig(host=HostTierConfig(total_bytes + batch_bytes, 256 * 1024))
+    baseline_dst = np.zeros(total_bytes, np.uint8)  # pre-faulted, like the slab
+    out = torch.empty_like(source)
+    out_np = out.view(torch.uint8).reshape(-1).numpy()
+    with TieredStore(config) as store:
+        store.register(namespace)
+        batches: list[list[bytes]] = []
+
+        def put_round() -> float:
+            if batches:
+                store.delete(namespace, [h for batch in batches for h in batch])
+                batches.clear()
+            batches.extend(_fresh_hashes(cfg.batch_blocks) for _ in range(cfg.num_batches))
+            seconds = _total_s(lambda b: store.put(namespace, b, source), batches)
+            progress("host put")
+            return total_bytes / seconds / GB
+
+        def copy_round() -> float:
+            seconds = _total_s(
+                lambda i: np.copyto(baseline_dst[i * batch_bytes:(i + 1) * batch_bytes], source_np),
+                range(cfg.num_batches),
+            )
+            return total_bytes / seconds / GB
+
+        def get_into_round() -> float:
+            seconds = _total_s(lambda b: store.get_into(namespace, b, out), batches)
+            progress("host get")
+            return total_bytes / seconds / GB
+
+        def get_round() -> float:
+            seconds = _total_s(lambda b: store.get(namespace, b), batches)
+            return total_bytes / seconds / GB
+
+        def copy_back_round() -> float:
+            seconds = _total_s(
+                lambda i: np.copyto(out_np, baseline_dst[i * batch_bytes:(i + 1) * batch_bytes]),
+                range(cfg.num_batches),
+            )
+            return total_bytes / seconds / GB
+
+        put_gbs, put_samples = median_of(put_round, cfg.repeats)
+        copy_gbs, _ = median_of(copy_round, cfg.repeats)
+        get_gbs, get_samples = median_of(get_into_round, cfg.repeats)
+        fresh_gbs, fresh_samples = median_of(get_round, cfg.repeats)
+        back_gbs, _ = median_of(copy_back_round, cfg.repeats)
+        for batch in batches:  # every get must have been bit-exact
+            assert torch.equal(store.get(namespace, batch).view(torch.uint8),
+                               source.view(torch.uint8))
+    return [
+        Row("HOST put", "GB/s", put_gbs, copy_gbs, "numpy.copyto", ">= 0.8x",
+            put_gbs >= 0.8 * copy_gbs, put_samples),
+        Row("HOST get_into (reused buffer)", "GB/s", get_gbs, back_gbs, "numpy.copyto",
+            ">= 0.8x", get_gbs >= 0.8 * back_gbs, get_samples),
+        Row("HOST get (new tensor each call)", "GB/s", fresh_gbs, back_gbs, "numpy.copyto",
+            "(info)", True, fresh_samples),
+    ]
+
+
+def bench_disk(cfg: StoreBenchConfig, progress: Progress) -> list[Row]:
+    """DISK write_through put vs write+fsync; DISK get (warm) vs reading the file."""
+    layout = PRESETS["llama-3-8b"].layout()
+    batch_bytes = cfg.batch_blocks * layout.bytes_per_block
+    total_bytes = batch_bytes * cfg.num_disk_batches
+    source = _random_blocks(layout, cfg.batch_blocks)
+    source_np = source.view(torch.uint8).reshape(-1).numpy()
+    namespace = Namespace("bench", layout)
+    disk_dir = cfg.work_dir / "store-disk"
+    raw_dir = cfg.work_dir / "raw-files"
+    shutil.rmtree(disk_dir, ignore_errors=True)
+    raw_dir.mkdir(parents=True, exist_ok=True)
+    config = StoreConfig(
+        host=HostTierConfig(batch_bytes * 2, 256 * 1024),
+        disk=DiskTierConfig(disk_dir, total_bytes * 3),
+        promote_on_read=False,
+    )
+    out = torch.empty_like(source)
+    out_np = out.view(torch.uint8).reshape(-1).numpy()
+    files = [raw_dir / f"batch-{i}.bin" for i in range(cfg.num_disk_batches)]
+    with TieredStore(config) as store:
+        store.register(namespace)
+        batches: list[list[bytes]] = []
+
+        def put_round() -> float:
+            if batches:
+                store.delete(namespace, [h for batch in batches for h in batch])
+                batches.clear()
+            batches.extend(_fresh_hashes(cfg.batch_blocks) for _ in range(cfg.num_disk_batches))
+            seconds = _total_s(
+                lambda b: store.put(namespace, b, source, write_policy=WritePolicy.WRITE_THROUGH),
+                batches,
+            )
+            progress("disk put")
+            return total_bytes / seconds / GB
+
+        def write_round() -> float:
+            def write(path: Path) -> None:
+                with path.open("wb") as f:
+                    f.write(source_np.data)
+                    f.flush()
+                    os.fsync(f.fileno())
+            return total_bytes / _total_s(write, files) / GB
+
+        def get_round() -> float:
+            seconds = _total_s(lambda b: store.get_into(namespace, b, out), batches)
+            progress("disk get")
+            return total_bytes / seconds / GB
+
+        def read_round() -> float:
+            def read(path: Path) -> None:
+                with path.open("rb", buffering=0) as f:
+                    f.readinto(out_np.data)
+            return total_bytes / _total_s(read, files) / GB
+
+        put_gbs, put_samples = median_of(put_round, cfg.repeats)
+        write_gbs, _ = median_of(write_round, cfg.repeats)
+        # Serve the gets from DISK only: drop the HOST copies the puts made.
+        for batch in batches:
+            store.delete(namespace, batch)
+            store.put(namespace, batch, source, tier=Tier.DISK)
+        assert store.stats().tiers[Tier.HOST].num_blocks == 0
+        get_round()  # warm the page cache, as the file baseline is warm from its writes
+        get_gbs, get_samples = median_of(get_round, cfg.repeats)
+        read_gbs, _ = median_of(read_round, cfg.repeats)
+        assert store.get_into(namespace, batches[0], out) == cfg.batch_blocks
+        assert torch.equal(out.view(torch.uint8), source.view(torch.uint8))
+    shutil.rmtree(disk_dir, ignore_errors=True)
+    shutil.rmtree(raw_dir, ignore_errors=True)
+    return [
+        Row("DISK put write_through", "GB/s", put_gbs, write_gbs, "write+fsync", ">= 0.5x",
+            put_gbs >= 0.5 * write_gbs, put_samples),
+        Row("DISK get (page cache warm)", "GB/s", get_gbs, read_gbs, "file readinto",
+            ">= 0.7x", get_gbs >= 0.7 * read_gbs, get_samples),
+    ]
+
+
+def bench_lookup(cfg: StoreBenchConfig, progress: Progress) -> list[Row]:
+    """``lookup`` of a fully cached 8,192-block chain (a 128K-token prompt)."""
+    layout = KVLayout(1, 1, 8)
+    namespace = Namespace("bench-lookup", layout)
+    hashes = block_hashes(list(range(cfg.lookup_blocks * layout.block_size)))
+    config = StoreConfig(host=HostTierConfig(cfg.lookup_blocks * layout.bytes_per_block * 2, 512))
+    blocks = torch.zeros((1024, *layout.block_shape), dtype=layout.torch_dtype)
+    with TieredStore(config) as store:
+        store.register(namespace)
+        for start in range(0, len(hashes), 1024):
+            chunk = hashes[start:start + 1024]
+            store.put(namespace, chunk, blocks[: len(chunk)])
+        assert store.lookup(namespace, hashes) == cfg.lookup_blocks
+
+        def one() -> float:
+            return timed(lambda: store.lookup(namespace, hashes)) * 1e3
+
+        lookup_ms, samples = median_of(one, 50)
+    progress("lookup")
+    return [Row(f"lookup of {cfg.lookup_blocks} hashes", "ms", lookup_ms, None, "-",
+                "<= 2 ms", lookup_ms <= 2.0, samples)]
+
+
+def reference_block_hashes(tokens: list[int], block_size: int, seed: str) -> list[bytes]:
+    """The straightforward per-block cbor2 implementation (the baseline)."""
+    parent = bytes(none_hash(seed))
+    result = []
+    for start in range(0, len(tokens) - block_size + 1, block_size):
+        payload = cbor2.dumps((parent, tuple(tokens[start:start + block_size]), None),
+                              canonical=True)
+        parent = hashlib.sha256(payload).digest()
+        result.append(parent)
+    return result
+
+
+def bench_hashing(cfg: StoreBenchConfig, progress: Progress) -> list[Row]:
+    """``block_hashes`` of 128K tokens against the straightforward cbor2 loop."""
+    rng = np.random.default_rng(7)
+    tokens = rng.integers(0, 128256, cfg.hash_tokens).tolist()
+    assert [bytes(h) for h in block_hashes(tokens)] == reference_block_hashes(tokens, 16, "0")
+    ours, samples = median_of(lambda: timed(lambda: block_hashes(tokens)) * 1e3, cfg.repeats)
+    base, _ = median_of(
+        lambda: timed(lambda: reference_block_hashes(tokens, 16, "0")) * 1e3, cfg.repeats
+    )
+    progress("hashing")
+    return [Row(f"block_hashes of {cfg.hash_tokens} tokens", "ms", ours, base,
+                "cbor2 per block", "<= 1.0x time", ours <= base, samples)]
+
+
+def bench_index_memory(cfg: StoreBenchConfig, progress: Progress) -> list[Row]:
+    """Python memory the index holds per block at ``index_blocks`` blocks (keys included)."""
+    layout = KVLayout(1, 1, 2)  # 128-byte blocks: the slab stays small, the index is the point
+    namespace = Namespace("bench-index", layout)
+    config = StoreConfig(host=HostTierConfig(cfg.index_blocks * layout.bytes_per_block,
+                                             layout.bytes_per_block))
+    batch = 16384
+    blocks = torch.zeros((batch, *layout.block_shape), dtype=layout.torch_dtype)
+    with TieredStore(config) as store:
+        store.register(namespace)
+        gc.collect()
+        tracemalloc.start()
+        before, _ = tracemalloc.get_traced_memory()
+        for start in range(0, cfg.index_blocks, batch):
+            count = min(batch, cfg.index_blocks - start)
+            store.put(namespace, _fresh_hashes(count), blocks[:count])
+        gc.collect()
+        after, _ = tracemalloc.get_traced_memory()
+        tracemalloc.stop()
+        assert store.stats().tiers[Tier.HOST].num_blocks == cfg.index_blocks
+    per_block = (after - before) / cfg.index_blocks
+    progress("index memory")
+    return [Row(f"index memory at {cfg.index_blocks} blocks", "B/block", per_block, None, "-",
+                "<= 300", per_block <= 300, [per_block])]
+
+
+BENCHES: dict[str, Callable[[StoreBenchConfig, Progress], list[Row]]] = {
+    "host": bench_host,
+    "disk": bench_disk,
+    "lookup": bench_lookup,
+    "hashing": bench_hashing,
+    "index": bench_index_memory,
+}
+
+
+def run_store_bench(cfg: StoreBenchConfig, only: list[str], progress: Progress) -> list[Row]:
+    """Run the selected benchmarks (all when ``only`` is empty) and return their rows."""
+    rows: list[Row] = []
+    for name, bench in BENCHES.items():
+        if not only or name in only:
+            started = time.perf_counter()
+            rows.extend(bench(cfg, progress))
+            progress(f"{name} done in {time.perf_counter() - started:.1f}s")
+    return rows

@@ -1,0 +1,1 @@
+"""The ``tierkv`` command line: ``size``, ``serve`` and ``bench``."""

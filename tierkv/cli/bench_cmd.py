@@ -1,0 +1,58 @@
+"""``tierkv bench store``: run the benchmarks, print a table, write JSON (and a PNG plot)."""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from tqdm import tqdm
+
+from tierkv.bench.report import format_table, save_json, save_plot
+
+
+def register(subparsers: Any) -> None:
+    """Add ``bench`` to the command line."""
+    parser = subparsers.add_parser("bench", help="measure tierkv against its baselines")
+    targets = parser.add_subparsers(dest="target", required=True)
+    store = targets.add_parser(
+        "store", help="the embedded store vs memcpy, write+fsync, file reads and cbor2"
+    )
+    store.add_argument("--only", nargs="*", default=[],
+                       choices=["host", "disk", "lookup", "hashing", "index"])
+    store.add_argument("--repeats", type=int, default=5, help="runs per figure (median)")
+    store.add_argument("--quick", action="store_true",
+                       help="smaller runs (for a smoke test; figures are noisier)")
+    store.add_argument("--work-dir", type=Path, default=None,
+                       help="where disk benchmarks write (default: a temp dir)")
+    store.add_argument("--json", type=Path, default=Path("bench-out/store.json"))
+    store.add_argument("--plot", type=Path, nargs="?", const=Path("bench-out/store.png"),
+                       default=None, help="also write a PNG bar chart")
+    store.set_defaults(func=run_store)
+
+
+def run_store(args: argparse.Namespace) -> int:
+    """Run ``bench store``."""
+    from tierkv.bench.store_bench import StoreBenchConfig, run_store_bench
+
+    with tempfile.TemporaryDirectory(prefix="tierkv-bench-", dir=args.work_dir) as work:
+        cfg = StoreBenchConfig(Path(work), repeats=args.repeats)
+        if args.quick:
+            cfg = StoreBenchConfig(Path(work), num_batches=2, num_disk_batches=2,
+                                   repeats=min(args.repeats, 3), index_blocks=100_000)
+        total = 4 * cfg.repeats + 9
+        with tqdm(total=total, desc="bench store", unit="step") as bar:
+            def progress(message: str) -> None:
+                bar.set_postfix_str(message)
+                bar.update(1)
+
+            rows = run_store_bench(cfg, args.only, progress)
+    print(format_table(rows))
+    extra = {"repeats": cfg.repeats, "batch_blocks": cfg.batch_blocks, "quick": args.quick}
+    save_json(rows, args.json, extra)
+    print(f"wrote {args.json}")
+    if args.plot is not None:
+        save_plot(rows, args.plot, "tierkv bench store")
+        print(f"wrote {args.plot}")
+    return 0

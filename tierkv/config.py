@@ -1,0 +1,178 @@
+"""Frozen, validated configuration for the store and each of its tiers.
+
+Configs are built once at the edge (CLI, server, tests) and passed down; nothing deeper reads
+environment variables or string-keyed dicts. Every validation error names the setting to change.
+"""
+
+from __future__ import annotations
+
+import enum
+import os
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from tierkv.errors import ConfigError
+
+KiB = 1024
+MiB = 1024 * KiB
+GiB = 1024 * MiB
+
+
+class Tier(enum.IntEnum):
+    """Storage tiers, fastest first. Eviction demotes a block to the next tier down."""
+
+    GPU = 0
+    HOST = 1
+    DISK = 2
+
+    @property
+    def label(self) -> str:
+        """Lower-case name used in stats and on the command line."""
+        return self.name.lower()
+
+
+class WritePolicy(enum.Enum):
+    """When a put reaches DISK.
+
+    ``WRITE_BACK``: when the block is evicted from HOST (default, fastest).
+    ``WRITE_THROUGH``: before the put is acknowledged (survives a crash; used for chat sessions).
+    """
+
+    WRITE_BACK = "write_back"
+    WRITE_THROUGH = "write_through"
+
+
+class Priority(enum.IntEnum):
+    """Eviction classes: every evictable block of a lower class goes before any of a higher one."""
+
+    LOW = 0
+    NORMAL = 1
+    HIGH = 2
+    SESSION = 3
+
+
+def _check_positive(name: str, value: int) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise ConfigError(f"{name} must be a positive integer, got {value!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class HostTierConfig:
+    """HOST tier: one shared-memory slab of ``capacity_bytes`` cut into ``page_bytes`` pages.
+
+    ``prefault`` writes every page once at start (fresh shared-memory pages are ~30x slower to
+    write the first time). ``shm_name`` fixes the segment name (default: unique per store).
+    """
+
+    capacity_bytes: int
+    page_bytes: int = 256 * KiB
+    prefault: bool = True
+    shm_name: str | None = None
+
+    def __post_init__(self) -> None:
+        _check_positive("host capacity_bytes (--host-bytes)", self.capacity_bytes)
+        _check_positive("host page_bytes (--page-bytes)", self.page_bytes)
+        if self.capacity_bytes < self.page_bytes:
+            raise ConfigError(
+                f"host capacity_bytes ({self.capacity_bytes}) is smaller than one page "
+                f"({self.page_bytes}); raise --host-bytes or lower --page-bytes"
+            )
+
+
+@dataclass(frozen=True, slots=True)
+class GpuTierConfig:
+    """GPU tier: a paged slab in HBM. ``capacity_bytes == 0`` turns it off.
+
+    ``device`` is a CUDA device (``"cuda"``, ``"cuda:1"``) or ``"emulated"``: a CPU tensor pool
+    that runs the same code path (copies, events, demotion) on machines without CUDA.
+    """
+
+    capacity_bytes: int = 0
+    page_bytes: int = 256 * KiB
+    device: str = "cuda"
+
+    def __post_init__(self) -> None:
+        if self.capacity_bytes < 0:
+            raise ConfigError(f"gpu capacity_bytes (--gpu-bytes) must be >= 0, got {self.capacity_bytes}")
+        _check_positive("gpu page_bytes (--page-bytes)", self.page_bytes)
+        if 0 < self.capacity_bytes < self.page_bytes:
+            raise ConfigError(
+                f"gpu capacity_bytes ({self.capacity_bytes}) is smaller than one page "
+                f"({self.page_bytes}); raise --gpu-bytes or set it to 0 to turn the GPU tier off"
+            )
+        if self.device != "emulated" and not self.device.startswith("cuda"):
+            raise ConfigError(f"gpu device must be 'cuda[:N]' or 'emulated', got {self.device!r}")
+
+    @property
+    def enabled(self) -> bool:
+        """Whether the tier exists at all."""
+        return self.capacity_bytes > 0
+
+
+@dataclass(frozen=True, slots=True)
+class DiskTierConfig:
+    """DISK tier: LMDB at ``path`` holding at most ``capacity_bytes`` of records.
+
+    LMDB's map is sized ``capacity_bytes * map_overhead_factor + map_slack_bytes`` so that the
+    B-tree and free pages fit beside the records; a full map or disk is reported as
+    ``DiskFullError``, never a crash (``writemap`` is never used).
+    """
+
+    path: Path
+    capacity_bytes: int
+    map_overhead_factor: float = 2.0
+    map_slack_bytes: int = 256 * MiB
+    num_reader_threads: int = 2
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "path", Path(self.path).expanduser())
+        _check_positive("disk capacity_bytes (--disk-bytes)", self.capacity_bytes)
+        _check_positive("disk num_reader_threads", self.num_reader_threads)
+        if self.map_overhead_factor < 1.0:
+            raise ConfigError("disk map_overhead_factor must be >= 1.0")
+
+    @property
+    def map_size_bytes(self) -> int:
+        """The LMDB map size (virtual; the file only grows as records are written)."""
+        size = int(self.capacity_bytes * self.map_overhead_factor) + self.map_slack_bytes
+        page = os.sysconf("SC_PAGESIZE")
+        return (size + page - 1) // page * page
+
+
+@dataclass(frozen=True, slots=True)
+class StoreConfig:
+    """The whole store: its tiers and its policies.
+
+    ``write_policy`` is the default for puts that do not name one. ``promote_on_read`` copies a
+    block read from a lower tier into the tier above in the background. ``num_workers`` threads
+    run the async variants of put/get/prefetch.
+    """
+
+    host: HostTierConfig
+    gpu: GpuTierConfig = field(default_factory=GpuTierConfig)
+    disk: DiskTierConfig | None = None
+    write_policy: WritePolicy = WritePolicy.WRITE_BACK
+    promote_on_read: bool = True
+    num_workers: int = 4
+
+    def __post_init__(self) -> None:
+        _check_positive("num_workers", self.num_workers)
+        if not isinstance(self.write_policy, WritePolicy):
+            object.__setattr__(self, "write_policy", WritePolicy(self.write_policy))
+
+
+def default_disk_path() -> Path:
+    """``<user cache dir>/tierkv/store`` (e.g. ``~/.cache/tierkv/store`` on Linux)."""
+    import platformdirs
+
+    return Path(platformdirs.user_cache_dir("tierkv")) / "store"
+
+
+def default_disk_bytes(path: Path, ceiling_bytes: int = 16 * GiB) -> int:
+    """Half of the free space at ``path`` (or its nearest existing parent), at most ``ceiling``."""
+    probe = path
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    free_bytes = shutil.disk_usage(probe).free
+    return max(64 * MiB, min(ceiling_bytes, free_bytes // 2))

@@ -1,0 +1,43 @@
+"""The exceptions tierkv raises.
+
+Every error a caller can provoke with bad input is a ``ValueError`` as well as a
+``TierKVError``, so that plain ``except ValueError`` works. Each maps to one gRPC status code
+(see ``service``); the mapping lives there, not here.
+"""
+
+from __future__ import annotations
+
+
+class TierKVError(Exception):
+    """Base class of every error tierkv raises on purpose."""
+
+
+class InvalidArgumentError(TierKVError, ValueError):
+    """The caller passed something malformed: wrong shape, dtype, count, or setting."""
+
+
+class ConfigError(InvalidArgumentError):
+    """A setting is out of range; the message names the setting to change."""
+
+
+class UnknownNamespaceError(InvalidArgumentError, KeyError):
+    """An operation named a namespace that was never registered with the store."""
+
+    def __str__(self) -> str:  # KeyError would quote the message otherwise
+        return str(self.args[0]) if self.args else ""
+
+
+class CapacityError(TierKVError):
+    """There is no room: every evictable block was evicted and the request still does not fit."""
+
+
+class DiskFullError(CapacityError):
+    """The disk (or LMDB's map) has no room left for a write, even after eviction."""
+
+
+class StoreClosedError(TierKVError):
+    """The store was closed; no further operations are accepted."""
+
+
+class LayoutMismatchError(InvalidArgumentError):
+    """A namespace was registered with a layout that differs from the one stored on disk."""

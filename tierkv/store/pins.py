@@ -1,0 +1,82 @@
+"""Pins: blocks that must not be evicted, until unpinned or until their TTL runs out.
+
+A pinned entry is unlinked from every tier's LRU list (so eviction never walks past it) and
+linked back when its last pin goes. Guarded by the store's lock.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from tierkv.store.ledger import Entry
+
+
+@dataclass(slots=True)
+class _Pin:
+    count: int
+    deadline_s: float
+
+
+class PinTable:
+    """Pin counts and deadlines of pinned entries."""
+
+    def __init__(self, clock: Callable[[], float]) -> None:
+        self._clock = clock
+        self._pins: dict[Entry, _Pin] = {}
+        self._deadlines: list[tuple[float, int, Entry]] = []
+        self._sequence = itertools.count()
+
+    def __contains__(self, entry: Entry) -> bool:
+        return entry in self._pins
+
+    def __len__(self) -> int:
+        return len(self._pins)
+
+    def pin(self, entry: Entry, ttl_s: float | None) -> bool:
+        """Add one pin; the entry stays pinned until ``unpin`` or ``ttl_s`` seconds from now
+        (the later deadline wins when pinned again). Returns True if it was not pinned before."""
+        deadline = math.inf if ttl_s is None else self._clock() + ttl_s
+        pin = self._pins.get(entry)
+        if pin is not None:
+            pin.count += 1
+            pin.deadline_s = max(pin.deadline_s, deadline)
+        else:
+            self._pins[entry] = pin = _Pin(1, deadline)
+        if deadline != math.inf:
+            heapq.heappush(self._deadlines, (pin.deadline_s, next(self._sequence), entry))
+        return pin.count == 1
+
+    def unpin(self, entry: Entry) -> bool:
+        """Drop one pin; returns True if the entry is no longer pinned."""
+        pin = self._pins.get(entry)
+        if pin is None:
+            return False
+        pin.count -= 1
+        if pin.count > 0:
+            return False
+        del self._pins[entry]
+        return True
+
+    def entries(self) -> list[Entry]:
+        """Every pinned entry."""
+        return list(self._pins)
+
+    def forget(self, entry: Entry) -> None:
+        """Drop every pin of an entry that is going away."""
+        self._pins.pop(entry, None)
+
+    def pop_expired(self) -> list[Entry]:
+        """Entries whose pins all ran out; they are no longer pinned."""
+        now = self._clock()
+        expired: list[Entry] = []
+        while self._deadlines and self._deadlines[0][0] <= now:
+            _deadline, _, entry = heapq.heappop(self._deadlines)
+            pin = self._pins.get(entry)
+            if pin is not None and pin.deadline_s <= now:
+                del self._pins[entry]
+                expired.append(entry)
+        return expired

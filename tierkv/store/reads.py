@@ -1,0 +1,191 @@
+"""The read path: ``get_into``, promotion on read, and ``prefetch``.
+
+Decisions:
+1. A get pins (``readers``) every block it will copy, under the lock, then copies without it;
+   pages of a block being read are never freed or reused until the copy is done.
+2. It returns the longest leading run that was copied intact: a block whose disk record fails
+   its checks ends the run there (and is dropped and counted), it never comes back as data.
+3. Blocks served from a lower tier are promoted one tier up in the background.
+"""
+
+from __future__ import annotations
+
+import logging
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+
+from tierkv.config import Tier
+from tierkv.store.core import StoreCore
+from tierkv.store.ledger import DOOMED, Entry, NamespaceState, PagedLedger
+from tierkv.store.validation import check_out
+
+log = logging.getLogger(__name__)
+
+# (index in the request, entry, tier it is read from)
+Planned = tuple[int, Entry, Tier]
+
+
+class Reader:
+    """Reads for a ``TieredStore``."""
+
+    def __init__(self, core: StoreCore, executor: ThreadPoolExecutor) -> None:
+        self.core = core
+        self._executor = executor
+
+    def get_into(self, state: NamespaceState, keys: list[bytes], out: torch.Tensor) -> int:
+        """See ``TieredStore.get_into``."""
+        flat = check_out(state.namespace.layout, out, len(keys))
+        plan = self._plan_reads(state, keys)
+        num_ok = 0
+        try:
+            num_ok = self._copy_out(plan, state.block_bytes, flat)
+        finally:
+            with self.core.lock:
+                for _, entry, _ in plan:
+                    self.core.release_reader_locked(entry)
+        if self.core.config.promote_on_read:
+            self._promote_later(plan[:num_ok])
+        return num_ok
+
+    def _plan_reads(self, state: NamespaceState, keys: list[bytes]) -> list[Planned]:
+        core = self.core
+        plan: list[Planned] = []
+        with core.lock:
+            core.counters.gets += 1
+            for index, key in enumerate(keys):
+                entry = state.blocks.get(key)
+                tier = entry.top_tier() if entry is not None else None
+                for other, ledger in core.ledgers.items():
+                    if tier is None or other < tier:
+                        ledger.counters.misses += 1
+                if entry is None or tier is None:
+                    break
+                core.ledgers[tier].counters.hits += 1
+                entry.readers += 1
+                plan.append((index, entry, tier))
+            for _, entry, _ in reversed(plan):  # tail first: the head ends most recently used
+                core.touch_locked(entry)
+        return plan
+
+    def _copy_out(self, plan: list[Planned], block_bytes: int, flat: torch.Tensor) -> int:
+        core = self.core
+        for tier, ledger in core.paged.items():
+            batch = [(index, entry) for index, entry, t in plan if t is tier]
+            if batch:
+                self._copy_from_pages(ledger, batch, block_bytes, flat)
+        return self._copy_from_disk(plan, block_bytes, flat)
+
+    def _copy_from_disk(self, plan: list[Planned], block_bytes: int, flat: torch.Tensor) -> int:
+        """Disk reads of ``plan``; returns the length of the leading run that is intact."""
+        core = self.core
+        reads: list[tuple[int, Entry, torch.Tensor, torch.Tensor]] = []
+        for index, entry, tier in plan:
+            if tier is Tier.DISK:
+                target = flat[index * block_bytes : (index + 1) * block_bytes]
+                staging = target if target.device.type == "cpu" else torch.empty(
+                    block_bytes, dtype=torch.uint8)
+                reads.append((index, entry, target, staging))
+        if not reads:
+            return len(plan)
+        ok = core.read_disk([(entry, staging.numpy()) for _, entry, _, staging in reads])
+        num_ok = len(plan)
+        for (index, _, target, staging), good in zip(reads, ok, strict=True):
+            if not good:
+                num_ok = min(num_ok, index)
+            elif staging is not target and index < num_ok:
+                core.engine.copy(
+                    lambda nb, t=target, s=staging: t.copy_(s, non_blocking=nb),  # type: ignore[misc]
+                    target.device, staging.device,
+                )
+        return num_ok
+
+    def _copy_from_pages(
+        self, ledger: PagedLedger, batch: list[tuple[int, Entry]], block_bytes: int,
+        flat: torch.Tensor,
+    ) -> None:
+        slab = ledger.slab
+        locations = []
+        for _, entry in batch:
+            node = entry.residency(ledger.tier)
+            assert node is not None
+            locations.append(node.location)
+        spans = slab.plan(locations, block_bytes, [index for index, _ in batch])
+        self.core.engine.copy(lambda nb: slab.read(spans, flat, nb), flat.device, slab.device)
+
+    # --- promotion ------------------------------------------------------------------------
+
+    def _promote_later(self, served: list[Planned]) -> None:
+        by_source: dict[Tier, list[Entry]] = {}
+        for _, entry, tier in served:
+            if self._tier_above(tier) is not None:
+                by_source.setdefault(tier, []).append(entry)
+        for source, entries in by_source.items():
+            destination = self._tier_above(source)
+            assert destination is not None
+            try:
+                self._executor.submit(self._promote, entries, source, destination)
+            except RuntimeError:  # the store is closing: promotion is only an optimisation
+                return
+
+    def _tier_above(self, tier: Tier) -> Tier | None:
+        for upper in reversed(Tier):
+            if upper < tier and upper in self.core.paged:
+                return upper
+        return None
+
+    def _promote(self, entries: list[Entry], source: Tier, destination: Tier) -> int:
+        core = self.core
+        with core.lock:
+            todo = [
+                e for e in entries
+                if e.priority != DOOMED and e.residency(source) is not None
+                and e.residency(destination) is None
+            ]
+            # Promote only what the tier can hold at all, head of the chain first.
+            ledger = core.paged[destination]
+            room = ledger.allocator.num_pages
+            fitting: list[Entry] = []
+            for entry in todo:
+                room -= ledger.pages_for(entry.ns.block_bytes)
+                if room < 0:
+                    break
+                fitting.append(entry)
+            todo = fitting
+            for entry in todo:
+                entry.readers += 1
+        try:
+            return len(core.copy_between(todo, source, destination)) if todo else 0
+        except Exception:
+            # Background work has no caller to raise to; log it with its traceback.
+            log.exception("promoting %d blocks %s -> %s failed", len(todo), source.label,
+                          destination.label)
+            return 0
+        finally:
+            with core.lock:
+                for entry in todo:
+                    core.release_reader_locked(entry)
+
+    def prefetch(self, state: NamespaceState, keys: list[bytes], tier: Tier) -> int:
+        """See ``TieredStore.prefetch``."""
+        core = self.core
+        by_source: dict[Tier, list[Entry]] = {}
+        with core.lock:
+            for key in keys:
+                entry = state.blocks.get(key)
+                top = entry.top_tier() if entry is not None else None
+                if entry is None or top is None:
+                    break
+                if top > tier:
+                    by_source.setdefault(top, []).append(entry)
+        for source, entries in by_source.items():
+            self._promote(entries, source, tier)
+        num_ready = 0
+        with core.lock:
+            for key in keys:
+                entry = state.blocks.get(key)
+                top = entry.top_tier() if entry is not None else None
+                if top is None or top > tier:
+                    break
+                num_ready += 1
+        return num_ready

@@ -1,0 +1,89 @@
+"""Rebuilding the index from the DISK tier when a store opens.
+
+Only keys and record sizes are scanned (no payload is read); every record is still verified when
+it is first read. Records of unknown namespaces or of the wrong size are deleted. If the disk
+holds more than the configured budget (it was lowered), the surplus is dropped.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import msgpack
+
+from tierkv.config import Priority, Tier
+from tierkv.keys import NAMESPACE_ID_BYTES, Namespace
+from tierkv.layout import KVLayout
+from tierkv.store.core import StoreCore
+from tierkv.store.ledger import Entry, NamespaceState
+from tierkv.tiers.records import record_size
+
+log = logging.getLogger(__name__)
+
+
+def namespace_descriptor(namespace: Namespace) -> bytes:
+    """What is stored about a namespace so that a reopened store knows its layout."""
+    layout = namespace.layout
+    packed: bytes = msgpack.packb(
+        {
+            "model_id": namespace.model_id,
+            "layout": [layout.num_layers, layout.num_kv_heads, layout.head_dim,
+                       layout.block_size, layout.dtype.value],
+            "tp": [namespace.tp_rank, namespace.tp_size],
+            "tenant": namespace.tenant,
+        }
+    )
+    return packed
+
+
+def namespace_from_descriptor(data: bytes) -> Namespace:
+    """Inverse of ``namespace_descriptor``."""
+    fields = msgpack.unpackb(data)
+    num_layers, num_kv_heads, head_dim, block_size, dtype = fields["layout"]
+    layout = KVLayout(num_layers, num_kv_heads, head_dim, block_size, dtype)
+    tp_rank, tp_size = fields["tp"]
+    return Namespace(fields["model_id"], layout, tp_rank, tp_size, fields["tenant"])
+
+
+def namespace_state(namespace: Namespace) -> NamespaceState:
+    """A fresh state with the namespace's record size."""
+    record_bytes = record_size(
+        bytes(48), namespace.layout.fingerprint, namespace.layout.bytes_per_block
+    )
+    return NamespaceState(namespace, record_bytes)
+
+
+def recover(core: StoreCore) -> int:
+    """Load namespaces and block keys from disk into ``core``; returns the blocks recovered."""
+    disk, ledger = core.disk, core.disk_ledger
+    if disk is None or ledger is None:
+        return 0
+    for ns_id, data in disk.load_namespaces().items():
+        try:
+            namespace = namespace_from_descriptor(data)
+        except (ValueError, KeyError, TypeError) as exc:
+            log.warning("unreadable namespace descriptor %s: %s", ns_id.hex(), exc)
+            continue
+        if namespace.id == ns_id:
+            core.namespaces[ns_id] = namespace_state(namespace)
+    num_recovered = 0
+    surplus: list[bytes] = []
+    with core.lock:
+        for raw_key, size in disk.scan_blocks():
+            state = core.namespaces.get(raw_key[:NAMESPACE_ID_BYTES])
+            if state is None or size != state.record_bytes or len(raw_key) != 48:
+                surplus.append(raw_key)
+                continue
+            if not ledger.try_reserve_bytes(size):
+                surplus.append(raw_key)
+                continue
+            block_hash = raw_key[NAMESPACE_ID_BYTES:]
+            entry = Entry(block_hash, state, Priority.NORMAL)
+            state.blocks[block_hash] = entry
+            core.link_locked(entry, Tier.DISK, 0)
+            num_recovered += 1
+        if surplus:
+            log.warning("dropping %d disk records (unknown, wrong size or over budget)", len(surplus))
+            core.queue_deletes_locked(surplus)
+    core.flush_deletes()
+    return num_recovered

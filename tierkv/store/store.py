@@ -1,0 +1,340 @@
+"""``TieredStore``: the embedded, in-process store (the server wraps one of these).
+
+Contract (the first rule of the design): a hit returns exactly the bytes stored under that key,
+or is a miss; never anything else. A put is acknowledged only once its blocks are stored (and,
+``write_through``, durable on disk); bad input raises before anything is stored.
+
+Thread safety: every method may be called from any number of threads at once. The ``a*``
+coroutines run the blocking work on the store's worker threads and never block the event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, ParamSpec, TypeVar
+
+import torch
+
+from tierkv.config import Priority, StoreConfig, Tier, WritePolicy
+from tierkv.errors import ConfigError, InvalidArgumentError, StoreClosedError, UnknownNamespaceError
+from tierkv.keys import Namespace
+from tierkv.store import recovery
+from tierkv.store.core import StoreCore
+from tierkv.store.ledger import NamespaceState, PagedLedger
+from tierkv.store.reads import Reader
+from tierkv.store.stats import StoreStats, TierStats
+from tierkv.store.validation import check_blocks, check_hashes, check_lookup_hashes, check_ttl
+from tierkv.store.writes import Writer
+from tierkv.tiers.disk import DiskTier
+from tierkv.tiers.gpu import DeviceSlab
+from tierkv.tiers.host import HostSlab
+
+log = logging.getLogger(__name__)
+P = ParamSpec("P")
+R = TypeVar("R")
+
+
+class TieredStore:
+    """KV blocks across GPU, HOST and DISK tiers, keyed by ``(namespace, block hash)``.
+
+    Open it with a ``StoreConfig``; with a disk tier, blocks written there by an earlier process
+    (``write_through``, or flushed at close) are served again. Close it (or use ``with``) to
+    flush HOST-only blocks to disk and release the shared-memory slab.
+    """
+
+    def __init__(
+        self,
+        config: StoreConfig,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        show_progress: bool = False,
+    ) -> None:
+        self.config = config
+        self._closed = False
+        self._host = HostSlab(config.host, show_progress)
+        self._gpu: DeviceSlab | None = None
+        self._disk: DiskTier | None = None
+        try:
+            paged = {Tier.HOST: PagedLedger(Tier.HOST, self._host)}
+            if config.gpu.enabled:
+                self._gpu = DeviceSlab(config.gpu)
+                paged[Tier.GPU] = PagedLedger(Tier.GPU, self._gpu)
+            if config.disk is not None:
+                self._disk = DiskTier(config.disk)
+            self._core = StoreCore(config, paged, self._disk, clock)
+            self.num_recovered_blocks = recovery.recover(self._core)
+        except BaseException:
+            self._release_resources()
+            raise
+        self._executor = ThreadPoolExecutor(config.num_workers, "tierkv-store")
+        self._reader = Reader(self._core, self._executor)
+        self._writer = Writer(self._core)
+
+    # --- namespaces -----------------------------------------------------------------------
+
+    def register(self, namespace: Namespace) -> None:
+        """Make ``namespace`` usable (idempotent). With a disk tier its descriptor is stored, so
+        a reopened store knows it. Raises ``ConfigError`` if one block does not fit a tier."""
+        self._check_open()
+        state = recovery.namespace_state(namespace)
+        for ledger in self._core.ledgers.values():
+            size = state.record_bytes if ledger.tier is Tier.DISK else state.block_bytes
+            if not ledger.fits(size):
+                raise ConfigError(
+                    f"{ledger.tier.label} tier budget ({ledger.capacity_bytes} B) is smaller than "
+                    f"one block of {namespace.model_id} ({size} B); raise the "
+                    f"--{ledger.tier.label}-bytes budget"
+                )
+        with self._core.lock:
+            if namespace.id in self._core.namespaces:
+                return
+            self._core.namespaces[namespace.id] = state
+            job = None
+            if self._core.disk is not None:
+                descriptor = recovery.namespace_descriptor(namespace)
+                job = self._core.submit_disk_locked(namespace_puts=[(namespace.id, descriptor)])
+        if job is not None:
+            job.future.result()
+
+    def _state(self, namespace: Namespace) -> NamespaceState:
+        self._check_open()
+        if not isinstance(namespace, Namespace):
+            raise InvalidArgumentError(f"namespace must be a Namespace, got {type(namespace).__name__}")
+        state = self._core.namespaces.get(namespace.id)
+        if state is None:
+            raise UnknownNamespaceError(
+                f"namespace {namespace.model_id!r} (tenant {namespace.tenant!r}, tp "
+                f"{namespace.tp_rank}/{namespace.tp_size}) is not registered; call "
+                "store.register(namespace) first"
+            )
+        return state
+
+    # --- the block API --------------------------------------------------------------------
+
+    def put(
+        self,
+        namespace: Namespace,
+        hashes: Sequence[bytes],
+        blocks: torch.Tensor,
+        *,
+        priority: Priority = Priority.NORMAL,
+        write_policy: WritePolicy | None = None,
+        tier: Tier | None = None,
+    ) -> int:
+        """Store ``blocks`` (``[n, *layout.block_shape]``) under ``hashes`` (n of them).
+
+        Goes to ``tier`` (default: GPU for a CUDA tensor when the GPU tier is on, else HOST);
+        ``write_through`` also writes DISK before returning. Keys already there keep their one
+        copy (put is idempotent). Returns the number of blocks newly stored in ``tier``. Raises
+        ``CapacityError`` when they do not fit even after eviction; nothing is then stored.
+        """
+        state = self._state(namespace)
+        keys = check_hashes(hashes)
+        flat = check_blocks(state.namespace.layout, blocks, len(keys))
+        policy = write_policy or self.config.write_policy
+        target = tier if tier is not None else self._default_tier(flat)
+        if target not in self._core.ledgers:
+            raise ConfigError(f"put: the {target.label} tier is not configured")
+        if policy is WritePolicy.WRITE_THROUGH and self._core.disk is None:
+            raise ConfigError("put: write_through needs a disk tier (--disk-path)")
+        stored = self._writer.put(state, keys, flat, Priority(priority), policy, target)
+        self._core.counters.puts += 1
+        return stored
+
+    def _default_tier(self, flat: torch.Tensor) -> Tier:
+        return Tier.GPU if flat.is_cuda and Tier.GPU in self._core.paged else Tier.HOST
+
+    def lookup(self, namespace: Namespace, hashes: Sequence[bytes]) -> int:
+        """How many leading ``hashes`` are stored in some tier (a prefix-cache match)."""
+        state = self._state(namespace)
+        check_lookup_hashes(hashes)
+        blocks = state.blocks
+        num_found = 0
+        with self._core.lock:
+            for block_hash in hashes:
+                if block_hash not in blocks:
+                    break
+                num_found += 1
+        return num_found
+
+    def get_into(self, namespace: Namespace, hashes: Sequence[bytes], out: torch.Tensor) -> int:
+        """Copy the leading stored blocks of ``hashes`` into ``out[:k]``; returns ``k``.
+
+        ``out`` is ``[>= n, *block_shape]`` of the layout's dtype, on the CPU or a CUDA device,
+        contiguous; reuse it across calls for speed. Rows past ``k`` are unspecified.
+        """
+        state = self._state(namespace)
+        keys = check_hashes(hashes)
+        return self._reader.get_into(state, keys, out)
+
+    def get(
+        self, namespace: Namespace, hashes: Sequence[bytes], device: str | torch.device = "cpu"
+    ) -> torch.Tensor:
+        """The leading stored blocks of ``hashes``, as a new ``[k, *block_shape]`` tensor."""
+        state = self._state(namespace)
+        layout = state.namespace.layout
+        out = torch.empty((len(hashes), *layout.block_shape), dtype=layout.torch_dtype, device=device)
+        return out[: self.get_into(namespace, hashes, out)]
+
+    def prefetch(
+        self, namespace: Namespace, hashes: Sequence[bytes], tier: Tier = Tier.HOST
+    ) -> Future[int]:
+        """Bring the leading stored blocks of ``hashes`` up into ``tier`` in the background;
+        the future gives how many leading blocks are then in ``tier`` or above."""
+        state = self._state(namespace)
+        keys = check_hashes(hashes)
+        if tier not in self._core.paged:
+            raise ConfigError(f"prefetch: the {tier.label} tier is not configured")
+        return self._executor.submit(self._reader.prefetch, state, keys, tier)
+
+    def pin(self, namespace: Namespace, hashes: Sequence[bytes], ttl_s: float | None = None) -> int:
+        """Keep the leading stored blocks of ``hashes`` from eviction until ``unpin`` (or for
+        ``ttl_s`` seconds). Returns how many were pinned."""
+        state = self._state(namespace)
+        keys = check_hashes(hashes)
+        ttl = check_ttl(ttl_s)
+        core = self._core
+        num_pinned = 0
+        with core.lock:
+            for key in keys:
+                entry = state.blocks.get(key)
+                if entry is None:
+                    break
+                if core.pins.pin(entry, ttl):
+                    core.unlink_all_locked(entry)
+                num_pinned += 1
+        return num_pinned
+
+    def unpin(self, namespace: Namespace, hashes: Sequence[bytes]) -> int:
+        """Drop one pin from each stored block of ``hashes``; returns how many were pinned."""
+        state = self._state(namespace)
+        keys = check_hashes(hashes)
+        core = self._core
+        num_unpinned = 0
+        with core.lock:
+            for key in keys:
+                entry = state.blocks.get(key)
+                if entry is None or entry not in core.pins:
+                    continue
+                num_unpinned += 1
+                if core.pins.unpin(entry):
+                    core.relink_locked(entry)
+        return num_unpinned
+
+    def delete(self, namespace: Namespace, hashes: Sequence[bytes]) -> int:
+        """Remove the blocks of ``hashes`` from every tier (disk deletes are durable on return);
+        returns how many were stored."""
+        state = self._state(namespace)
+        keys = check_hashes(hashes)
+        num_deleted = 0
+        with self._core.lock:
+            for key in keys:
+                entry = state.blocks.get(key)
+                if entry is not None:
+                    self._core.doom_locked(entry)
+                    num_deleted += 1
+        self._core.flush_deletes()
+        return num_deleted
+
+    def stats(self) -> StoreStats:
+        """A consistent snapshot of every tier's bytes, blocks and counters."""
+        self._check_open()
+        core = self._core
+        with core.lock:
+            tiers = {
+                tier: TierStats(
+                    tier, ledger.capacity_bytes, ledger.used_bytes, ledger.num_blocks,
+                    ledger.counters.hits, ledger.counters.misses, ledger.counters.evictions,
+                    ledger.counters.promotions_in, ledger.counters.demotions_in,
+                )
+                for tier, ledger in sorted(core.ledgers.items())
+            }
+            c = core.counters
+            return StoreStats(
+                tiers, len(core.namespaces), len(core.pins), c.promotions, c.demotions,
+                c.failed_demotions, c.checksum_failures, c.puts, c.gets,
+            )
+
+    @property
+    def host_shm_name(self) -> str:
+        """Name of the HOST slab's shared-memory segment (for same-host clients)."""
+        return self._host.shm_name
+
+    # --- async variants -------------------------------------------------------------------
+
+    def _submit(self, fn: Callable[P, R], *args: P.args, **kwargs: P.kwargs) -> Future[R]:
+        self._check_open()
+        return self._executor.submit(fn, *args, **kwargs)
+
+    def put_async(self, *args: Any, **kwargs: Any) -> Future[int]:
+        """``put`` on a worker thread."""
+        return self._submit(self.put, *args, **kwargs)
+
+    def get_async(self, *args: Any, **kwargs: Any) -> Future[torch.Tensor]:
+        """``get`` on a worker thread."""
+        return self._submit(self.get, *args, **kwargs)
+
+    def get_into_async(self, *args: Any, **kwargs: Any) -> Future[int]:
+        """``get_into`` on a worker thread."""
+        return self._submit(self.get_into, *args, **kwargs)
+
+    async def aput(self, *args: Any, **kwargs: Any) -> int:
+        """``put`` without blocking the event loop."""
+        return await asyncio.wrap_future(self.put_async(*args, **kwargs))
+
+    async def aget(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        """``get`` without blocking the event loop."""
+        return await asyncio.wrap_future(self.get_async(*args, **kwargs))
+
+    async def aget_into(self, *args: Any, **kwargs: Any) -> int:
+        """``get_into`` without blocking the event loop."""
+        return await asyncio.wrap_future(self.get_into_async(*args, **kwargs))
+
+    async def aprefetch(self, *args: Any, **kwargs: Any) -> int:
+        """``prefetch``, awaited."""
+        return await asyncio.wrap_future(self.prefetch(*args, **kwargs))
+
+    async def alookup(self, *args: Any, **kwargs: Any) -> int:
+        """``lookup`` on a worker thread (it takes the store lock)."""
+        return await asyncio.wrap_future(self._submit(self.lookup, *args, **kwargs))
+
+    # --- lifecycle ------------------------------------------------------------------------
+
+    def flush(self) -> int:
+        """Write every block that is only in GPU/HOST to DISK; returns how many were written."""
+        self._check_open()
+        return self._writer.flush_to_disk()
+
+    def close(self, flush: bool = True) -> None:
+        """Stop accepting calls, finish background work, optionally ``flush``, release the tiers.
+        Idempotent."""
+        if self._closed:
+            return
+        try:
+            self._executor.shutdown(wait=True)
+            if flush and self._disk is not None:
+                self._writer.flush_to_disk()
+        finally:
+            self._closed = True
+            self._release_resources()
+
+    def _release_resources(self) -> None:
+        if self._disk is not None:
+            self._disk.close()
+        if self._gpu is not None:
+            self._gpu.close()
+        self._host.close()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise StoreClosedError("the store is closed")
+
+    def __enter__(self) -> TieredStore:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()

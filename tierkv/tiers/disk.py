@@ -1,0 +1,229 @@
+"""DISK tier: checksummed block records in LMDB, written by one dedicated thread.
+
+The tier only moves bytes: the store decides which records to write and delete and when. Writes
+are queued to the writer thread, which commits queued jobs together (group commit: one fsync for
+many puts) and resolves each job's future once its transaction is durable. Reads run on the
+caller's thread (or the tier's reader threads) inside a read transaction and copy the payload
+straight out of LMDB's map.
+
+Decisions (each from a failure seen in LMDB users):
+1. Never ``writemap``: with it a full disk is a SIGBUS; without it, a write error we can report.
+2. The map size is fixed at open and never changed while transactions may be open.
+3. ``reader_check()`` at open reclaims reader slots left by a process killed with SIGKILL.
+4. Read transactions are short (one batch), so that LMDB can reuse freed pages.
+5. The environment belongs to the process that opened it; use after ``fork`` is refused.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import queue
+import threading
+from collections.abc import Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import lmdb
+import numpy as np
+
+from tierkv.config import DiskTierConfig, MiB
+from tierkv.errors import ConfigError, DiskFullError, TierKVError
+from tierkv.tiers.records import RecordStatus, checksum, verify_header
+
+log = logging.getLogger(__name__)
+
+# Jobs committed in one transaction until their records reach this size.
+_GROUP_COMMIT_BYTES = 256 * MiB
+
+
+@dataclass(slots=True)
+class DiskWrite:
+    """One atomic change: records to put and keys to delete, in the blocks and namespace DBs."""
+
+    block_puts: Sequence[tuple[bytes, bytes | bytearray]] = ()
+    block_deletes: Sequence[bytes] = ()
+    namespace_puts: Sequence[tuple[bytes, bytes]] = ()
+    future: Future[None] = field(default_factory=Future)
+
+    @property
+    def num_bytes(self) -> int:
+        """Bytes this job writes."""
+        return sum(len(value) for _, value in self.block_puts)
+
+
+class DiskTier:
+    """An LMDB environment at ``config.path`` with its writer thread and reader threads."""
+
+    def __init__(self, config: DiskTierConfig) -> None:
+        self.config = config
+        try:
+            config.path.mkdir(parents=True, exist_ok=True)
+            self._env = lmdb.open(
+                str(config.path),
+                map_size=config.map_size_bytes,
+                max_dbs=4,
+                max_readers=1024,
+                writemap=False,
+                meminit=False,
+                lock=True,
+            )
+        except (OSError, lmdb.Error) as exc:
+            raise ConfigError(f"disk path: cannot open an LMDB store at {config.path}: {exc}") from exc
+        self._pid = os.getpid()
+        self._env.reader_check()
+        self._blocks = self._env.open_db(b"blocks")
+        self._namespaces = self._env.open_db(b"namespaces")
+        self._queue: queue.SimpleQueue[DiskWrite | None] = queue.SimpleQueue()
+        self._writer = threading.Thread(target=self._write_loop, name="tierkv-disk-writer", daemon=True)
+        self._writer.start()
+        self.readers = ThreadPoolExecutor(config.num_reader_threads, "tierkv-disk-read")
+        self._closed = False
+
+    # --- recovery -----------------------------------------------------------------------------
+
+    def scan_blocks(self) -> Iterator[tuple[bytes, int]]:
+        """Every stored block key with its record size, in key order (no payload is read)."""
+        self._check_process()
+        with self._env.begin(db=self._blocks, buffers=True) as txn:
+            for key, value in txn.cursor():
+                yield bytes(key), len(value)
+
+    def load_namespaces(self) -> dict[bytes, bytes]:
+        """Every namespace descriptor that was stored, by namespace id."""
+        self._check_process()
+        with self._env.begin(db=self._namespaces) as txn:
+            return {bytes(key): bytes(value) for key, value in txn.cursor()}
+
+    # --- writes -------------------------------------------------------------------------------
+
+    def submit(self, job: DiskWrite) -> Future[None]:
+        """Queue ``job``; its future resolves once it is committed and synced, or fails with
+        ``DiskFullError`` (map or disk full) or ``TierKVError``, having changed nothing."""
+        self._check_process()
+        if self._closed:
+            job.future.set_exception(TierKVError("the disk tier is closed"))
+        else:
+            self._queue.put(job)
+        return job.future
+
+    def _write_loop(self) -> None:
+        stopping = False
+        while not stopping:
+            job = self._queue.get()
+            if job is None:
+                break
+            batch, num_bytes = [job], job.num_bytes
+            while num_bytes < _GROUP_COMMIT_BYTES:
+                try:
+                    following = self._queue.get_nowait()
+                except queue.Empty:
+                    break
+                if following is None:
+                    stopping = True
+                    break
+                batch.append(following)
+                num_bytes += following.num_bytes
+            self._commit_group(batch)
+
+    def _commit_group(self, batch: list[DiskWrite]) -> None:
+        try:
+            self._commit(batch)
+        except (lmdb.Error, OSError) as exc:
+            if len(batch) == 1:
+                batch[0].future.set_exception(_disk_error(exc))
+                return
+            # One job may be the one that does not fit; give every job its own chance.
+            for job in batch:
+                try:
+                    self._commit([job])
+                except (lmdb.Error, OSError) as single_exc:
+                    job.future.set_exception(_disk_error(single_exc))
+                else:
+                    job.future.set_result(None)
+            return
+        for job in batch:
+            job.future.set_result(None)
+
+    def _commit(self, batch: list[DiskWrite]) -> None:
+        with self._env.begin(write=True) as txn:
+            for job in batch:
+                for key in job.block_deletes:
+                    txn.delete(key, db=self._blocks)
+                for key, value in job.block_puts:
+                    txn.put(key, value, db=self._blocks)
+                for key, value in job.namespace_puts:
+                    txn.put(key, value, db=self._namespaces)
+
+    # --- reads --------------------------------------------------------------------------------
+
+    def read_into(
+        self,
+        requests: Sequence[tuple[bytes, np.ndarray]],
+        fingerprint: str,
+        payload_bytes: int,
+    ) -> list[RecordStatus]:
+        """Copy the verified payload of each ``(raw_key, destination)`` into its destination
+        (flat uint8), in one read transaction; one status per request.
+
+        ``MISSING``: no record. ``CORRUPT``: the record failed a check; its destination may then
+        hold garbage and must not be used.
+        """
+        self._check_process()
+        statuses: list[RecordStatus] = []
+        try:
+            with self._env.begin(db=self._blocks, buffers=True) as txn:
+                for raw_key, destination in requests:
+                    statuses.append(self._read_one(txn, raw_key, fingerprint, payload_bytes,
+                                                   destination))
+        except lmdb.Error as exc:
+            log.error("LMDB read of a block failed: %s", exc)
+            statuses.extend([RecordStatus.CORRUPT] * (len(requests) - len(statuses)))
+        return statuses
+
+    @staticmethod
+    def _read_one(
+        txn: lmdb.Transaction, raw_key: bytes, fingerprint: str, payload_bytes: int,
+        destination: np.ndarray,
+    ) -> RecordStatus:
+        value = txn.get(raw_key)
+        if value is None:
+            return RecordStatus.MISSING
+        value = memoryview(value)
+        verified = verify_header(value, raw_key, fingerprint, payload_bytes)
+        if verified is None:
+            return RecordStatus.CORRUPT
+        payload, expected = verified
+        # Copy first, then checksum the copy: it is hot in cache, the map is not.
+        np.copyto(destination, np.frombuffer(payload, np.uint8))
+        if checksum(destination) != expected:
+            return RecordStatus.CORRUPT
+        return RecordStatus.OK
+
+    # --- lifecycle ----------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Finish queued writes, sync and close. Idempotent."""
+        if self._closed or os.getpid() != self._pid:
+            return
+        self._closed = True
+        self._queue.put(None)
+        self._writer.join()
+        self.readers.shutdown(wait=True)
+        self._env.sync(True)
+        self._env.close()
+
+    def _check_process(self) -> None:
+        if os.getpid() != self._pid:
+            raise TierKVError("an LMDB environment cannot be used across fork(); open the store in the child")
+
+
+def _disk_error(exc: BaseException) -> TierKVError:
+    if isinstance(exc, lmdb.MapFullError):
+        return DiskFullError(
+            "disk: LMDB map is full; raise --disk-bytes (the map is sized from it) or free blocks"
+        )
+    if getattr(exc, "errno", None) == errno.ENOSPC or "No space left" in str(exc):
+        return DiskFullError(f"disk: no space left on the device: {exc}")
+    return TierKVError(f"disk write failed: {exc}")

@@ -1,0 +1,95 @@
+"""A paged slab: one flat uint8 tensor cut into fixed pages (the GPU and HOST tiers).
+
+The slab copies whole blocks between itself and a caller's buffer. Copies of blocks whose pages
+and buffer bytes are both adjacent are merged, so a batch placed in one run of pages moves in one
+copy.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from tierkv.paging import Location, iter_extents
+
+# (slab byte offset, buffer byte offset, length)
+CopySpan = tuple[int, int, int]
+
+
+class PagedSlab:
+    """``num_pages`` pages of ``page_bytes`` bytes in ``tensor`` (1-D uint8, on any device)."""
+
+    def __init__(self, tensor: torch.Tensor, page_bytes: int) -> None:
+        assert tensor.dtype == torch.uint8 and tensor.dim() == 1
+        self.tensor = tensor
+        self.page_bytes = page_bytes
+        self.num_pages = tensor.numel() // page_bytes
+        self.capacity_bytes = self.num_pages * page_bytes
+
+    @property
+    def device(self) -> torch.device:
+        """Where the slab lives."""
+        return self.tensor.device
+
+    def pages_for(self, num_bytes: int) -> int:
+        """Pages needed to hold ``num_bytes``."""
+        return -(-num_bytes // self.page_bytes)
+
+    def plan(
+        self,
+        locations: Sequence[Location],
+        block_bytes: int,
+        buffer_indices: Sequence[int] | None = None,
+    ) -> list[CopySpan]:
+        """Merged copy spans between the slab and a buffer of blocks laid back to back.
+
+        Block ``i`` of ``locations`` pairs with the buffer's block ``buffer_indices[i]``
+        (default ``i``).
+        """
+        spans: list[CopySpan] = []
+        page = self.page_bytes
+        for index, location in enumerate(locations):
+            slot = index if buffer_indices is None else buffer_indices[index]
+            buffer_offset = slot * block_bytes
+            remaining = block_bytes
+            for start, count in iter_extents(location):
+                length = min(remaining, count * page)
+                slab_offset = start * page
+                if spans:
+                    last_slab, last_buf, last_len = spans[-1]
+                    if last_slab + last_len == slab_offset and last_buf + last_len == buffer_offset:
+                        spans[-1] = (last_slab, last_buf, last_len + length)
+                        buffer_offset += length
+                        remaining -= length
+                        continue
+                spans.append((slab_offset, buffer_offset, length))
+                buffer_offset += length
+                remaining -= length
+        return spans
+
+    def write(self, spans: Sequence[CopySpan], source: torch.Tensor, non_blocking: bool) -> None:
+        """Copy ``source`` (flat uint8) into the slab along ``spans``."""
+        for slab_offset, buffer_offset, length in spans:
+            self.tensor[slab_offset : slab_offset + length].copy_(
+                source[buffer_offset : buffer_offset + length], non_blocking=non_blocking
+            )
+
+    def read(self, spans: Sequence[CopySpan], destination: torch.Tensor, non_blocking: bool) -> None:
+        """Copy from the slab along ``spans`` into ``destination`` (flat uint8)."""
+        for slab_offset, buffer_offset, length in spans:
+            destination[buffer_offset : buffer_offset + length].copy_(
+                self.tensor[slab_offset : slab_offset + length], non_blocking=non_blocking
+            )
+
+    def view(self, location: Location, block_bytes: int) -> torch.Tensor | None:
+        """The block's bytes as one slab view when its pages are adjacent, else None."""
+        if not isinstance(location, int):
+            return None
+        ((start, _),) = iter_extents(location)
+        offset = start * self.page_bytes
+        return self.tensor[offset : offset + block_bytes]
+
+    def close(self) -> None:
+        """Release the slab's memory (subclasses release what they mapped)."""
+        self.tensor = torch.empty(0, dtype=torch.uint8)
