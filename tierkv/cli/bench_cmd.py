@@ -30,6 +30,26 @@ def register(subparsers: Any) -> None:
     store.add_argument("--plot", type=Path, nargs="?", const=Path("bench-out/store.png"),
                        default=None, help="also write a PNG bar chart")
     store.set_defaults(func=run_store)
+    gpu = targets.add_parser("gpu", help="CUDA copies through the store vs raw pinned copies")
+    gpu.add_argument("--repeats", type=int, default=5)
+    gpu.add_argument("--json", type=Path, default=Path("bench-out/gpu.json"))
+    gpu.set_defaults(func=run_gpu)
+
+
+def run_gpu(args: argparse.Namespace) -> int:
+    """Run ``bench gpu`` (needs CUDA)."""
+    import torch
+
+    from tierkv.bench.gpu_bench import bench_gpu
+    from tierkv.errors import ConfigError
+
+    if not torch.cuda.is_available():
+        raise ConfigError("bench gpu: CUDA is not available on this machine")
+    rows = bench_gpu(args.repeats, lambda message: print(message, flush=True))
+    print(format_table(rows))
+    save_json(rows, args.json, {"repeats": args.repeats, "device": torch.cuda.get_device_name()})
+    print(f"wrote {args.json}")
+    return 0
 
 
 def run_store(args: argparse.Namespace) -> int:

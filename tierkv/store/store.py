@@ -264,6 +264,11 @@ class TieredStore:
         """Name of the HOST slab's shared-memory segment (for same-host clients)."""
         return self._host.shm_name
 
+    @property
+    def host_pinned(self) -> bool:
+        """Whether the HOST slab is page-locked for CUDA copies (only when CUDA is present)."""
+        return self._host.pinned
+
     # --- async variants -------------------------------------------------------------------
 
     def _submit(self, fn: Callable[P, R], *args: P.args, **kwargs: P.kwargs) -> Future[R]:

@@ -50,6 +50,11 @@ class HostSlab(PagedSlab):
             self._prefault(show_progress and size_bytes >= _PROGRESS_FROM_BYTES)
         self._cuda_registered = _cuda_host_register(self.tensor)
 
+    @property
+    def pinned(self) -> bool:
+        """Whether the slab is registered with CUDA (page-locked)."""
+        return self._cuda_registered
+
     def _prefault(self, show_progress: bool) -> None:
         # First writes to fresh shared-memory pages are ~30x slower than rewrites; pay once here.
         assert self._array is not None

@@ -1,0 +1,57 @@
+"""``tierkv serve`` and ``tierkv bench store`` as a user runs them: real processes, real files."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tierkv.cli.main import main
+
+
+def test_serve_opens_reports_ready_and_stops_cleanly_on_sigterm(tmp_path: Path) -> None:
+    command = [
+        sys.executable, "-m", "tierkv", "serve", "--host-bytes", "16MiB",
+        "--disk-path", str(tmp_path / "disk"), "--disk-bytes", "64MiB", "--stats-interval-s", "0",
+    ]
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert process.stdout is not None
+        ready = json.loads(process.stdout.readline())
+        assert ready["ready"] is True
+        assert ready["tiers"] == {"host": "16.0 MiB", "disk": "64.0 MiB"}
+        assert Path(f"/dev/shm/{ready['host_shm_name']}").exists()
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=30) == 0
+    finally:
+        if process.poll() is None:
+            process.kill()
+    assert not Path(f"/dev/shm/{ready['host_shm_name']}").exists()
+    assert (tmp_path / "disk" / "data.mdb").exists()
+
+
+def test_serve_rejects_bad_sizes_with_the_flag_name(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["serve", "--host-bytes", "lots", "--no-disk"]) == 2
+    assert "--host-bytes" in capsys.readouterr().err
+
+
+def test_bench_store_writes_json_and_a_plot(tmp_path: Path) -> None:
+    out_json, out_png = tmp_path / "store.json", tmp_path / "store.png"
+    env = {**os.environ, "TQDM_DISABLE": "1"}
+    result = subprocess.run(
+        [sys.executable, "-m", "tierkv", "bench", "store", "--quick", "--only", "lookup", "hashing",
+         "--json", str(out_json), "--plot", str(out_png), "--work-dir", str(tmp_path)],
+        capture_output=True, text=True, timeout=300, env=env, check=True,
+    )
+    assert "lookup of 8192 hashes" in result.stdout
+    rows = json.loads(out_json.read_text())["rows"]
+    assert {row["metric"] for row in rows} == {
+        "lookup of 8192 hashes", "block_hashes of 131072 tokens"
+    }
+    assert all(row["ours"] > 0 for row in rows)
+    assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
