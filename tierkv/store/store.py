@@ -141,9 +141,7 @@ class TieredStore:
             raise ConfigError(f"put: the {target.label} tier is not configured")
         if policy is WritePolicy.WRITE_THROUGH and self._core.disk is None:
             raise ConfigError("put: write_through needs a disk tier (--disk-path)")
-        stored = self._writer.put(state, keys, flat, Priority(priority), policy, target)
-        self._core.counters.puts += 1
-        return stored
+        return self._writer.put(state, keys, flat, Priority(priority), policy, target)
 
     def _default_tier(self, flat: torch.Tensor) -> Tier:
         return Tier.GPU if flat.is_cuda and Tier.GPU in self._core.paged else Tier.HOST

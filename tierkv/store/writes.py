@@ -60,9 +60,10 @@ class Writer:
                     core.release_pages_locked(target, location)
             raise
         with core.lock:
-            entries = self._publish(state, keys, priority, target, new_indices, locations)
+            core.counters.puts += 1
+            self._publish(state, keys, priority, target, new_indices, locations)
             if disk_reserved:
-                entries.update(self._publish_disk(state, keys, priority, disk_indices))
+                self._publish_disk(state, keys, priority, disk_indices)
             touched = [state.blocks.get(key) for key in reversed(keys)]
             for entry in touched:
                 if entry is not None:
@@ -130,32 +131,26 @@ class Writer:
     def _publish(
         self, state: NamespaceState, keys: list[bytes], priority: Priority, target: Tier,
         indices: list[int], locations: list[Location],
-    ) -> set[Entry]:
+    ) -> None:
         core = self.core
-        published: set[Entry] = set()
         for index, location in zip(indices, locations, strict=True):
             entry = self._entry_locked(state, keys[index], priority)
             if entry.residency(target) is None:
                 core.link_locked(entry, target, location)
-                published.add(entry)
             else:  # a concurrent put of the same key won
                 core.release_pages_locked(target, location)
-        return published
 
     def _publish_disk(
         self, state: NamespaceState, keys: list[bytes], priority: Priority, indices: list[int]
-    ) -> set[Entry]:
+    ) -> None:
         core = self.core
-        published: set[Entry] = set()
         for index in indices:
             entry = self._entry_locked(state, keys[index], priority)
             if entry.disk is None:
                 core.link_locked(entry, Tier.DISK, 0)
-                published.add(entry)
             else:
                 assert core.disk_ledger is not None
                 core.disk_ledger.release_bytes(state.record_bytes)
-        return published
 
     def flush_to_disk(self) -> int:
         """Write every GPU/HOST-only block to disk, least recently used first (so the most

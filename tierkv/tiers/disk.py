@@ -30,7 +30,7 @@ import numpy as np
 
 from tierkv.config import DiskTierConfig, MiB
 from tierkv.errors import ConfigError, DiskFullError, TierKVError
-from tierkv.tiers.records import RecordStatus, checksum, verify_header
+from tierkv.tiers.records import RecordStatus, copy_with_checksum, verify_header
 
 log = logging.getLogger(__name__)
 
@@ -195,9 +195,7 @@ class DiskTier:
         if verified is None:
             return RecordStatus.CORRUPT
         payload, expected = verified
-        # Copy first, then checksum the copy: it is hot in cache, the map is not.
-        np.copyto(destination, np.frombuffer(payload, np.uint8))
-        if checksum(destination) != expected:
+        if copy_with_checksum(destination, np.frombuffer(payload, np.uint8)) != expected:
             return RecordStatus.CORRUPT
         return RecordStatus.OK
 
