@@ -142,6 +142,7 @@ class StoreCore:
         if entry.readers == 0:
             if entry.priority == DOOMED:
                 self._drop_all_locked(entry)
+                self.submit_deletes_locked()  # the delete() that doomed it did not wait for these
             self.changed.notify_all()
 
     def _drop_all_locked(self, entry: Entry) -> None:
@@ -202,18 +203,33 @@ class StoreCore:
         """Delete records the index does not know (they ride in the next disk write)."""
         self._pending_deletes.extend(raw_keys)
 
-    def flush_deletes(self) -> None:
-        """Submit pending record deletes now and wait for them."""
-        if self.disk is None:
-            return
-        with self.lock:
-            if not self._pending_deletes:
-                return
-            job = self.submit_disk_locked()
+    def submit_deletes_locked(self) -> DiskWrite | None:
+        """Submit the pending record deletes now, if there are any."""
+        if self.disk is None or not self._pending_deletes:
+            return None
+        return self.submit_disk_locked()
+
+    def wait_disk(self, job: DiskWrite) -> None:
+        """Wait for ``job``; if it failed, queue its deletes again (they must not be lost: the
+        index already forgot those records) and raise its error."""
         try:
             job.future.result()
-        except TierKVError as exc:
-            log.error("deleting %d disk records failed: %s", len(job.block_deletes), exc)
+        except TierKVError:
+            if job.block_deletes:
+                with self.lock:
+                    self._pending_deletes[:0] = job.block_deletes
+            raise
+
+    def flush_deletes(self) -> None:
+        """Submit pending record deletes now and wait until they are durable.
+
+        Raises ``DiskFullError`` (or ``TierKVError``) if they could not be committed; they stay
+        queued and ride in the next disk write.
+        """
+        with self.lock:
+            job = self.submit_deletes_locked()
+        if job is not None:
+            self.wait_disk(job)
 
     # --- reserving room -------------------------------------------------------------------
 
@@ -466,7 +482,12 @@ class StoreCore:
                 # reuses a record's bytes in place.
                 if entry.disk is not None and entry.priority != DOOMED:
                     self.drop_locked(entry, Tier.DISK)
-        self.flush_deletes()
+            job = self.submit_deletes_locked()
+        if job is not None:
+            try:
+                self.wait_disk(job)
+            except TierKVError as exc:  # the read already reports a miss; the delete is retried
+                log.warning("deleting bad records failed (will retry): %s", exc)
 
     def _write_records(self, entries: list[Entry], source: Tier) -> set[Entry]:
         assert self.disk is not None
@@ -491,7 +512,7 @@ class StoreCore:
                 raise
             job = self.submit_disk_locked(records)
         try:
-            job.future.result()
+            self.wait_disk(job)
         except TierKVError as exc:
             log.warning("writing %d records to disk failed: %s", len(records), exc)
             with self.lock:

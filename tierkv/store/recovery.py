@@ -1,7 +1,8 @@
 """Rebuilding the index from the DISK tier when a store opens.
 
 Only keys and record sizes are scanned (no payload is read); every record is still verified when
-it is first read. Records of unknown namespaces or of the wrong size are deleted. If the disk
+it is first read. Records of unknown namespaces or of the wrong size (torn or truncated: these
+are counted as checksum failures) are deleted. If the disk
 holds more than the configured budget (it was lowered), the surplus is dropped.
 """
 
@@ -12,6 +13,7 @@ import logging
 import msgpack
 
 from tierkv.config import Priority, Tier
+from tierkv.errors import TierKVError
 from tierkv.keys import NAMESPACE_ID_BYTES, Namespace
 from tierkv.layout import KVLayout
 from tierkv.store.core import StoreCore
@@ -72,6 +74,8 @@ def recover(core: StoreCore) -> int:
         for raw_key, size in disk.scan_blocks():
             state = core.namespaces.get(raw_key[:NAMESPACE_ID_BYTES])
             if state is None or size != state.record_bytes or len(raw_key) != 48:
+                if state is not None:  # a torn or truncated record of a known namespace
+                    core.counters.checksum_failures += 1
                 surplus.append(raw_key)
                 continue
             if not ledger.try_reserve_bytes(size):
@@ -85,5 +89,8 @@ def recover(core: StoreCore) -> int:
         if surplus:
             log.warning("dropping %d disk records (unknown, wrong size or over budget)", len(surplus))
             core.queue_deletes_locked(surplus)
-    core.flush_deletes()
+    try:
+        core.flush_deletes()
+    except TierKVError as exc:  # the index no longer has them; they go with the next write
+        log.warning("dropping surplus disk records failed (will retry): %s", exc)
     return num_recovered

@@ -224,8 +224,12 @@ class TieredStore:
         return num_unpinned
 
     def delete(self, namespace: Namespace, hashes: Sequence[bytes]) -> int:
-        """Remove the blocks of ``hashes`` from every tier (disk deletes are durable on return);
-        returns how many were stored."""
+        """Remove the blocks of ``hashes`` from every tier; returns how many were stored.
+
+        They are misses at once. Their disk records are deleted durably before this returns
+        (those of blocks being read at that moment go when the read ends). If the disk cannot
+        commit the deletes (``DiskFullError``), they stay queued and ride in the next write.
+        """
         state = self._state(namespace)
         keys = check_hashes(hashes)
         num_deleted = 0
@@ -235,7 +239,9 @@ class TieredStore:
                 if entry is not None:
                     self._core.doom_locked(entry)
                     num_deleted += 1
-        self._core.flush_deletes()
+            job = self._core.submit_deletes_locked()
+        if job is not None:
+            self._core.wait_disk(job)
         return num_deleted
 
     def stats(self) -> StoreStats:

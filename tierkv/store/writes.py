@@ -114,7 +114,7 @@ class Writer:
             core.reserve_disk_locked(len(records), state.record_bytes)
             job = core.submit_disk_locked(records)
         try:
-            job.future.result()
+            core.wait_disk(job)
         except TierKVError:
             with core.lock:
                 assert core.disk_ledger is not None

@@ -36,6 +36,10 @@ log = logging.getLogger(__name__)
 
 # Jobs committed in one transaction until their records reach this size.
 _GROUP_COMMIT_BYTES = 256 * MiB
+# Deletes per transaction when salvaging the deletes of a job that did not fit.
+_SALVAGE_DELETES = 4
+# Free map pages kept for deletes and B-tree copies (at least; 1% of the map when larger).
+_RESERVE_PAGES = 64
 
 
 @dataclass(slots=True)
@@ -73,6 +77,7 @@ class DiskTier:
             raise ConfigError(f"disk path: cannot open an LMDB store at {config.path}: {exc}") from exc
         self._pid = os.getpid()
         self._env.reader_check()
+        self._page_bytes = int(self._env.stat()["psize"])
         self._blocks = self._env.open_db(b"blocks")
         self._namespaces = self._env.open_db(b"namespaces")
         self._queue: queue.SimpleQueue[DiskWrite | None] = queue.SimpleQueue()
@@ -130,24 +135,66 @@ class DiskTier:
     def _commit_group(self, batch: list[DiskWrite]) -> None:
         try:
             self._commit(batch)
-        except (lmdb.Error, OSError) as exc:
+        except (lmdb.Error, OSError, DiskFullError) as exc:
             if len(batch) == 1:
-                batch[0].future.set_exception(_disk_error(exc))
+                self._fail(batch[0], exc)
                 return
             # One job may be the one that does not fit; give every job its own chance.
             for job in batch:
                 try:
                     self._commit([job])
-                except (lmdb.Error, OSError) as single_exc:
-                    job.future.set_exception(_disk_error(single_exc))
+                except (lmdb.Error, OSError, DiskFullError) as single_exc:
+                    self._fail(job, single_exc)
                 else:
                     job.future.set_result(None)
             return
         for job in batch:
             job.future.set_result(None)
 
+    def _check_headroom(self, txn: lmdb.Transaction, batch: list[DiskWrite]) -> None:
+        """Refuse puts that would leave the map with fewer than ``_RESERVE_PAGES`` free pages:
+        a map that is full to the last page cannot even commit a delete."""
+        num_put_bytes = sum(job.num_bytes for job in batch)
+        if not num_put_bytes:
+            return
+        page_bytes = self._page_bytes
+        used_pages = 0
+        for stat in (txn.stat(self._blocks), txn.stat(self._namespaces), self._env.stat()):
+            used_pages += stat["branch_pages"] + stat["leaf_pages"] + stat["overflow_pages"]
+        num_records = sum(len(job.block_puts) for job in batch)
+        needed_pages = -(-num_put_bytes // page_bytes) + 2 * num_records
+        map_pages = self.config.map_size_bytes // page_bytes
+        reserve_pages = max(_RESERVE_PAGES, map_pages // 100)
+        if used_pages + needed_pages + reserve_pages > map_pages:
+            raise DiskFullError(
+                f"disk: LMDB map ({self.config.map_size_bytes} B) has no room for "
+                f"{num_put_bytes} B more; raise --disk-bytes or free blocks"
+            )
+
+    def _fail(self, job: DiskWrite, exc: BaseException) -> None:
+        """Resolve a job that did not commit. Its deletes are retried alone, a few per
+        transaction (a nearly full map still has room for small ones): a delete-only job then
+        succeeds; a job with puts still fails (its deletes are idempotent if queued again)."""
+        salvaged = self._salvage_deletes(job.block_deletes)
+        if salvaged and not job.block_puts and not job.namespace_puts:
+            job.future.set_result(None)
+        else:
+            job.future.set_exception(_disk_error(exc))
+
+    def _salvage_deletes(self, keys: Sequence[bytes]) -> bool:
+        for start in range(0, len(keys), _SALVAGE_DELETES):
+            try:
+                with self._env.begin(write=True) as txn:
+                    for key in keys[start : start + _SALVAGE_DELETES]:
+                        txn.delete(key, db=self._blocks)
+            except (lmdb.Error, OSError) as exc:
+                log.warning("could not delete %d records: %s", len(keys) - start, exc)
+                return False
+        return True
+
     def _commit(self, batch: list[DiskWrite]) -> None:
         with self._env.begin(write=True) as txn:
+            self._check_headroom(txn, batch)
             for job in batch:
                 for key in job.block_deletes:
                     txn.delete(key, db=self._blocks)
@@ -218,6 +265,8 @@ class DiskTier:
 
 
 def _disk_error(exc: BaseException) -> TierKVError:
+    if isinstance(exc, TierKVError):
+        return exc
     if isinstance(exc, lmdb.MapFullError):
         return DiskFullError(
             "disk: LMDB map is full; raise --disk-bytes (the map is sized from it) or free blocks"
