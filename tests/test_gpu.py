@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import BLOCK_BYTES, PAGE_BYTES, TINY_LAYOUT, blocks, keys, same_bytes
 
+from conftest import BLOCK_BYTES, PAGE_BYTES, TINY_LAYOUT, blocks, keys, same_bytes
 from tierkv import (
     DiskTierConfig,
     GpuTierConfig,

@@ -21,6 +21,7 @@ import lmdb
 import numpy as np
 import pytest
 import torch
+
 from conftest import (
     BLOCK_BYTES,
     PAGE_BYTES,
@@ -32,7 +33,6 @@ from conftest import (
     keys,
     same_bytes,
 )
-
 from tierkv import (
     CapacityError,
     DiskFullError,

@@ -6,8 +6,8 @@ import time
 
 import pytest
 import torch
-from conftest import TINY_LAYOUT, StoreFactory, blocks, keys, same_bytes
 
+from conftest import TINY_LAYOUT, StoreFactory, blocks, keys, same_bytes
 from tierkv import (
     CapacityError,
     ConfigError,

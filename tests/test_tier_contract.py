@@ -10,8 +10,8 @@ from dataclasses import dataclass
 
 import pytest
 import torch
-from conftest import BLOCK_BYTES, TINY_LAYOUT, StoreFactory, blocks, keys, same_bytes
 
+from conftest import BLOCK_BYTES, TINY_LAYOUT, StoreFactory, blocks, keys, same_bytes
 from tierkv import InvalidArgumentError, Namespace, Tier, TieredStore
 
 CAPACITY_BLOCKS = 6
