@@ -1,46 +1,34 @@
-"""Placement: reserving room in a tier, eviction with demotion, promotion, publishing copies.
+"""The store's lock and books: namespaces, ledgers, pins, and the queue of disk writes.
 
-``StoreCore`` holds the lock and the books (namespaces, ledgers, pins). Every method whose name
-ends in ``_locked`` must be called with ``core.lock`` held; every other method takes the lock
-itself and never holds it while bytes are copied.
+``StoreCore`` holds the state the store alone owns. Every method whose name ends in ``_locked``
+must be called with ``core.lock`` held; every other method takes the lock itself. Moving bytes
+between tiers is ``tierkv.store.moves``'s job.
 
 Decisions:
-1. Room is made by eviction from the LRU end of the lowest priority class. A victim with no copy
-   below is demoted (GPU -> HOST -> DISK) before its pages are freed; one that has a copy below,
-   or sits in the lowest tier, is dropped. A busy or pinned block is never a victim.
-2. A destination copy is published only after its bytes (and, for DISK, its commit) are
-   complete; the source stays readable until then.
-3. Record deletes are queued and ride in the next disk write, in order and in the same
+1. Record deletes are queued and ride in the next disk write, in order and in the same
    transaction as the puts that reuse their bytes, so the committed disk never exceeds its
-   budget; deletes with no write to ride on are submitted alone.
+   budget; deletes with no write to ride on are submitted alone. A delete that fails is queued
+   again, never dropped: the index has already forgotten its record.
+2. Disk room is made by dropping LRU records, which needs no copy, so it is done under the lock.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-
-import numpy as np
-import torch
 
 from tierkv.config import StoreConfig, Tier
 from tierkv.errors import CapacityError, TierKVError
 from tierkv.eviction import Residency
 from tierkv.migration import CopyEngine
-from tierkv.paging import Location, location_num_pages
+from tierkv.paging import Location
 from tierkv.store.ledger import DOOMED, DiskLedger, Entry, Ledger, NamespaceState, PagedLedger
 from tierkv.store.pins import PinTable
 from tierkv.tiers.disk import DiskTier, DiskWrite
-from tierkv.tiers.records import RecordStatus, encode_record
 
 log = logging.getLogger(__name__)
-
-# How long a reservation waits for room held by in-flight reads and copies.
-_RESERVE_WAIT_S = 5.0
-_RESERVE_POLL_S = 0.02
 
 
 @dataclass(eq=False)
@@ -233,65 +221,6 @@ class StoreCore:
 
     # --- reserving room -------------------------------------------------------------------
 
-    def reserve_pages(self, tier: Tier, sizes_bytes: list[int]) -> list[Location]:
-        """Pages in ``tier`` for blocks of ``sizes_bytes``, evicting (and demoting) as needed.
-
-        When the room is held by blocks that are being read or copied, waits for them (up to
-        ``_RESERVE_WAIT_S``). Raises ``CapacityError`` when the rest is pinned, or the wait
-        runs out; nothing is then reserved.
-        """
-        ledger = self.paged[tier]
-        pages_needed = sum(ledger.pages_for(size) for size in sizes_bytes)
-        deadline = time.monotonic() + _RESERVE_WAIT_S
-        while True:
-            with self.lock:
-                locations = ledger.try_reserve(sizes_bytes)
-                if locations is not None:
-                    return locations
-                shortfall = pages_needed - ledger.allocator.num_free_pages
-                victims, busy_pages = self._pick_victims_locked(ledger, shortfall)
-                if not victims:
-                    if busy_pages < shortfall or time.monotonic() > deadline:
-                        break
-                    self.changed.wait(_RESERVE_POLL_S)
-                    continue
-            self._evict(ledger, victims)
-        raise CapacityError(
-            f"{tier.label} tier: no room for {len(sizes_bytes)} block(s) "
-            f"({pages_needed} pages of {ledger.slab.page_bytes} B) in "
-            f"{ledger.capacity_bytes} B: the rest is pinned or in use"
-        )
-
-    def _pick_victims_locked(
-        self, ledger: PagedLedger, pages_needed: int
-    ) -> tuple[list[Entry], int]:
-        """Busy-marked victims worth ``pages_needed``, or ``([], pages that are busy now)``:
-        pages held by readers or in-flight copies, which will be evictable later."""
-        self.expire_pins_locked()
-        victims: list[Entry] = []
-        pages = busy_pages = linked_pages = 0
-        for node in ledger.lru.iter_lru():
-            num_pages = location_num_pages(node.location)
-            linked_pages += num_pages
-            if node.owner.readers:
-                busy_pages += num_pages
-                continue
-            node.owner.readers += 1
-            victims.append(node.owner)
-            pages += num_pages
-            if pages >= pages_needed:
-                return victims, 0
-        for entry in victims:
-            self.release_reader_locked(entry)
-        pinned_pages = sum(
-            location_num_pages(node.location)
-            for node in (e.residency(ledger.tier) for e in self.pins.entries())
-            if node is not None
-        )
-        used_pages = ledger.allocator.num_pages - ledger.allocator.num_free_pages
-        in_flight_pages = used_pages - linked_pages - pinned_pages
-        return [], busy_pages + pages + in_flight_pages
-
     def reserve_disk_locked(self, num_records: int, record_bytes: int) -> None:
         """Reserve room for records, dropping LRU records (no copies needed) to make it."""
         ledger = self.disk_ledger
@@ -319,226 +248,6 @@ class StoreCore:
             ledger.counters.evictions += 1
         reserved = ledger.try_reserve_bytes(needed)
         assert reserved
-
-    # --- moves ----------------------------------------------------------------------------
-
-    def _evict(self, ledger: PagedLedger, victims: list[Entry]) -> None:
-        """Demote or drop busy-marked victims out of ``ledger``'s tier; frees their pages."""
-        tier = ledger.tier
-        lower = self.tier_below(tier)
-        to_demote = [e for e in victims if lower is not None and not self._has_copy_below(e, tier)]
-        demoted: set[Entry] = set()
-        if to_demote and lower is not None:
-            demoted = self.copy_between(to_demote, tier, lower)
-        with self.lock:
-            for entry in victims:
-                if entry.priority != DOOMED and entry.residency(tier) is not None:
-                    self.drop_locked(entry, tier)
-                    ledger.counters.evictions += 1
-                if entry in to_demote and entry not in demoted:
-                    self.counters.failed_demotions += 1
-                self.release_reader_locked(entry)
-
-    def _has_copy_below(self, entry: Entry, tier: Tier) -> bool:
-        return any(entry.residency(lower) is not None for lower in Tier if lower > tier)
-
-    def copy_between(self, entries: list[Entry], source: Tier, destination: Tier) -> set[Entry]:
-        """Copy busy-marked ``entries`` from ``source`` into ``destination`` and publish them
-        there; returns those that made it (the others did not fit or failed a check)."""
-        try:
-            if destination is Tier.DISK:
-                done = self._write_records(entries, source)
-            else:
-                done = self._copy_paged(entries, source, destination)
-        except CapacityError as exc:
-            log.debug("%s -> %s: %s", source.label, destination.label, exc)
-            return set()
-        with self.lock:
-            if destination < source:
-                self.counters.promotions += len(done)
-                self.ledgers[destination].counters.promotions_in += len(done)
-            else:
-                self.counters.demotions += len(done)
-                self.ledgers[destination].counters.demotions_in += len(done)
-        return done
-
-    def _copy_paged(self, entries: list[Entry], source: Tier, destination: Tier) -> set[Entry]:
-        sizes = [entry.ns.block_bytes for entry in entries]
-        locations = self.reserve_pages(destination, sizes)
-        if source is Tier.DISK:
-            readable = self._read_disk_into_pages(entries, locations, destination)
-        else:
-            self._copy_pages(entries, locations, source, destination)
-            readable = list(entries)
-        return self._publish(entries, readable, locations, destination)
-
-    def _copy_pages(
-        self, entries: list[Entry], locations: list[Location], source: Tier, destination: Tier
-    ) -> None:
-        src, dst = self.paged[source].slab, self.paged[destination].slab
-        pairs = []
-        for entry, location in zip(entries, locations, strict=True):
-            node = entry.residency(source)
-            assert node is not None
-            block_bytes = entry.ns.block_bytes
-            pairs.append((dst.plan([location], block_bytes), src.plan([node.location], block_bytes)))
-
-        def issue(non_blocking: bool) -> None:
-            for dst_spans, src_spans in pairs:
-                for (d_off, _, length), (s_off, _, _) in zip(dst_spans, src_spans, strict=False):
-                    dst.tensor[d_off : d_off + length].copy_(
-                        src.tensor[s_off : s_off + length], non_blocking=non_blocking
-                    )
-
-        # Two paged locations of one block can split at different page boundaries; go through
-        # a flat staging copy when they do (rare: only for scattered pages).
-        if all(len(d) == len(s) == 1 for d, s in pairs):
-            self.engine.copy(issue, dst.device, src.device)
-            return
-        for entry, location in zip(entries, locations, strict=True):
-            flat = self.read_block(entry, source)
-            self.write_block(destination, location, flat)
-
-    def read_block(self, entry: Entry, tier: Tier) -> torch.Tensor:
-        """A flat copy of ``entry``'s bytes in paged ``tier`` (entry busy-marked)."""
-        node = entry.residency(tier)
-        assert node is not None
-        slab = self.paged[tier].slab
-        out = torch.empty(entry.ns.block_bytes, dtype=torch.uint8, device=slab.device)
-        spans = slab.plan([node.location], entry.ns.block_bytes)
-        self.engine.copy(lambda nb: slab.read(spans, out, nb), out.device, slab.device)
-        return out
-
-    def write_block(self, tier: Tier, location: Location, flat: torch.Tensor) -> None:
-        """Copy a flat block into reserved pages of ``tier``."""
-        slab = self.paged[tier].slab
-        spans = slab.plan([location], flat.numel())
-        self.engine.copy(lambda nb: slab.write(spans, flat, nb), slab.device, flat.device)
-
-    def host_bytes(self, entry: Entry, tier: Tier) -> np.ndarray:
-        """``entry``'s bytes in paged ``tier`` as a CPU array (a view when possible)."""
-        node = entry.residency(tier)
-        assert node is not None
-        slab = self.paged[tier].slab
-        if slab.device.type == "cpu":
-            view = slab.view(node.location, entry.ns.block_bytes)
-            if view is not None:
-                return view.numpy()
-        return self.read_block(entry, tier).cpu().numpy()
-
-    def _read_disk_into_pages(
-        self, entries: list[Entry], locations: list[Location], destination: Tier
-    ) -> list[Entry]:
-        slab = self.paged[destination].slab
-        targets: list[tuple[Entry, torch.Tensor, torch.Tensor | None]] = []
-        for entry, location in zip(entries, locations, strict=True):
-            size = entry.ns.block_bytes
-            view = slab.view(location, size) if slab.device.type == "cpu" else None
-            if view is not None:
-                targets.append((entry, view, None))
-            else:  # scattered pages or a device slab: read into staging, then scatter
-                targets.append((entry, torch.empty(size, dtype=torch.uint8), torch.empty(0)))
-        ok = self.read_disk([(entry, target.numpy()) for entry, target, _ in targets])
-        readable: list[Entry] = []
-        for (entry, target, staged), good, location in zip(targets, ok, locations, strict=True):
-            if good:
-                if staged is not None:
-                    self.write_block(destination, location, target)
-                readable.append(entry)
-        return readable
-
-    def read_disk(self, requests: Sequence[tuple[Entry, np.ndarray]]) -> list[bool]:
-        """Read each entry's verified record into its destination array; one flag per request.
-
-        A missing or bad record drops the entry's disk copy (a bad one is counted); its flag is
-        False and its destination must not be used.
-        """
-        assert self.disk is not None
-        by_namespace: dict[NamespaceState, list[int]] = {}
-        for index, (entry, _) in enumerate(requests):
-            by_namespace.setdefault(entry.ns, []).append(index)
-        ok = [False] * len(requests)
-        failed: list[tuple[Entry, RecordStatus]] = []
-        for ns, indices in by_namespace.items():
-            statuses = self.disk.read_into(
-                [(requests[i][0].raw_key, requests[i][1]) for i in indices],
-                ns.fingerprint, ns.block_bytes,
-            )
-            for i, status in zip(indices, statuses, strict=True):
-                ok[i] = status is RecordStatus.OK
-                if not ok[i]:
-                    failed.append((requests[i][0], status))
-        if failed:
-            self._drop_bad_records(failed)
-        return ok
-
-    def _drop_bad_records(self, failed: list[tuple[Entry, RecordStatus]]) -> None:
-        with self.lock:
-            for entry, status in failed:
-                if status is RecordStatus.CORRUPT:
-                    self.counters.checksum_failures += 1
-                    log.warning("disk record %s failed its checks; dropped", entry.raw_key.hex())
-                # Safe although the entry is busy: LMDB readers see a snapshot, and nothing
-                # reuses a record's bytes in place.
-                if entry.disk is not None and entry.priority != DOOMED:
-                    self.drop_locked(entry, Tier.DISK)
-            job = self.submit_deletes_locked()
-        if job is not None:
-            try:
-                self.wait_disk(job)
-            except TierKVError as exc:  # the read already reports a miss; the delete is retried
-                log.warning("deleting bad records failed (will retry): %s", exc)
-
-    def _write_records(self, entries: list[Entry], source: Tier) -> set[Entry]:
-        assert self.disk is not None
-        records = [
-            (entry.raw_key, encode_record(
-                entry.raw_key, entry.ns.fingerprint, self.host_bytes(entry, source)
-            ))
-            for entry in entries
-        ]
-        with self.lock:
-            by_size: dict[int, int] = {}
-            for entry in entries:
-                by_size[entry.ns.record_bytes] = by_size.get(entry.ns.record_bytes, 0) + 1
-            reserved: list[tuple[int, int]] = []
-            try:
-                for size, count in by_size.items():
-                    self.reserve_disk_locked(count, size)
-                    reserved.append((count, size))
-            except CapacityError:
-                for count, size in reserved:
-                    self.disk_ledger.release_bytes(count * size)  # type: ignore[union-attr]
-                raise
-            job = self.submit_disk_locked(records)
-        try:
-            self.wait_disk(job)
-        except TierKVError as exc:
-            log.warning("writing %d records to disk failed: %s", len(records), exc)
-            with self.lock:
-                for entry in entries:
-                    self.disk_ledger.release_bytes(entry.ns.record_bytes)  # type: ignore[union-attr]
-            return set()
-        return self._publish(entries, entries, [0] * len(entries), Tier.DISK)
-
-    def _publish(
-        self,
-        entries: list[Entry],
-        complete: list[Entry],
-        locations: Sequence[Location],
-        tier: Tier,
-    ) -> set[Entry]:
-        """Make finished copies visible in ``tier``; give back the room of the others."""
-        done: set[Entry] = set()
-        complete_set = set(complete)
-        with self.lock:
-            for entry, location in zip(entries, locations, strict=True):
-                if entry in complete_set and entry.priority != DOOMED and entry.residency(tier) is None:
-                    self.link_locked(entry, tier, location)
-                    done.add(entry)
-                else:
-                    self.release_room_locked(tier, entry, location)
-        return done
 
     def release_room_locked(self, tier: Tier, entry: Entry, location: Location) -> None:
         """Give back room reserved for ``entry`` in ``tier`` that will not be used."""

@@ -18,6 +18,7 @@ import torch
 from tierkv.config import Tier
 from tierkv.store.core import StoreCore
 from tierkv.store.ledger import DOOMED, Entry, NamespaceState, PagedLedger
+from tierkv.store.moves import Mover
 from tierkv.store.validation import check_out
 
 log = logging.getLogger(__name__)
@@ -29,8 +30,9 @@ Planned = tuple[int, Entry, Tier]
 class Reader:
     """Reads for a ``TieredStore``."""
 
-    def __init__(self, core: StoreCore, executor: ThreadPoolExecutor) -> None:
+    def __init__(self, core: StoreCore, mover: Mover, executor: ThreadPoolExecutor) -> None:
         self.core = core
+        self.mover = mover
         self._executor = executor
 
     def get_into(self, state: NamespaceState, keys: list[bytes], out: torch.Tensor) -> int:
@@ -88,7 +90,7 @@ class Reader:
                 reads.append((index, entry, target, staging))
         if not reads:
             return len(plan)
-        ok = core.read_disk([(entry, staging.numpy()) for _, entry, _, staging in reads])
+        ok = self.mover.read_disk([(entry, staging.numpy()) for _, entry, _, staging in reads])
         num_ok = len(plan)
         for (index, _, target, staging), good in zip(reads, ok, strict=True):
             if not good:
@@ -155,7 +157,7 @@ class Reader:
             for entry in todo:
                 entry.readers += 1
         try:
-            return len(core.copy_between(todo, source, destination)) if todo else 0
+            return len(self.mover.copy_between(todo, source, destination)) if todo else 0
         except Exception:
             # Background work has no caller to raise to; log it with its traceback.
             log.exception("promoting %d blocks %s -> %s failed", len(todo), source.label,

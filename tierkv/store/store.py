@@ -25,6 +25,7 @@ from tierkv.keys import Namespace
 from tierkv.store import recovery
 from tierkv.store.core import StoreCore
 from tierkv.store.ledger import NamespaceState, PagedLedger
+from tierkv.store.moves import Mover
 from tierkv.store.reads import Reader
 from tierkv.store.stats import StoreStats, TierStats
 from tierkv.store.validation import check_blocks, check_hashes, check_lookup_hashes, check_ttl
@@ -71,8 +72,9 @@ class TieredStore:
             self._release_resources()
             raise
         self._executor = ThreadPoolExecutor(config.num_workers, "tierkv-store")
-        self._reader = Reader(self._core, self._executor)
-        self._writer = Writer(self._core)
+        mover = Mover(self._core)
+        self._reader = Reader(self._core, mover, self._executor)
+        self._writer = Writer(self._core, mover)
 
     # --- namespaces -----------------------------------------------------------------------
 

@@ -18,6 +18,7 @@ from tierkv.errors import CapacityError, TierKVError
 from tierkv.paging import Location
 from tierkv.store.core import StoreCore
 from tierkv.store.ledger import DOOMED, Entry, NamespaceState
+from tierkv.store.moves import Mover
 from tierkv.tiers.records import encode_record
 
 _FLUSH_BATCH = 64
@@ -26,8 +27,9 @@ _FLUSH_BATCH = 64
 class Writer:
     """Writes for a ``TieredStore``."""
 
-    def __init__(self, core: StoreCore) -> None:
+    def __init__(self, core: StoreCore, mover: Mover) -> None:
         self.core = core
+        self.mover = mover
 
     def put(
         self,
@@ -44,7 +46,7 @@ class Writer:
         new_indices, disk_indices = self._plan_put(state, keys, priority, policy, target)
         locations: list[Location] = []
         if new_indices:
-            locations = core.reserve_pages(target, [block_bytes] * len(new_indices))
+            locations = self.mover.reserve_pages(target, [block_bytes] * len(new_indices))
         disk_reserved = False
         try:
             if new_indices:
@@ -174,7 +176,7 @@ class Writer:
                     for entry in batch:
                         entry.readers += 1
                 try:
-                    num_written += len(core.copy_between(batch, tier, Tier.DISK)) if batch else 0
+                    num_written += len(self.mover.copy_between(batch, tier, Tier.DISK)) if batch else 0
                 except CapacityError:
                     return num_written
                 finally:
