@@ -126,7 +126,10 @@ class Reader:
             destination = self._tier_above(source)
             assert destination is not None
             try:
-                self._executor.submit(self._promote, entries, source, destination)
+                # Disk reads run on the disk tier's reader threads, the rest on the store's.
+                disk = self.core.disk
+                executor = disk.readers if source is Tier.DISK and disk is not None else self._executor
+                executor.submit(self._promote, entries, source, destination)
             except RuntimeError:  # the store is closing: promotion is only an optimisation
                 return
 

@@ -327,6 +327,8 @@ class TieredStore:
             return
         try:
             self._executor.shutdown(wait=True)
+            if self._disk is not None:  # background promotions from disk run there
+                self._disk.readers.shutdown(wait=True)
             if flush and self._disk is not None:
                 self._writer.flush_to_disk()
         finally:
