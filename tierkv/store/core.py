@@ -121,6 +121,10 @@ class StoreCore:
             if node is not None:
                 self.ledgers[tier].lru.remove(node)
         entry.priority = DOOMED
+        if entry.disk is not None:
+            # At once, even under readers (LMDB reads see a snapshot): a deferred delete could
+            # otherwise remove a record written for the same key after this delete.
+            self.drop_locked(entry, Tier.DISK)
         if entry.readers == 0:
             self._drop_all_locked(entry)
 
@@ -221,8 +225,11 @@ class StoreCore:
 
     # --- reserving room -------------------------------------------------------------------
 
-    def reserve_disk_locked(self, num_records: int, record_bytes: int) -> None:
-        """Reserve room for records, dropping LRU records (no copies needed) to make it."""
+    def reserve_disk_locked(
+        self, num_records: int, record_bytes: int, exclude: frozenset[Entry] = frozenset()
+    ) -> None:
+        """Reserve room for records, dropping LRU records (no copies needed) to make it;
+        ``exclude`` are never dropped (a put's own chain)."""
         ledger = self.disk_ledger
         assert ledger is not None
         needed = num_records * record_bytes
@@ -234,7 +241,7 @@ class StoreCore:
         for node in ledger.lru.iter_lru():
             if shortfall <= 0:
                 break
-            if node.owner.readers:
+            if node.owner.readers or node.owner in exclude:
                 continue
             victims.append(node.owner)
             shortfall -= node.owner.ns.record_bytes

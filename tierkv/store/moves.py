@@ -42,12 +42,20 @@ class Mover:
     def __init__(self, core: StoreCore) -> None:
         self.core = core
 
-    def reserve_pages(self, tier: Tier, sizes_bytes: list[int]) -> list[Location]:
+    def reserve_pages(
+        self,
+        tier: Tier,
+        sizes_bytes: list[int],
+        exclude: frozenset[Entry] = frozenset(),
+        wait: bool = True,
+    ) -> list[Location]:
         """Pages in ``tier`` for blocks of ``sizes_bytes``, evicting (and demoting) as needed.
 
-        When the room is held by blocks that are being read or copied, waits for them (up to
-        ``_RESERVE_WAIT_S``). Raises ``CapacityError`` when the rest is pinned, or the wait
-        runs out; nothing is then reserved.
+        ``exclude`` are never victims (a put's own chain). With ``wait``, room held by blocks
+        being read or copied is waited for (up to ``_RESERVE_WAIT_S``) and victims that cannot
+        be demoted are dropped (a put: new data beats old). Without it (a promotion, which holds
+        blocks itself and must never destroy any), it fails at once. Raises ``CapacityError``
+        when there is no room; nothing is then reserved.
         """
         ledger = self.core.paged[tier]
         pages_needed = sum(ledger.pages_for(size) for size in sizes_bytes)
@@ -58,13 +66,14 @@ class Mover:
                 if locations is not None:
                     return locations
                 shortfall = pages_needed - ledger.allocator.num_free_pages
-                victims, busy_pages = self._pick_victims_locked(ledger, shortfall)
+                victims, busy_pages = self._pick_victims_locked(ledger, shortfall, exclude)
                 if not victims:
-                    if busy_pages < shortfall or time.monotonic() > deadline:
+                    if not wait or busy_pages < shortfall or time.monotonic() > deadline:
                         break
                     self.core.changed.wait(_RESERVE_POLL_S)
                     continue
-            self._evict(ledger, victims)
+            if not self._evict(ledger, victims, wait):
+                break
         raise CapacityError(
             f"{tier.label} tier: no room for {len(sizes_bytes)} block(s) "
             f"({pages_needed} pages of {ledger.slab.page_bytes} B) in "
@@ -72,7 +81,7 @@ class Mover:
         )
 
     def _pick_victims_locked(
-        self, ledger: PagedLedger, pages_needed: int
+        self, ledger: PagedLedger, pages_needed: int, exclude: frozenset[Entry]
     ) -> tuple[list[Entry], int]:
         """Busy-marked victims worth ``pages_needed``, or ``([], pages that are busy now)``:
         pages held by readers or in-flight copies, which will be evictable later."""
@@ -82,6 +91,8 @@ class Mover:
         for node in ledger.lru.iter_lru():
             num_pages = location_num_pages(node.location)
             linked_pages += num_pages
+            if node.owner in exclude:
+                continue
             if node.owner.readers:
                 busy_pages += num_pages
                 continue
@@ -103,34 +114,52 @@ class Mover:
 
     # --- copies between tiers ----------------------------------------------------------------
 
-    def _evict(self, ledger: PagedLedger, victims: list[Entry]) -> None:
-        """Demote or drop busy-marked victims out of ``ledger``'s tier; frees their pages."""
+    def _evict(self, ledger: PagedLedger, victims: list[Entry], may_drop: bool) -> bool:
+        """Demote or drop busy-marked victims out of ``ledger``'s tier, freeing their pages.
+
+        A victim someone started reading after it was picked keeps its pages (freeing them
+        under a reader would hand it another block's bytes). A victim whose demotion failed is
+        dropped if ``may_drop``, else kept, and False is returned.
+        """
         tier = ledger.tier
-        lower = self.core.tier_below(tier)
+        core = self.core
+        lower = core.tier_below(tier)
         to_demote = [e for e in victims if lower is not None and not self._has_copy_below(e, tier)]
         demoted: set[Entry] = set()
         if to_demote and lower is not None:
-            demoted = self.copy_between(to_demote, tier, lower)
-        with self.core.lock:
+            demoted = self.copy_between(to_demote, tier, lower, wait=may_drop)
+            if len(demoted) < len(to_demote):  # all or nothing did not fit: one at a time
+                for entry in to_demote:
+                    if entry not in demoted:
+                        demoted |= self.copy_between([entry], tier, lower, wait=may_drop)
+        all_freed = True
+        with core.lock:
             for entry in victims:
-                if entry.priority != DOOMED and entry.residency(tier) is not None:
-                    self.core.drop_locked(entry, tier)
+                failed = entry in to_demote and entry not in demoted
+                if failed:
+                    core.counters.failed_demotions += 1
+                if entry.readers > 1 or (failed and not may_drop):
+                    all_freed = all_freed and not failed
+                elif entry.priority != DOOMED and entry.residency(tier) is not None:
+                    core.drop_locked(entry, tier)
                     ledger.counters.evictions += 1
-                if entry in to_demote and entry not in demoted:
-                    self.core.counters.failed_demotions += 1
-                self.core.release_reader_locked(entry)
+                core.release_reader_locked(entry)
+        return all_freed
 
     def _has_copy_below(self, entry: Entry, tier: Tier) -> bool:
         return any(entry.residency(lower) is not None for lower in Tier if lower > tier)
 
-    def copy_between(self, entries: list[Entry], source: Tier, destination: Tier) -> set[Entry]:
+    def copy_between(
+        self, entries: list[Entry], source: Tier, destination: Tier, wait: bool = True
+    ) -> set[Entry]:
         """Copy busy-marked ``entries`` from ``source`` into ``destination`` and publish them
-        there; returns those that made it (the others did not fit or failed a check)."""
+        there; returns those that made it (the others did not fit or failed a check).
+        ``wait`` is passed to ``reserve_pages``."""
         try:
             if destination is Tier.DISK:
                 done = self._write_records(entries, source)
             else:
-                done = self._copy_paged(entries, source, destination)
+                done = self._copy_paged(entries, source, destination, wait)
         except CapacityError as exc:
             log.debug("%s -> %s: %s", source.label, destination.label, exc)
             return set()
@@ -143,9 +172,11 @@ class Mover:
                 self.core.ledgers[destination].counters.demotions_in += len(done)
         return done
 
-    def _copy_paged(self, entries: list[Entry], source: Tier, destination: Tier) -> set[Entry]:
+    def _copy_paged(
+        self, entries: list[Entry], source: Tier, destination: Tier, wait: bool
+    ) -> set[Entry]:
         sizes = [entry.ns.block_bytes for entry in entries]
-        locations = self.reserve_pages(destination, sizes)
+        locations = self.reserve_pages(destination, sizes, wait=wait)
         if source is Tier.DISK:
             readable = self._read_disk_into_pages(entries, locations, destination)
         else:

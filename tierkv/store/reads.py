@@ -160,7 +160,9 @@ class Reader:
             for entry in todo:
                 entry.readers += 1
         try:
-            return len(self.mover.copy_between(todo, source, destination)) if todo else 0
+            # No waiting: this promotion holds blocks itself, and must never destroy any.
+            done = self.mover.copy_between(todo, source, destination, wait=False) if todo else set()
+            return len(done)
         except Exception:
             # Background work has no caller to raise to; log it with its traceback.
             log.exception("promoting %d blocks %s -> %s failed", len(todo), source.label,

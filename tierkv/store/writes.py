@@ -44,9 +44,11 @@ class Writer:
         core = self.core
         block_bytes = state.block_bytes
         new_indices, disk_indices = self._plan_put(state, keys, priority, policy, target)
+        with core.lock:  # the chain being put must not be evicted to make room for itself
+            own = frozenset(e for e in map(state.blocks.get, keys) if e is not None)
         locations: list[Location] = []
         if new_indices:
-            locations = self.mover.reserve_pages(target, [block_bytes] * len(new_indices))
+            locations = self.mover.reserve_pages(target, [block_bytes] * len(new_indices), own)
         disk_reserved = False
         try:
             if new_indices:
@@ -54,7 +56,7 @@ class Writer:
                 spans = slab.plan(locations, block_bytes, new_indices)
                 core.engine.copy(lambda nb: slab.write(spans, flat, nb), slab.device, flat.device)
             if disk_indices:
-                self._write_records(state, keys, flat, disk_indices)
+                self._write_records(state, keys, flat, disk_indices, own)
                 disk_reserved = True
         except BaseException:
             with core.lock:
@@ -63,14 +65,16 @@ class Writer:
             raise
         with core.lock:
             core.counters.puts += 1
-            self._publish(state, keys, priority, target, new_indices, locations)
+            num_stored = self._publish(state, keys, priority, target, new_indices, locations)
             if disk_reserved:
-                self._publish_disk(state, keys, priority, disk_indices)
+                num_on_disk = self._publish_disk(state, keys, priority, disk_indices)
+                if target is Tier.DISK:
+                    num_stored = num_on_disk
             touched = [state.blocks.get(key) for key in reversed(keys)]
             for entry in touched:
                 if entry is not None:
                     core.touch_locked(entry)
-        return len(disk_indices) if target is Tier.DISK else len(new_indices)
+        return num_stored
 
     def _plan_put(
         self, state: NamespaceState, keys: list[bytes], priority: Priority,
@@ -98,7 +102,8 @@ class Writer:
         return new_indices, disk_indices
 
     def _write_records(
-        self, state: NamespaceState, keys: list[bytes], flat: torch.Tensor, indices: list[int]
+        self, state: NamespaceState, keys: list[bytes], flat: torch.Tensor, indices: list[int],
+        own: frozenset[Entry],
     ) -> None:
         """Write-through: durable disk records of ``indices`` before returning."""
         core = self.core
@@ -113,7 +118,7 @@ class Writer:
             for i in indices
         ]
         with core.lock:
-            core.reserve_disk_locked(len(records), state.record_bytes)
+            core.reserve_disk_locked(len(records), state.record_bytes, own)
             job = core.submit_disk_locked(records)
         try:
             core.wait_disk(job)
@@ -133,26 +138,33 @@ class Writer:
     def _publish(
         self, state: NamespaceState, keys: list[bytes], priority: Priority, target: Tier,
         indices: list[int], locations: list[Location],
-    ) -> None:
+    ) -> int:
+        """Link the new copies; returns how many were linked (a concurrent put may have won)."""
         core = self.core
+        num_linked = 0
         for index, location in zip(indices, locations, strict=True):
             entry = self._entry_locked(state, keys[index], priority)
             if entry.residency(target) is None:
                 core.link_locked(entry, target, location)
+                num_linked += 1
             else:  # a concurrent put of the same key won
                 core.release_pages_locked(target, location)
+        return num_linked
 
     def _publish_disk(
         self, state: NamespaceState, keys: list[bytes], priority: Priority, indices: list[int]
-    ) -> None:
+    ) -> int:
         core = self.core
+        num_linked = 0
         for index in indices:
             entry = self._entry_locked(state, keys[index], priority)
             if entry.disk is None:
                 core.link_locked(entry, Tier.DISK, 0)
+                num_linked += 1
             else:
                 assert core.disk_ledger is not None
                 core.disk_ledger.release_bytes(state.record_bytes)
+        return num_linked
 
     def flush_to_disk(self) -> int:
         """Write every GPU/HOST-only block to disk, least recently used first (so the most
