@@ -1,0 +1,80 @@
+"""KVLayout from real transformers configs, checked against the cache a random-weight model builds.
+
+No download: every model is built from a config with random weights.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import (
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    Qwen2Config,
+)
+
+from conftest import StoreFactory, same_bytes
+from tierkv import KVLayout, Namespace, block_hashes
+from tierkv.layout import PRESETS, DType
+
+
+def test_published_configs_match_the_presets() -> None:
+    llama_3_8b = LlamaConfig(
+        num_hidden_layers=32, hidden_size=4096, num_attention_heads=32, num_key_value_heads=8,
+        dtype="bfloat16",
+    )
+    layout = KVLayout.from_hf_config(llama_3_8b)
+    assert layout == PRESETS["llama-3-8b"].layout(DType.BF16)
+    assert layout.bytes_per_token == 131_072
+    mistral = KVLayout.from_hf_config(MistralConfig(), dtype="fp16")  # 32 layers, 8 KV heads
+    assert mistral == PRESETS["mistral-7b"].layout()
+    qwen = Qwen2Config(num_hidden_layers=28, hidden_size=3584, num_attention_heads=28,
+                       num_key_value_heads=4)
+    assert KVLayout.from_hf_config(qwen, dtype="bf16") == PRESETS["qwen2.5-7b"].layout(DType.BF16)
+    # Tensor parallelism splits the KV heads.
+    assert KVLayout.from_hf_config(llama_3_8b, tp_size=4).num_kv_heads == 2
+
+
+def tiny_llama() -> tuple[LlamaConfig, LlamaForCausalLM]:
+    config = LlamaConfig(num_hidden_layers=2, hidden_size=64, num_attention_heads=4,
+                         num_key_value_heads=2, intermediate_size=128, vocab_size=100)
+    torch.manual_seed(0)
+    return config, LlamaForCausalLM(config).eval()
+
+
+def cache_of(model: LlamaForCausalLM, tokens: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    with torch.no_grad():
+        output = model(torch.tensor([tokens]), use_cache=True)
+    cache = getattr(output, "cache", None) or output.past_key_values
+    return [(layer.keys[0], layer.values[0]) for layer in cache.layers]  # [heads, tokens, dim]
+
+
+def test_the_layout_describes_the_models_own_cache(make_store: StoreFactory) -> None:
+    config, model = tiny_llama()
+    layout = KVLayout.from_hf_config(config, block_size=16, dtype=torch.float32)
+    tokens = list(range(3, 3 + 48))
+    cache = cache_of(model, tokens)
+    num_heads, num_tokens, head_dim = cache[0][0].shape
+    assert (len(cache), num_heads, head_dim) == (layout.num_layers, layout.num_kv_heads,
+                                                 layout.head_dim)
+    cache_bytes = sum(k.numel() * k.element_size() + v.numel() * v.element_size()
+                      for k, v in cache)
+    assert cache_bytes == layout.bytes_per_token * num_tokens
+
+    # The integration edge: per-layer [heads, tokens, dim] -> blocks [layers, 2, 16, heads, dim].
+    stacked = torch.stack([torch.stack([k, v]) for k, v in cache])  # [L, 2, H, T, D]
+    per_token = stacked.permute(3, 0, 1, 2, 4)  # [T, L, 2, H, D]
+    blocks = per_token.reshape(3, 16, *per_token.shape[1:]).permute(0, 2, 3, 1, 4, 5)
+    blocks = blocks.contiguous()
+    assert tuple(blocks.shape[1:]) == layout.block_shape
+
+    store = make_store(host_blocks=128)  # 64 KiB: room for the three 8 KiB blocks
+    namespace = Namespace("tiny-llama", layout)
+    store.register(namespace)
+    hashes = block_hashes(tokens, block_size=16)
+    store.put(namespace, hashes, blocks)
+    # A second request with the same prompt prefix finds it and gets the model's own K/V back.
+    assert store.lookup(namespace, block_hashes([*tokens, 7, 8], block_size=16)) == 3
+    restored = store.get(namespace, hashes)
+    assert same_bytes(restored, blocks)
+    assert torch.equal(restored[1, 0, 0, 5], cache[0][0][:, 16 + 5])  # layer 0, K, token 21
