@@ -77,24 +77,45 @@ def save_json(rows: list[Row], path: Path, extra: dict[str, Any]) -> None:
 
 
 def save_plot(rows: list[Row], path: Path, title: str) -> None:
-    """A bar chart of ours vs baseline for every row that has a baseline in the same unit."""
+    """One bar per row with a baseline: how many times better than the baseline tierkv is
+    (throughput ratio, or baseline time / our time), with the target ratio marked."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    plotted = [row for row in rows if row.baseline is not None]
-    fig, ax = plt.subplots(figsize=(10, 0.6 * len(plotted) + 1.5))
-    labels = [f"{row.metric} ({row.unit})" for row in plotted]
-    positions = range(len(plotted))
-    ax.barh([p + 0.2 for p in positions], [row.ours for row in plotted], 0.4, label="tierkv")
-    ax.barh([p - 0.2 for p in positions], [row.baseline or 0 for row in plotted], 0.4,
-            label="baseline")
-    ax.set_yticks(list(positions), labels)
+    plotted = [row for row in rows if row.ratio is not None]
+    speedups = [_speedup(row) for row in plotted]
+    fig, ax = plt.subplots(figsize=(9, 0.55 * len(plotted) + 1.6))
+    positions = list(range(len(plotted)))
+    colors = ["tab:green" if row.met else "tab:red" for row in plotted]
+    ax.barh(positions, speedups, color=colors)
+    for position, row, speedup in zip(positions, plotted, speedups, strict=True):
+        target = _target_ratio(row.target)
+        if target is not None:
+            ax.plot([target, target], [position - 0.4, position + 0.4], color="black")
+        ax.text(speedup, position, f" {speedup:.2f}x", va="center")
+    ax.axvline(1.0, color="grey", linestyle=":")
+    ax.set_yticks(positions, [f"{row.metric}\nvs {row.baseline_name}" for row in plotted])
     ax.invert_yaxis()
-    ax.legend()
+    ax.set_xlabel("times the baseline (higher is better; black tick: target)")
     ax.set_title(title)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def _speedup(row: Row) -> float:
+    """Throughput rows: ours / baseline; time rows (ms): baseline / ours."""
+    assert row.baseline is not None
+    return row.ours / row.baseline if row.unit != "ms" else row.baseline / row.ours
+
+
+def _target_ratio(target: str) -> float | None:
+    """The ratio in a target such as ">= 0.8x" or "<= 1.0x time" (as a speedup)."""
+    text = target.replace("time", "").strip()
+    if not text.endswith("x") or text[:2] not in (">=", "<="):
+        return None
+    value = float(text[2:-1])
+    return value if text.startswith(">=") else 1 / value
