@@ -196,7 +196,7 @@ def test_many_threads_hammer_one_store(
     assert sum(num_ops) > 200 and sum(num_blocks_read) > 0 and num_checks[0] > 10, (
         num_ops, num_blocks_read, num_checks)
     # Settled: every block the index holds is served exactly.
-    store.prefetch(namespace, [], Tier.HOST).result(timeout=30)
+    assert store.wait_for_background(timeout_s=30)
     check_budgets(store.stats())
     for i in range(num_keys):
         result = store.get(namespace, [hashes[i]])
@@ -416,7 +416,7 @@ def test_get_racing_delete_returns_exact_blocks_or_fewer(
     assert not errors, "\n".join(errors[:5])
     assert reads["full"] and reads["partial"], reads
     # Settled: whatever the index says is stored is served, exactly.
-    store.prefetch(namespace, [], Tier.HOST).result(timeout=30)
+    assert store.wait_for_background(timeout_s=30)
     num_stored = store.lookup(namespace, hashes)
     result = store.get(namespace, hashes)
     assert len(result) == num_stored

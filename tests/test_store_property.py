@@ -13,10 +13,9 @@ and clock steps over a universe of ten keys (the content of key ``i`` is always
 - while the disk has room for every key ever put, a ``write_through`` block is never lost, and
   no block at all is lost unless a demotion failed.
 
-The store runs with one worker thread, so a task on the worker (``prefetch(...).result()``)
-is a barrier behind every background promotion; the machine tracks whether background work may
-be in flight (``quiet``) and checks the stronger "no background work" properties only when it is
-not.
+``wait_for_background`` is a barrier behind every background promotion; the machine tracks
+whether background work may be in flight (``quiet``) and checks the stronger "no background
+work" properties only when it is not.
 """
 
 from __future__ import annotations
@@ -214,16 +213,13 @@ class StoreMachine(RuleBasedStateMachine):
         return {i for i, pin in self.pins.items() if pin.low >= 1 and pin.deadline_s > now}
 
     def settle(self) -> None:
-        """Wait for every background task: with one worker, a worker task runs after them."""
+        """Wait for every background task."""
         started = time.monotonic()
-        future = self.s.prefetch(self.ns, [], Tier.HOST)
-        try:
-            future.result(timeout=STALL_S)
-        except TimeoutError:
+        if not self.s.wait_for_background(timeout_s=STALL_S):
             self.stuck = True
             raise AssertionError(
                 f"background work did not finish within {STALL_S} s (a promotion waits on itself?)"
-            ) from None
+            )
         self.quiet = True
         assert time.monotonic() - started < STALL_S
 
@@ -396,7 +392,7 @@ class StoreMachine(RuleBasedStateMachine):
             self.stuck = True
             raise AssertionError(f"prefetch did not finish within {STALL_S} s") from None
         self.timed(started, "a prefetch")
-        self.quiet = True  # it ran on the one worker, after every earlier background task
+        self.settle()
         assert 0 <= num_ready <= self.s.lookup(self.ns, self.hashes(chain))
 
     @rule()

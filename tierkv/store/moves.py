@@ -350,4 +350,14 @@ class Mover:
                     done.add(entry)
                 else:
                     self.core.release_room_locked(tier, entry, location)
+                    if tier is Tier.DISK and entry in complete_set:
+                        self._delete_orphan_locked(entry)
         return done
+
+    def _delete_orphan_locked(self, entry: Entry) -> None:
+        """A record was committed for an entry deleted meanwhile: delete it too, unless a newer
+        entry of the same key holds a record there (a restart must not bring the block back)."""
+        current = entry.ns.blocks.get(entry.block_hash)
+        if current is None or current.disk is None:
+            self.core.queue_deletes_locked([entry.raw_key])
+            self.core.submit_deletes_locked()

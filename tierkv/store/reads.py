@@ -11,7 +11,9 @@ Decisions:
 from __future__ import annotations
 
 import logging
-from concurrent.futures import ThreadPoolExecutor
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 
 import torch
 
@@ -34,6 +36,8 @@ class Reader:
         self.core = core
         self.mover = mover
         self._executor = executor
+        self._background: set[Future[int]] = set()
+        self._background_lock = threading.Lock()
 
     def get_into(self, state: NamespaceState, keys: list[bytes], out: torch.Tensor) -> int:
         """See ``TieredStore.get_into``."""
@@ -129,9 +133,30 @@ class Reader:
                 # Disk reads run on the disk tier's reader threads, the rest on the store's.
                 disk = self.core.disk
                 executor = disk.readers if source is Tier.DISK and disk is not None else self._executor
-                executor.submit(self._promote, entries, source, destination)
+                future = executor.submit(self._promote, entries, source, destination)
             except RuntimeError:  # the store is closing: promotion is only an optimisation
                 return
+            with self._background_lock:
+                self._background.add(future)
+            future.add_done_callback(self._background_done)
+
+    def _background_done(self, future: Future[int]) -> None:
+        with self._background_lock:
+            self._background.discard(future)
+
+    def wait_for_background(self, timeout_s: float | None) -> bool:
+        """Wait until every promotion started so far (and any they start) has finished;
+        False if ``timeout_s`` ran out first."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while True:
+            with self._background_lock:
+                pending = set(self._background)
+            if not pending:
+                return True
+            remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
+            _, not_done = wait(pending, timeout=remaining)
+            if not_done:
+                return False
 
     def _tier_above(self, tier: Tier) -> Tier | None:
         for upper in reversed(Tier):

@@ -13,8 +13,8 @@ import logging
 import msgpack
 
 from tierkv.config import Priority, Tier
-from tierkv.errors import TierKVError
-from tierkv.keys import NAMESPACE_ID_BYTES, Namespace
+from tierkv.errors import InvalidArgumentError, TierKVError
+from tierkv.keys import BlockKey, Namespace
 from tierkv.layout import KVLayout
 from tierkv.store.core import StoreCore
 from tierkv.store.ledger import Entry, NamespaceState
@@ -72,8 +72,13 @@ def recover(core: StoreCore) -> int:
     surplus: list[bytes] = []
     with core.lock:
         for raw_key, size in disk.scan_blocks():
-            state = core.namespaces.get(raw_key[:NAMESPACE_ID_BYTES])
-            if state is None or size != state.record_bytes or len(raw_key) != 48:
+            try:
+                key = BlockKey.from_raw(raw_key)
+            except InvalidArgumentError:
+                surplus.append(raw_key)
+                continue
+            state = core.namespaces.get(key.namespace_id)
+            if state is None or size != state.record_bytes:
                 if state is not None:  # a torn or truncated record of a known namespace
                     core.counters.checksum_failures += 1
                 surplus.append(raw_key)
@@ -81,7 +86,7 @@ def recover(core: StoreCore) -> int:
             if not ledger.try_reserve_bytes(size):
                 surplus.append(raw_key)
                 continue
-            block_hash = raw_key[NAMESPACE_ID_BYTES:]
+            block_hash = bytes(key.block_hash)
             entry = Entry(block_hash, state, Priority.NORMAL)
             state.blocks[block_hash] = entry
             core.link_locked(entry, Tier.DISK, 0)

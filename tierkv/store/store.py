@@ -246,6 +246,12 @@ class TieredStore:
             self._core.wait_disk(job)
         return num_deleted
 
+    def wait_for_background(self, timeout_s: float | None = None) -> bool:
+        """Wait until the background promotions started so far have finished (for tests,
+        benchmarks and orderly shutdown); False if ``timeout_s`` ran out first."""
+        self._check_open()
+        return self._reader.wait_for_background(timeout_s)
+
     def stats(self) -> StoreStats:
         """A consistent snapshot of every tier's bytes, blocks and counters."""
         self._check_open()

@@ -32,15 +32,6 @@ class RecordStatus(enum.Enum):
     CORRUPT = "corrupt"
 
 
-def checksum(payload: memoryview | np.ndarray) -> bytes:
-    """xxh3-64 of the payload, 8 bytes (tens of GB/s: never the bottleneck of a disk read).
-
-    Bytes rather than an int so that the header, and so the record, has a fixed size.
-    """
-    digest: bytes = xxhash.xxh3_64_digest(payload)  # type: ignore[arg-type]  # ndarray is a buffer
-    return digest
-
-
 def copy_with_checksum(destination: np.ndarray, source: np.ndarray) -> bytes:
     """Copy ``source`` into ``destination`` and return the checksum of what was copied.
 
@@ -113,14 +104,3 @@ def verify_header(
     if not isinstance(expected, bytes):
         return None
     return value[start:], expected
-
-
-def decode_record(
-    value: memoryview, raw_key: bytes, fingerprint: str, payload_bytes: int
-) -> memoryview | None:
-    """The verified payload of ``value``, or None when anything in it is wrong."""
-    verified = verify_header(value, raw_key, fingerprint, payload_bytes)
-    if verified is None:
-        return None
-    payload, expected = verified
-    return payload if checksum(payload) == expected else None
