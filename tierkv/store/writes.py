@@ -43,9 +43,7 @@ class Writer:
         """See ``TieredStore.put``."""
         core = self.core
         block_bytes = state.block_bytes
-        new_indices, disk_indices = self._plan_put(state, keys, priority, policy, target)
-        with core.lock:  # the chain being put must not be evicted to make room for itself
-            own = frozenset(e for e in map(state.blocks.get, keys) if e is not None)
+        new_indices, disk_indices, own = self._plan_put(state, keys, priority, policy, target)
         locations: list[Location] = []
         if new_indices:
             locations = self.mover.reserve_pages(target, [block_bytes] * len(new_indices), own)
@@ -79,27 +77,31 @@ class Writer:
     def _plan_put(
         self, state: NamespaceState, keys: list[bytes], priority: Priority,
         policy: WritePolicy, target: Tier,
-    ) -> tuple[list[int], list[int]]:
-        """Which blocks need a copy in ``target``, and which a disk record."""
+    ) -> tuple[list[int], list[int], frozenset[Entry]]:
+        """Which blocks need a copy in ``target``, which a disk record, and the entries of the
+        chain that exist already (never evicted to make room for the chain itself)."""
         core = self.core
         new_indices: list[int] = []
         disk_indices: list[int] = []
         seen: set[bytes] = set()
+        own: set[Entry] = set()
         with core.lock:
             for index, key in enumerate(keys):
                 if key in seen:
                     continue
                 seen.add(key)
                 entry = state.blocks.get(key)
-                if entry is not None and priority > entry.priority:
-                    core.set_priority_locked(entry, priority)
+                if entry is not None:
+                    own.add(entry)
+                    if priority > entry.priority:
+                        core.set_priority_locked(entry, priority)
                 top = entry.top_tier() if entry is not None else None
                 if target is not Tier.DISK and (top is None or top > target):
                     new_indices.append(index)
                 wants_disk = policy is WritePolicy.WRITE_THROUGH or target is Tier.DISK
                 if wants_disk and (entry is None or entry.disk is None):
                     disk_indices.append(index)
-        return new_indices, disk_indices
+        return new_indices, disk_indices, frozenset(own)
 
     def _write_records(
         self, state: NamespaceState, keys: list[bytes], flat: torch.Tensor, indices: list[int],
