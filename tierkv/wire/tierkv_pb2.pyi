@@ -1,0 +1,337 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class Tier(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    TIER_UNSPECIFIED: _ClassVar[Tier]
+    TIER_GPU: _ClassVar[Tier]
+    TIER_HOST: _ClassVar[Tier]
+    TIER_DISK: _ClassVar[Tier]
+
+class WritePolicy(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    WRITE_POLICY_UNSPECIFIED: _ClassVar[WritePolicy]
+    WRITE_POLICY_WRITE_BACK: _ClassVar[WritePolicy]
+    WRITE_POLICY_WRITE_THROUGH: _ClassVar[WritePolicy]
+
+class Priority(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    PRIORITY_UNSPECIFIED: _ClassVar[Priority]
+    PRIORITY_LOW: _ClassVar[Priority]
+    PRIORITY_NORMAL: _ClassVar[Priority]
+    PRIORITY_HIGH: _ClassVar[Priority]
+    PRIORITY_SESSION: _ClassVar[Priority]
+TIER_UNSPECIFIED: Tier
+TIER_GPU: Tier
+TIER_HOST: Tier
+TIER_DISK: Tier
+WRITE_POLICY_UNSPECIFIED: WritePolicy
+WRITE_POLICY_WRITE_BACK: WritePolicy
+WRITE_POLICY_WRITE_THROUGH: WritePolicy
+PRIORITY_UNSPECIFIED: Priority
+PRIORITY_LOW: Priority
+PRIORITY_NORMAL: Priority
+PRIORITY_HIGH: Priority
+PRIORITY_SESSION: Priority
+
+class Namespace(_message.Message):
+    __slots__ = ("model_id", "num_layers", "num_kv_heads", "head_dim", "block_size", "dtype", "tp_rank", "tp_size")
+    MODEL_ID_FIELD_NUMBER: _ClassVar[int]
+    NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    NUM_KV_HEADS_FIELD_NUMBER: _ClassVar[int]
+    HEAD_DIM_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    TP_RANK_FIELD_NUMBER: _ClassVar[int]
+    TP_SIZE_FIELD_NUMBER: _ClassVar[int]
+    model_id: str
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int
+    dtype: str
+    tp_rank: int
+    tp_size: int
+    def __init__(self, model_id: _Optional[str] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., block_size: _Optional[int] = ..., dtype: _Optional[str] = ..., tp_rank: _Optional[int] = ..., tp_size: _Optional[int] = ...) -> None: ...
+
+class BlocksRequest(_message.Message):
+    __slots__ = ("namespace", "hashes")
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    HASHES_FIELD_NUMBER: _ClassVar[int]
+    namespace: Namespace
+    hashes: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, namespace: _Optional[_Union[Namespace, _Mapping]] = ..., hashes: _Optional[_Iterable[bytes]] = ...) -> None: ...
+
+class CountResponse(_message.Message):
+    __slots__ = ("count",)
+    COUNT_FIELD_NUMBER: _ClassVar[int]
+    count: int
+    def __init__(self, count: _Optional[int] = ...) -> None: ...
+
+class LookupRequest(_message.Message):
+    __slots__ = ("namespace", "hashes", "prefetch", "pin_ttl_s")
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    HASHES_FIELD_NUMBER: _ClassVar[int]
+    PREFETCH_FIELD_NUMBER: _ClassVar[int]
+    PIN_TTL_S_FIELD_NUMBER: _ClassVar[int]
+    namespace: Namespace
+    hashes: _containers.RepeatedScalarFieldContainer[bytes]
+    prefetch: bool
+    pin_ttl_s: float
+    def __init__(self, namespace: _Optional[_Union[Namespace, _Mapping]] = ..., hashes: _Optional[_Iterable[bytes]] = ..., prefetch: _Optional[bool] = ..., pin_ttl_s: _Optional[float] = ...) -> None: ...
+
+class LookupResponse(_message.Message):
+    __slots__ = ("num_cached", "num_gpu", "num_host", "num_disk", "num_pinned")
+    NUM_CACHED_FIELD_NUMBER: _ClassVar[int]
+    NUM_GPU_FIELD_NUMBER: _ClassVar[int]
+    NUM_HOST_FIELD_NUMBER: _ClassVar[int]
+    NUM_DISK_FIELD_NUMBER: _ClassVar[int]
+    NUM_PINNED_FIELD_NUMBER: _ClassVar[int]
+    num_cached: int
+    num_gpu: int
+    num_host: int
+    num_disk: int
+    num_pinned: int
+    def __init__(self, num_cached: _Optional[int] = ..., num_gpu: _Optional[int] = ..., num_host: _Optional[int] = ..., num_disk: _Optional[int] = ..., num_pinned: _Optional[int] = ...) -> None: ...
+
+class PinRequest(_message.Message):
+    __slots__ = ("namespace", "hashes", "ttl_s")
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    HASHES_FIELD_NUMBER: _ClassVar[int]
+    TTL_S_FIELD_NUMBER: _ClassVar[int]
+    namespace: Namespace
+    hashes: _containers.RepeatedScalarFieldContainer[bytes]
+    ttl_s: float
+    def __init__(self, namespace: _Optional[_Union[Namespace, _Mapping]] = ..., hashes: _Optional[_Iterable[bytes]] = ..., ttl_s: _Optional[float] = ...) -> None: ...
+
+class PutHeader(_message.Message):
+    __slots__ = ("namespace", "hashes", "write_policy", "priority")
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    HASHES_FIELD_NUMBER: _ClassVar[int]
+    WRITE_POLICY_FIELD_NUMBER: _ClassVar[int]
+    PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    namespace: Namespace
+    hashes: _containers.RepeatedScalarFieldContainer[bytes]
+    write_policy: WritePolicy
+    priority: Priority
+    def __init__(self, namespace: _Optional[_Union[Namespace, _Mapping]] = ..., hashes: _Optional[_Iterable[bytes]] = ..., write_policy: _Optional[_Union[WritePolicy, str]] = ..., priority: _Optional[_Union[Priority, str]] = ...) -> None: ...
+
+class PutChunk(_message.Message):
+    __slots__ = ("header", "data")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    header: PutHeader
+    data: bytes
+    def __init__(self, header: _Optional[_Union[PutHeader, _Mapping]] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class GetChunk(_message.Message):
+    __slots__ = ("num_blocks", "data")
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    num_blocks: int
+    data: bytes
+    def __init__(self, num_blocks: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class Extent(_message.Message):
+    __slots__ = ("offset", "length")
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    LENGTH_FIELD_NUMBER: _ClassVar[int]
+    offset: int
+    length: int
+    def __init__(self, offset: _Optional[int] = ..., length: _Optional[int] = ...) -> None: ...
+
+class BlockExtents(_message.Message):
+    __slots__ = ("extents",)
+    EXTENTS_FIELD_NUMBER: _ClassVar[int]
+    extents: _containers.RepeatedCompositeFieldContainer[Extent]
+    def __init__(self, extents: _Optional[_Iterable[_Union[Extent, _Mapping]]] = ...) -> None: ...
+
+class AcquireRequest(_message.Message):
+    __slots__ = ("namespace", "hashes", "lease_ttl_s")
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    HASHES_FIELD_NUMBER: _ClassVar[int]
+    LEASE_TTL_S_FIELD_NUMBER: _ClassVar[int]
+    namespace: Namespace
+    hashes: _containers.RepeatedScalarFieldContainer[bytes]
+    lease_ttl_s: float
+    def __init__(self, namespace: _Optional[_Union[Namespace, _Mapping]] = ..., hashes: _Optional[_Iterable[bytes]] = ..., lease_ttl_s: _Optional[float] = ...) -> None: ...
+
+class AllocateRequest(_message.Message):
+    __slots__ = ("namespace", "hashes", "write_policy", "priority", "lease_ttl_s")
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    HASHES_FIELD_NUMBER: _ClassVar[int]
+    WRITE_POLICY_FIELD_NUMBER: _ClassVar[int]
+    PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    LEASE_TTL_S_FIELD_NUMBER: _ClassVar[int]
+    namespace: Namespace
+    hashes: _containers.RepeatedScalarFieldContainer[bytes]
+    write_policy: WritePolicy
+    priority: Priority
+    lease_ttl_s: float
+    def __init__(self, namespace: _Optional[_Union[Namespace, _Mapping]] = ..., hashes: _Optional[_Iterable[bytes]] = ..., write_policy: _Optional[_Union[WritePolicy, str]] = ..., priority: _Optional[_Union[Priority, str]] = ..., lease_ttl_s: _Optional[float] = ...) -> None: ...
+
+class LeaseResponse(_message.Message):
+    __slots__ = ("lease_id", "num_blocks", "blocks", "write_indices", "expires_in_s")
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    WRITE_INDICES_FIELD_NUMBER: _ClassVar[int]
+    EXPIRES_IN_S_FIELD_NUMBER: _ClassVar[int]
+    lease_id: bytes
+    num_blocks: int
+    blocks: _containers.RepeatedCompositeFieldContainer[BlockExtents]
+    write_indices: _containers.RepeatedScalarFieldContainer[int]
+    expires_in_s: float
+    def __init__(self, lease_id: _Optional[bytes] = ..., num_blocks: _Optional[int] = ..., blocks: _Optional[_Iterable[_Union[BlockExtents, _Mapping]]] = ..., write_indices: _Optional[_Iterable[int]] = ..., expires_in_s: _Optional[float] = ...) -> None: ...
+
+class LeaseRequest(_message.Message):
+    __slots__ = ("lease_id",)
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    lease_id: bytes
+    def __init__(self, lease_id: _Optional[bytes] = ...) -> None: ...
+
+class LeaseDoneResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class StatsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class TierStats(_message.Message):
+    __slots__ = ("tier", "capacity_bytes", "used_bytes", "num_blocks", "hits", "misses", "evictions", "promotions_in", "demotions_in")
+    TIER_FIELD_NUMBER: _ClassVar[int]
+    CAPACITY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    USED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    HITS_FIELD_NUMBER: _ClassVar[int]
+    MISSES_FIELD_NUMBER: _ClassVar[int]
+    EVICTIONS_FIELD_NUMBER: _ClassVar[int]
+    PROMOTIONS_IN_FIELD_NUMBER: _ClassVar[int]
+    DEMOTIONS_IN_FIELD_NUMBER: _ClassVar[int]
+    tier: str
+    capacity_bytes: int
+    used_bytes: int
+    num_blocks: int
+    hits: int
+    misses: int
+    evictions: int
+    promotions_in: int
+    demotions_in: int
+    def __init__(self, tier: _Optional[str] = ..., capacity_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., num_blocks: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., evictions: _Optional[int] = ..., promotions_in: _Optional[int] = ..., demotions_in: _Optional[int] = ...) -> None: ...
+
+class StatsResponse(_message.Message):
+    __slots__ = ("tiers", "num_namespaces", "num_pinned", "promotions", "demotions", "failed_demotions", "checksum_failures", "puts", "gets", "num_leases")
+    TIERS_FIELD_NUMBER: _ClassVar[int]
+    NUM_NAMESPACES_FIELD_NUMBER: _ClassVar[int]
+    NUM_PINNED_FIELD_NUMBER: _ClassVar[int]
+    PROMOTIONS_FIELD_NUMBER: _ClassVar[int]
+    DEMOTIONS_FIELD_NUMBER: _ClassVar[int]
+    FAILED_DEMOTIONS_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUM_FAILURES_FIELD_NUMBER: _ClassVar[int]
+    PUTS_FIELD_NUMBER: _ClassVar[int]
+    GETS_FIELD_NUMBER: _ClassVar[int]
+    NUM_LEASES_FIELD_NUMBER: _ClassVar[int]
+    tiers: _containers.RepeatedCompositeFieldContainer[TierStats]
+    num_namespaces: int
+    num_pinned: int
+    promotions: int
+    demotions: int
+    failed_demotions: int
+    checksum_failures: int
+    puts: int
+    gets: int
+    num_leases: int
+    def __init__(self, tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., num_namespaces: _Optional[int] = ..., num_pinned: _Optional[int] = ..., promotions: _Optional[int] = ..., demotions: _Optional[int] = ..., failed_demotions: _Optional[int] = ..., checksum_failures: _Optional[int] = ..., puts: _Optional[int] = ..., gets: _Optional[int] = ..., num_leases: _Optional[int] = ...) -> None: ...
+
+class DescribeRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class DescribeResponse(_message.Message):
+    __slots__ = ("version", "shm_name", "shm_size_bytes", "page_bytes", "host_id", "max_hashes_per_call", "max_chunk_bytes", "hash_seed")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    SHM_NAME_FIELD_NUMBER: _ClassVar[int]
+    SHM_SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    PAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    HOST_ID_FIELD_NUMBER: _ClassVar[int]
+    MAX_HASHES_PER_CALL_FIELD_NUMBER: _ClassVar[int]
+    MAX_CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    HASH_SEED_FIELD_NUMBER: _ClassVar[int]
+    version: str
+    shm_name: str
+    shm_size_bytes: int
+    page_bytes: int
+    host_id: str
+    max_hashes_per_call: int
+    max_chunk_bytes: int
+    hash_seed: str
+    def __init__(self, version: _Optional[str] = ..., shm_name: _Optional[str] = ..., shm_size_bytes: _Optional[int] = ..., page_bytes: _Optional[int] = ..., host_id: _Optional[str] = ..., max_hashes_per_call: _Optional[int] = ..., max_chunk_bytes: _Optional[int] = ..., hash_seed: _Optional[str] = ...) -> None: ...
+
+class SaveSessionRequest(_message.Message):
+    __slots__ = ("namespace", "session_id", "token_ids", "ttl_s")
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    TTL_S_FIELD_NUMBER: _ClassVar[int]
+    namespace: Namespace
+    session_id: str
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    ttl_s: float
+    def __init__(self, namespace: _Optional[_Union[Namespace, _Mapping]] = ..., session_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., ttl_s: _Optional[float] = ...) -> None: ...
+
+class SaveSessionResponse(_message.Message):
+    __slots__ = ("num_tokens",)
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    num_tokens: int
+    def __init__(self, num_tokens: _Optional[int] = ...) -> None: ...
+
+class SessionRequest(_message.Message):
+    __slots__ = ("session_id",)
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    def __init__(self, session_id: _Optional[str] = ...) -> None: ...
+
+class ResumeSessionResponse(_message.Message):
+    __slots__ = ("namespace", "token_ids", "num_cached_tokens")
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    namespace: Namespace
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    num_cached_tokens: int
+    def __init__(self, namespace: _Optional[_Union[Namespace, _Mapping]] = ..., token_ids: _Optional[_Iterable[int]] = ..., num_cached_tokens: _Optional[int] = ...) -> None: ...
+
+class DeleteSessionResponse(_message.Message):
+    __slots__ = ("deleted",)
+    DELETED_FIELD_NUMBER: _ClassVar[int]
+    deleted: bool
+    def __init__(self, deleted: _Optional[bool] = ...) -> None: ...
+
+class ListSessionsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class SessionInfo(_message.Message):
+    __slots__ = ("session_id", "model_id", "num_tokens", "last_use_unix_s")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    MODEL_ID_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    LAST_USE_UNIX_S_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    model_id: str
+    num_tokens: int
+    last_use_unix_s: float
+    def __init__(self, session_id: _Optional[str] = ..., model_id: _Optional[str] = ..., num_tokens: _Optional[int] = ..., last_use_unix_s: _Optional[float] = ...) -> None: ...
+
+class ListSessionsResponse(_message.Message):
+    __slots__ = ("sessions",)
+    SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    sessions: _containers.RepeatedCompositeFieldContainer[SessionInfo]
+    def __init__(self, sessions: _Optional[_Iterable[_Union[SessionInfo, _Mapping]]] = ...) -> None: ...
