@@ -11,6 +11,10 @@ Decisions:
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
 import torch
 
 from tierkv.config import Priority, Tier, WritePolicy
@@ -22,6 +26,20 @@ from tierkv.store.moves import Mover
 from tierkv.tiers.records import encode_record
 
 _FLUSH_BATCH = 64
+
+
+@dataclass(eq=False)
+class PutPlan:
+    """What a put (or a write lease) has to do."""
+
+    new_indices: list[int] = field(default_factory=list)
+    disk_indices: list[int] = field(default_factory=list)
+    own: frozenset[Entry] = frozenset()
+
+    @property
+    def new_set(self) -> frozenset[int]:
+        """``new_indices`` as a set."""
+        return frozenset(self.new_indices)
 
 
 class Writer:
@@ -43,46 +61,39 @@ class Writer:
         """See ``TieredStore.put``."""
         core = self.core
         block_bytes = state.block_bytes
-        new_indices, disk_indices, own = self._plan_put(state, keys, priority, policy, target)
+        plan = self.plan(state, keys, priority, policy, target)
         locations: list[Location] = []
-        if new_indices:
-            locations = self.mover.reserve_pages(target, [block_bytes] * len(new_indices), own)
-        disk_reserved = False
+        if plan.new_indices:
+            locations = self.mover.reserve_pages(
+                target, [block_bytes] * len(plan.new_indices), plan.own
+            )
         try:
-            if new_indices:
+            if plan.new_indices:
                 slab = core.paged[target].slab
-                spans = slab.plan(locations, block_bytes, new_indices)
+                spans = slab.plan(locations, block_bytes, plan.new_indices)
                 core.engine.copy(lambda nb: slab.write(spans, flat, nb), slab.device, flat.device)
-            if disk_indices:
-                self._write_records(state, keys, flat, disk_indices, own)
-                disk_reserved = True
+            if plan.disk_indices:
+                array = (flat if flat.device.type == "cpu" else flat.cpu()).numpy()
+                self.write_records(
+                    state, keys, plan.disk_indices, plan.own,
+                    lambda i: array[i * block_bytes : (i + 1) * block_bytes],
+                )
         except BaseException:
             with core.lock:
                 for location in locations:
                     core.release_pages_locked(target, location)
             raise
-        with core.lock:
-            core.counters.puts += 1
-            num_stored = self._publish(state, keys, priority, target, new_indices, locations)
-            if disk_reserved:
-                num_on_disk = self._publish_disk(state, keys, priority, disk_indices)
-                if target is Tier.DISK:
-                    num_stored = num_on_disk
-            touched = [state.blocks.get(key) for key in reversed(keys)]
-            for entry in touched:
-                if entry is not None:
-                    core.touch_locked(entry)
-        return num_stored
+        return self.publish(state, keys, priority, target, plan,
+                            dict(zip(plan.new_indices, locations, strict=True)))
 
-    def _plan_put(
+    def plan(
         self, state: NamespaceState, keys: list[bytes], priority: Priority,
         policy: WritePolicy, target: Tier,
-    ) -> tuple[list[int], list[int], frozenset[Entry]]:
+    ) -> PutPlan:
         """Which blocks need a copy in ``target``, which a disk record, and the entries of the
         chain that exist already (never evicted to make room for the chain itself)."""
         core = self.core
-        new_indices: list[int] = []
-        disk_indices: list[int] = []
+        plan = PutPlan()
         seen: set[bytes] = set()
         own: set[Entry] = set()
         with core.lock:
@@ -97,26 +108,23 @@ class Writer:
                         core.set_priority_locked(entry, priority)
                 top = entry.top_tier() if entry is not None else None
                 if target is not Tier.DISK and (top is None or top > target):
-                    new_indices.append(index)
+                    plan.new_indices.append(index)
                 wants_disk = policy is WritePolicy.WRITE_THROUGH or target is Tier.DISK
                 if wants_disk and (entry is None or entry.disk is None):
-                    disk_indices.append(index)
-        return new_indices, disk_indices, frozenset(own)
+                    plan.disk_indices.append(index)
+        plan.own = frozenset(own)
+        return plan
 
-    def _write_records(
-        self, state: NamespaceState, keys: list[bytes], flat: torch.Tensor, indices: list[int],
-        own: frozenset[Entry],
+    def write_records(
+        self, state: NamespaceState, keys: list[bytes], indices: list[int],
+        own: frozenset[Entry], payload_of: Callable[[int], np.ndarray],
     ) -> None:
-        """Write-through: durable disk records of ``indices`` before returning."""
+        """Write-through: durable disk records of blocks ``indices`` (bytes from ``payload_of``)
+        before returning; their disk room is reserved, and given back on failure."""
         core = self.core
-        block_bytes = state.block_bytes
-        host = flat if flat.device.type == "cpu" else flat.cpu()
-        array = host.numpy()
-        fingerprint = state.namespace.layout.fingerprint
+        fingerprint = state.fingerprint
         records = [
-            (state.id + keys[i], encode_record(
-                state.id + keys[i], fingerprint, array[i * block_bytes : (i + 1) * block_bytes]
-            ))
+            (state.id + keys[i], encode_record(state.id + keys[i], fingerprint, payload_of(i)))
             for i in indices
         ]
         with core.lock:
@@ -130,28 +138,40 @@ class Writer:
                 core.disk_ledger.release_bytes(len(records) * state.record_bytes)
             raise
 
+    def publish(
+        self, state: NamespaceState, keys: list[bytes], priority: Priority, target: Tier,
+        plan: PutPlan, locations: dict[int, Location],
+    ) -> int:
+        """Make a put visible: link the copies in ``target`` (``locations`` by block index; room
+        reserved for blocks another put stored meanwhile is given back) and, when the plan wrote
+        records, on disk. Returns the blocks newly stored in ``target``."""
+        core = self.core
+        with core.lock:
+            core.counters.puts += 1
+            num_stored = 0
+            for index, location in locations.items():
+                existing = state.blocks.get(keys[index])
+                if index in plan.new_set and (existing is None or existing.residency(target) is None):
+                    core.link_locked(self._entry_locked(state, keys[index], priority), target, location)
+                    num_stored += 1
+                else:  # a concurrent put of the same key won, or only its record was wanted
+                    core.release_pages_locked(target, location)
+            if plan.disk_indices:
+                num_on_disk = self._publish_disk(state, keys, priority, plan.disk_indices)
+                if target is Tier.DISK:
+                    num_stored = num_on_disk
+            for key in reversed(keys):  # tail first: the head ends most recently used
+                touched = state.blocks.get(key)
+                if touched is not None:
+                    core.touch_locked(touched)
+        return num_stored
+
     def _entry_locked(self, state: NamespaceState, key: bytes, priority: Priority) -> Entry:
         entry = state.blocks.get(key)
         if entry is None:
             entry = Entry(key, state, priority)
             state.blocks[key] = entry
         return entry
-
-    def _publish(
-        self, state: NamespaceState, keys: list[bytes], priority: Priority, target: Tier,
-        indices: list[int], locations: list[Location],
-    ) -> int:
-        """Link the new copies; returns how many were linked (a concurrent put may have won)."""
-        core = self.core
-        num_linked = 0
-        for index, location in zip(indices, locations, strict=True):
-            entry = self._entry_locked(state, keys[index], priority)
-            if entry.residency(target) is None:
-                core.link_locked(entry, target, location)
-                num_linked += 1
-            else:  # a concurrent put of the same key won
-                core.release_pages_locked(target, location)
-        return num_linked
 
     def _publish_disk(
         self, state: NamespaceState, keys: list[bytes], priority: Priority, indices: list[int]

@@ -2,7 +2,9 @@
 
 The tier only moves bytes: the store decides which records to write and delete and when. Writes
 are queued to the writer thread, which commits queued jobs together (group commit: one fsync for
-many puts) and resolves each job's future once its transaction is durable. Reads run on the
+many puts) and resolves each job's future once its transaction is durable. Beside the block
+records, two small sub-databases hold what the store keeps about namespaces (descriptors) and
+chat sessions (``tierkv.store.sessions``); they change in the same queued jobs. Reads run on the
 caller's thread (or the tier's reader threads) inside a read transaction and copy the payload
 straight out of LMDB's map.
 
@@ -44,17 +46,27 @@ _RESERVE_PAGES = 64
 
 @dataclass(slots=True)
 class DiskWrite:
-    """One atomic change: records to put and keys to delete, in the blocks and namespace DBs."""
+    """One atomic change: records to put and keys to delete, in the blocks, namespace and
+    session DBs."""
 
     block_puts: Sequence[tuple[bytes, bytes | bytearray]] = ()
     block_deletes: Sequence[bytes] = ()
     namespace_puts: Sequence[tuple[bytes, bytes]] = ()
+    session_puts: Sequence[tuple[bytes, bytes]] = ()
+    session_deletes: Sequence[bytes] = ()
     future: Future[None] = field(default_factory=Future)
 
     @property
     def num_bytes(self) -> int:
-        """Bytes this job writes."""
-        return sum(len(value) for _, value in self.block_puts)
+        """Bytes of block and session records this job writes."""
+        return sum(len(value) for _, value in self.block_puts) + sum(
+            len(value) for _, value in self.session_puts
+        )
+
+    @property
+    def has_puts(self) -> bool:
+        """Whether the job writes anything (else it only deletes)."""
+        return bool(self.block_puts or self.namespace_puts or self.session_puts)
 
 
 class DiskTier:
@@ -80,6 +92,7 @@ class DiskTier:
         self._page_bytes = int(self._env.stat()["psize"])
         self._blocks = self._env.open_db(b"blocks")
         self._namespaces = self._env.open_db(b"namespaces")
+        self._sessions = self._env.open_db(b"sessions")
         self._queue: queue.SimpleQueue[DiskWrite | None] = queue.SimpleQueue()
         self._writer = threading.Thread(target=self._write_loop, name="tierkv-disk-writer", daemon=True)
         self._writer.start()
@@ -99,6 +112,12 @@ class DiskTier:
         """Every namespace descriptor that was stored, by namespace id."""
         self._check_process()
         with self._env.begin(db=self._namespaces) as txn:
+            return {bytes(key): bytes(value) for key, value in txn.cursor()}
+
+    def load_sessions(self) -> dict[bytes, bytes]:
+        """Every session record that was stored, by session key."""
+        self._check_process()
+        with self._env.begin(db=self._sessions) as txn:
             return {bytes(key): bytes(value) for key, value in txn.cursor()}
 
     # --- writes -------------------------------------------------------------------------------
@@ -159,9 +178,10 @@ class DiskTier:
             return
         page_bytes = self._page_bytes
         used_pages = 0
-        for stat in (txn.stat(self._blocks), txn.stat(self._namespaces), self._env.stat()):
+        stats = [txn.stat(db) for db in (self._blocks, self._namespaces, self._sessions)]
+        for stat in (*stats, self._env.stat()):
             used_pages += stat["branch_pages"] + stat["leaf_pages"] + stat["overflow_pages"]
-        num_records = sum(len(job.block_puts) for job in batch)
+        num_records = sum(len(job.block_puts) + len(job.session_puts) for job in batch)
         needed_pages = -(-num_put_bytes // page_bytes) + 2 * num_records
         map_pages = self.config.map_size_bytes // page_bytes
         reserve_pages = max(_RESERVE_PAGES, map_pages // 100)
@@ -175,18 +195,19 @@ class DiskTier:
         """Resolve a job that did not commit. Its deletes are retried alone, a few per
         transaction (a nearly full map still has room for small ones): a delete-only job then
         succeeds; a job with puts still fails (its deletes are idempotent if queued again)."""
-        salvaged = self._salvage_deletes(job.block_deletes)
-        if salvaged and not job.block_puts and not job.namespace_puts:
+        salvaged = self._salvage_deletes(job.block_deletes, self._blocks)
+        salvaged = self._salvage_deletes(job.session_deletes, self._sessions) and salvaged
+        if salvaged and not job.has_puts:
             job.future.set_result(None)
         else:
             job.future.set_exception(_disk_error(exc))
 
-    def _salvage_deletes(self, keys: Sequence[bytes]) -> bool:
+    def _salvage_deletes(self, keys: Sequence[bytes], db: lmdb._Database) -> bool:
         for start in range(0, len(keys), _SALVAGE_DELETES):
             try:
                 with self._env.begin(write=True) as txn:
                     for key in keys[start : start + _SALVAGE_DELETES]:
-                        txn.delete(key, db=self._blocks)
+                        txn.delete(key, db=db)
             except (lmdb.Error, OSError) as exc:
                 log.warning("could not delete %d records: %s", len(keys) - start, exc)
                 return False
@@ -202,6 +223,10 @@ class DiskTier:
                     txn.put(key, value, db=self._blocks)
                 for key, value in job.namespace_puts:
                     txn.put(key, value, db=self._namespaces)
+                for key in job.session_deletes:
+                    txn.delete(key, db=self._sessions)
+                for key, value in job.session_puts:
+                    txn.put(key, value, db=self._sessions)
 
     # --- reads --------------------------------------------------------------------------------
 
