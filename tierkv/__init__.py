@@ -19,6 +19,8 @@ from tierkv.errors import (
     ConfigError,
     DiskFullError,
     InvalidArgumentError,
+    LeaseNotFoundError,
+    LeaseStateError,
     StoreClosedError,
     TierKVError,
     UnknownNamespaceError,
@@ -27,6 +29,7 @@ from tierkv.hashing import ExtraKeys, MultiModalItem, block_hashes
 from tierkv.keys import BlockHash, BlockKey, Namespace, NamespaceId
 from tierkv.layout import DType, KVLayout
 from tierkv.store import StoreStats, TieredStore, TierStats
+from tierkv.store.leases import ReadLease, WriteLease
 
 __all__ = [
     "BlockHash",
@@ -41,10 +44,13 @@ __all__ = [
     "HostTierConfig",
     "InvalidArgumentError",
     "KVLayout",
+    "LeaseNotFoundError",
+    "LeaseStateError",
     "MultiModalItem",
     "Namespace",
     "NamespaceId",
     "Priority",
+    "ReadLease",
     "StoreClosedError",
     "StoreConfig",
     "StoreStats",
@@ -53,6 +59,7 @@ __all__ = [
     "TierStats",
     "TieredStore",
     "UnknownNamespaceError",
+    "WriteLease",
     "WritePolicy",
     "block_hashes",
 ]

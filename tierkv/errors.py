@@ -35,6 +35,14 @@ class DiskFullError(CapacityError):
     """The disk (or LMDB's map) has no room left for a write, even after eviction."""
 
 
+class LeaseNotFoundError(TierKVError, LookupError):
+    """No such lease for this owner (never granted, or another client's)."""
+
+
+class LeaseStateError(TierKVError):
+    """The lease exists no more: it was committed, aborted, released or it expired."""
+
+
 class StoreClosedError(TierKVError):
     """The store was closed; no further operations are accepted."""
 

@@ -27,6 +27,7 @@ from tierkv.errors import CapacityError, TierKVError
 from tierkv.paging import Location, location_num_pages
 from tierkv.store.core import StoreCore
 from tierkv.store.ledger import DOOMED, Entry, NamespaceState, PagedLedger
+from tierkv.tiers.paged import PagedSlab
 from tierkv.tiers.records import RecordStatus, encode_record
 
 log = logging.getLogger(__name__)
@@ -226,6 +227,15 @@ class Mover:
         slab = self.core.paged[tier].slab
         spans = slab.plan([location], flat.numel())
         self.core.engine.copy(lambda nb: slab.write(spans, flat, nb), slab.device, flat.device)
+
+    def host_view(self, slab: PagedSlab, location: Location, block_bytes: int) -> np.ndarray:
+        """The bytes of a block at ``location`` of a CPU slab (a view when its pages are
+        adjacent, else a gathered copy)."""
+        view = slab.view(location, block_bytes)
+        if view is None:
+            view = torch.empty(block_bytes, dtype=torch.uint8)
+            slab.read(slab.plan([location], block_bytes), view, False)
+        return view.numpy()
 
     def host_bytes(self, entry: Entry, tier: Tier) -> np.ndarray:
         """``entry``'s bytes in paged ``tier`` as a CPU array (a view when possible)."""

@@ -21,12 +21,15 @@ import torch
 
 from tierkv.config import Priority, StoreConfig, Tier, WritePolicy
 from tierkv.errors import ConfigError, InvalidArgumentError, StoreClosedError, UnknownNamespaceError
+from tierkv.hashing import DEFAULT_SEED, block_hashes
 from tierkv.keys import Namespace
 from tierkv.store import recovery
 from tierkv.store.core import StoreCore
+from tierkv.store.leases import Leases, ReadLease, WriteLease
 from tierkv.store.ledger import NamespaceState, PagedLedger
 from tierkv.store.moves import Mover
 from tierkv.store.reads import Reader
+from tierkv.store.sessions import ResumedSession, SessionInfo, SessionTable
 from tierkv.store.stats import StoreStats, TierStats
 from tierkv.store.validation import check_blocks, check_hashes, check_lookup_hashes, check_ttl
 from tierkv.store.writes import Writer
@@ -68,6 +71,7 @@ class TieredStore:
                 self._disk = DiskTier(config.disk)
             self._core = StoreCore(config, paged, self._disk, clock)
             self.num_recovered_blocks = recovery.recover(self._core)
+            self._sessions = SessionTable(self._disk)
         except BaseException:
             self._release_resources()
             raise
@@ -75,6 +79,7 @@ class TieredStore:
         mover = Mover(self._core)
         self._reader = Reader(self._core, mover, self._executor)
         self._writer = Writer(self._core, mover)
+        self._leases = Leases(self._core, mover, self._writer, clock)
 
     # --- namespaces -----------------------------------------------------------------------
 
@@ -191,6 +196,56 @@ class TieredStore:
             raise ConfigError(f"prefetch: the {tier.label} tier is not configured")
         return self._executor.submit(self._reader.prefetch, state, keys, tier)
 
+    # --- same-host leases on HOST pages (see tierkv.store.leases) --------------------------
+
+    def acquire(
+        self, namespace: Namespace, hashes: Sequence[bytes], ttl_s: float | None = None,
+        owner: str = "",
+    ) -> ReadLease:
+        """Lease the leading stored blocks of ``hashes`` in the HOST slab for reading in place;
+        ``release`` it when done (it expires after ``ttl_s``, default 30 s)."""
+        state = self._state(namespace)
+        return self._leases.acquire(state, check_hashes(hashes), ttl_s, owner)
+
+    def release(self, lease_id: bytes, owner: str = "") -> None:
+        """End a read lease (``LeaseNotFoundError`` / ``LeaseStateError`` if it is not live)."""
+        self._check_open()
+        self._leases.release(lease_id, owner)
+
+    def allocate(
+        self, namespace: Namespace, hashes: Sequence[bytes], ttl_s: float | None = None,
+        owner: str = "", *, priority: Priority = Priority.NORMAL,
+        write_policy: WritePolicy | None = None,
+    ) -> WriteLease:
+        """Reserve HOST pages for writing the blocks of ``hashes`` in place; ``commit`` (or
+        ``abort``) before the lease expires. Same errors as ``put``."""
+        state = self._state(namespace)
+        keys = check_hashes(hashes)
+        policy = write_policy or self.config.write_policy
+        if policy is WritePolicy.WRITE_THROUGH and self._core.disk is None:
+            raise ConfigError("allocate: write_through needs a disk tier (--disk-path)")
+        return self._leases.allocate(state, keys, ttl_s, owner, Priority(priority), policy)
+
+    def commit(self, lease_id: bytes, owner: str = "") -> int:
+        """Make a write lease's blocks visible at once; returns the blocks newly stored."""
+        self._check_open()
+        return self._leases.commit(lease_id, owner)
+
+    def abort(self, lease_id: bytes, owner: str = "") -> None:
+        """Drop a write lease: none of its blocks becomes visible."""
+        self._check_open()
+        self._leases.abort(lease_id, owner)
+
+    def expire_leases(self) -> int:
+        """End every lease past its deadline (a server calls this periodically)."""
+        self._check_open()
+        return self._leases.expire()
+
+    @property
+    def num_leases(self) -> int:
+        """Leases granted and not yet ended."""
+        return len(self._leases)
+
     def pin(self, namespace: Namespace, hashes: Sequence[bytes], ttl_s: float | None = None) -> int:
         """Keep the leading stored blocks of ``hashes`` from eviction until ``unpin`` (or for
         ``ttl_s`` seconds). Returns how many were pinned."""
@@ -280,6 +335,57 @@ class TieredStore:
     def host_pinned(self) -> bool:
         """Whether the HOST slab is page-locked for CUDA copies (only when CUDA is present)."""
         return self._host.pinned
+
+    # --- sessions ---------------------------------------------------------------------------
+
+    def save_session(
+        self,
+        namespace: Namespace,
+        session_id: str,
+        token_ids: Sequence[int],
+        ttl_s: float | None = None,
+    ) -> int:
+        """Store (or replace) the chat session ``session_id`` of ``namespace.tenant``: its
+        namespace and ``token_ids``, last used now, kept until deleted or, with ``ttl_s``, until
+        ``ttl_s`` seconds pass without a ``resume_session``. Returns the number of tokens.
+
+        Store the session's blocks yourself (``write_through``, ``Priority.SESSION``). With a
+        disk tier the record is durable when this returns; without one it is kept in memory
+        only, and ends with the process. Raises ``InvalidArgumentError`` (a ``ValueError``) for
+        an empty ``session_id``, one over 256 UTF-8 bytes or with NUL, token ids outside
+        ``[0, 2**32)`` or more than ``2**20`` of them, or a ``ttl_s`` outside ``(0, 30 days]``;
+        ``UnknownNamespaceError`` if ``namespace`` is not registered. Nothing is stored then.
+        """
+        self._state(namespace)
+        return self._sessions.save(namespace, session_id, token_ids, ttl_s)
+
+    def resume_session(
+        self, tenant: str, session_id: str, seed: str = DEFAULT_SEED
+    ) -> ResumedSession:
+        """The session's namespace and token ids, and how many leading tokens are cached (whole
+        blocks whose hashes, computed with ``seed``, are stored in some tier): prefill only
+        ``token_ids[num_cached_tokens:]``. Sets its last use to now (written to disk in the
+        background) and registers its namespace if needed. Raises ``SessionNotFoundError`` (a
+        ``LookupError``) if the tenant has no such session or its TTL ran out."""
+        self._check_open()
+        record = self._sessions.resume(tenant, session_id)
+        namespace = record.namespace
+        self.register(namespace)
+        tokens = record.token_array()
+        block_size = namespace.layout.block_size
+        num_blocks = self.lookup(namespace, block_hashes(tokens, block_size, seed))
+        return ResumedSession(namespace, tuple(tokens.tolist()), num_blocks * block_size)
+
+    def delete_session(self, tenant: str, session_id: str) -> bool:
+        """Delete the session (durably, with a disk tier); True if it existed and had not
+        expired. Its blocks stay until evicted or ``delete``d."""
+        self._check_open()
+        return self._sessions.delete(tenant, session_id)
+
+    def list_sessions(self, tenant: str) -> list[SessionInfo]:
+        """The tenant's sessions that have not expired, sorted by ``session_id``."""
+        self._check_open()
+        return self._sessions.list_for(tenant)
 
     # --- async variants -------------------------------------------------------------------
 

@@ -1,0 +1,272 @@
+"""Leases on HOST pages: the same-host, zero-copy data path.
+
+A client on the same host maps the HOST slab (shared memory) and copies blocks itself:
+
+- read: ``acquire`` brings the leading stored blocks into HOST, pins them (they count as being
+  read, so nothing evicts or frees their pages) and returns where their bytes lie; the client
+  copies them out, then ``release``.
+- write: ``allocate`` reserves pages for the blocks that need bytes and returns where; the
+  client copies into them, then ``commit`` makes the blocks visible atomically (after their
+  write-through records are durable), or ``abort`` gives the pages back.
+
+Decisions:
+1. A lease expires ``ttl_s`` after it was granted: a client that dies never leaks pages. Any
+   lease call, and ``expire``, reaps expired leases.
+2. A lease belongs to its ``owner`` (the server passes tenant and client id); another owner's
+   lease id is unknown to it (``LeaseNotFoundError``), so a lease only ever covers its own pages.
+3. Finished leases are remembered for a while, so that a double commit or a commit after expiry
+   is reported as such (``LeaseStateError``) instead of as an unknown id.
+"""
+
+from __future__ import annotations
+
+import secrets
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from tierkv.config import Priority, Tier, WritePolicy
+from tierkv.errors import InvalidArgumentError, LeaseNotFoundError, LeaseStateError
+from tierkv.paging import Location, iter_extents
+from tierkv.store.core import StoreCore
+from tierkv.store.ledger import DOOMED, Entry, NamespaceState
+from tierkv.store.moves import Mover
+from tierkv.store.writes import PutPlan, Writer
+
+DEFAULT_LEASE_TTL_S = 30.0
+MAX_LEASE_TTL_S = 600.0
+_NUM_REMEMBERED = 4096
+
+# (byte offset in the HOST slab, length) runs of one block, in block byte order.
+BlockExtents = list[tuple[int, int]]
+
+
+@dataclass(frozen=True, slots=True)
+class ReadLease:
+    """Granted by ``acquire``: ``blocks[i]`` says where block ``i`` lies in the HOST slab.
+
+    ``num_cached`` leading hashes were stored; only the first ``len(blocks)`` of them could be
+    leased (HOST room is finite): acquire the rest after releasing this one.
+    """
+
+    lease_id: bytes
+    blocks: list[BlockExtents]
+    num_cached: int
+    expires_in_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class WriteLease:
+    """Granted by ``allocate``: write block ``write_indices[i]`` into ``blocks[i]``, then commit.
+    Blocks not listed are stored already."""
+
+    lease_id: bytes
+    write_indices: list[int]
+    blocks: list[BlockExtents]
+    expires_in_s: float
+
+
+@dataclass(eq=False)
+class _Read:
+    owner: str
+    deadline_s: float
+    entries: list[Entry]
+
+
+@dataclass(eq=False)
+class _Write:
+    owner: str
+    deadline_s: float
+    state: NamespaceState
+    keys: list[bytes]
+    priority: Priority
+    plan: PutPlan
+    locations: dict[int, Location] = field(default_factory=dict)
+
+
+class Leases:
+    """The lease table of one store (guarded by the store lock)."""
+
+    def __init__(
+        self, core: StoreCore, mover: Mover, writer: Writer, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        self.core = core
+        self.mover = mover
+        self.writer = writer
+        self._clock = clock
+        self._active: dict[bytes, _Read | _Write] = {}
+        self._finished: OrderedDict[bytes, tuple[str, str]] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._active)
+
+    # --- reads --------------------------------------------------------------------------------
+
+    def acquire(
+        self, state: NamespaceState, keys: list[bytes], ttl_s: float | None, owner: str
+    ) -> ReadLease:
+        """Lease the leading stored blocks of ``keys`` in HOST (see the module docstring)."""
+        ttl = _check_lease_ttl(ttl_s)
+        core = self.core
+        planned: list[Entry] = []
+        with core.lock:
+            self._expire_locked()
+            for key in keys:
+                entry = state.blocks.get(key)
+                if entry is None or entry.top_tier() is None:
+                    break
+                entry.readers += 1
+                planned.append(entry)
+        self._bring_into_host(planned)
+        leased: list[Entry] = []
+        blocks: list[BlockExtents] = []
+        with core.lock:
+            for entry in planned:
+                node = entry.host
+                if len(leased) < len(blocks) or node is None or entry.priority == DOOMED:
+                    blocks.append([])  # the leading run ends here; the rest is not leased
+                    core.release_reader_locked(entry)
+                    continue
+                leased.append(entry)
+                blocks.append(self._extents(node.location, entry.ns.block_bytes))
+            lease_id = self._new_id()
+            self._active[lease_id] = _Read(owner, self._clock() + ttl, leased)
+        return ReadLease(lease_id, blocks[: len(leased)], len(planned), ttl)
+
+    def _bring_into_host(self, entries: list[Entry]) -> None:
+        by_source: dict[Tier, list[Entry]] = {}
+        with self.core.lock:
+            for entry in entries:
+                top = entry.top_tier()
+                if top is not None and entry.host is None:
+                    by_source.setdefault(top, []).append(entry)
+        for source, batch in by_source.items():
+            # No waiting: the lease already holds blocks of HOST itself.
+            self.mover.copy_between(batch, source, Tier.HOST, wait=False)
+
+    def release(self, lease_id: bytes, owner: str) -> None:
+        """End a read lease: its blocks may be evicted again."""
+        with self.core.lock:
+            lease = self._take_locked(lease_id, owner, "released")
+            assert isinstance(lease, _Read)
+            for entry in lease.entries:
+                self.core.release_reader_locked(entry)
+
+    # --- writes -------------------------------------------------------------------------------
+
+    def allocate(
+        self, state: NamespaceState, keys: list[bytes], ttl_s: float | None, owner: str,
+        priority: Priority, policy: WritePolicy,
+    ) -> WriteLease:
+        """Reserve HOST pages for the blocks of ``keys`` that need bytes (see the module
+        docstring). Raises ``CapacityError`` when they do not fit; nothing is then reserved."""
+        ttl = _check_lease_ttl(ttl_s)
+        with self.core.lock:
+            self._expire_locked()
+        plan = self.writer.plan(state, keys, priority, policy, Tier.HOST)
+        write_indices = sorted(set(plan.new_indices) | set(plan.disk_indices))
+        locations = self.mover.reserve_pages(
+            Tier.HOST, [state.block_bytes] * len(write_indices), plan.own
+        )
+        lease = _Write(owner, self._clock() + ttl, state, keys, priority, plan,
+                       dict(zip(write_indices, locations, strict=True)))
+        with self.core.lock:
+            lease_id = self._new_id()
+            self._active[lease_id] = lease
+        blocks = [self._extents(location, state.block_bytes) for location in locations]
+        return WriteLease(lease_id, write_indices, blocks, ttl)
+
+    def commit(self, lease_id: bytes, owner: str) -> int:
+        """Make a write lease's blocks visible (write-through records first); returns the blocks
+        newly stored. On failure the pages are given back and nothing becomes visible."""
+        with self.core.lock:
+            lease = self._take_locked(lease_id, owner, "committed")
+            assert isinstance(lease, _Write)
+        state, slab = lease.state, self.core.paged[Tier.HOST].slab
+        try:
+            if lease.plan.disk_indices:
+                self.writer.write_records(
+                    state, lease.keys, lease.plan.disk_indices, lease.plan.own,
+                    lambda i: self.mover.host_view(slab, lease.locations[i], state.block_bytes),
+                )
+        except BaseException:
+            self._give_back(lease)
+            raise
+        return self.writer.publish(state, lease.keys, lease.priority, Tier.HOST, lease.plan,
+                                   lease.locations)
+
+    def abort(self, lease_id: bytes, owner: str) -> None:
+        """Give a write lease's pages back; none of its blocks becomes visible."""
+        with self.core.lock:
+            lease = self._take_locked(lease_id, owner, "aborted")
+            assert isinstance(lease, _Write)
+        self._give_back(lease)
+
+    def _give_back(self, lease: _Write) -> None:
+        with self.core.lock:
+            for location in lease.locations.values():
+                self.core.release_pages_locked(Tier.HOST, location)
+
+    # --- bookkeeping --------------------------------------------------------------------------
+
+    def expire(self) -> int:
+        """End every lease past its deadline; returns how many."""
+        with self.core.lock:
+            return self._expire_locked()
+
+    def _expire_locked(self) -> int:
+        now = self._clock()
+        expired = [lid for lid, lease in self._active.items() if lease.deadline_s <= now]
+        for lease_id in expired:
+            lease = self._active.pop(lease_id)
+            self._remember_locked(lease_id, lease.owner, "expired")
+            if isinstance(lease, _Read):
+                for entry in lease.entries:
+                    self.core.release_reader_locked(entry)
+            else:
+                for location in lease.locations.values():
+                    self.core.release_pages_locked(Tier.HOST, location)
+        return len(expired)
+
+    def _take_locked(self, lease_id: bytes, owner: str, outcome: str) -> _Read | _Write:
+        """End ``owner``'s lease ``lease_id`` (of the kind ``outcome`` implies) and return it."""
+        kind = _Read if outcome == "released" else _Write
+        self._expire_locked()
+        lease = self._active.get(lease_id)
+        if lease is None or lease.owner != owner or not isinstance(lease, kind):
+            finished = self._finished.get(lease_id)
+            if finished is not None and finished[0] == owner:
+                raise LeaseStateError(f"lease {lease_id.hex()} was already {finished[1]}")
+            raise LeaseNotFoundError(f"no {kind.__name__[1:].lower()} lease {lease_id.hex()}")
+        del self._active[lease_id]
+        self._remember_locked(lease_id, owner, outcome)
+        return lease
+
+    def _remember_locked(self, lease_id: bytes, owner: str, outcome: str) -> None:
+        self._finished[lease_id] = (owner, outcome)
+        while len(self._finished) > _NUM_REMEMBERED:
+            self._finished.popitem(last=False)
+
+    def _new_id(self) -> bytes:
+        return secrets.token_bytes(16)
+
+    def _extents(self, location: Location, block_bytes: int) -> BlockExtents:
+        page_bytes = self.core.paged[Tier.HOST].slab.page_bytes
+        extents: BlockExtents = []
+        remaining = block_bytes
+        for start, count in iter_extents(location):
+            length = min(remaining, count * page_bytes)
+            extents.append((start * page_bytes, length))
+            remaining -= length
+        return extents
+
+
+def _check_lease_ttl(ttl_s: float | None) -> float:
+    if ttl_s is None or ttl_s == 0:
+        return DEFAULT_LEASE_TTL_S
+    if not isinstance(ttl_s, int | float) or not 0 < ttl_s <= MAX_LEASE_TTL_S:
+        raise InvalidArgumentError(
+            f"lease_ttl_s must be in (0, {MAX_LEASE_TTL_S:.0f}] seconds (0: the default), got {ttl_s}"
+        )
+    return float(ttl_s)
