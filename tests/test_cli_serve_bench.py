@@ -9,15 +9,19 @@ import subprocess
 import sys
 from pathlib import Path
 
+import grpc
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from tierkv.cli.main import main
 
 
 def test_serve_opens_reports_ready_and_stops_cleanly_on_sigterm(tmp_path: Path) -> None:
+    socket_path = tmp_path / "tierkv.sock"
     command = [
         sys.executable, "-m", "tierkv", "serve", "--host-bytes", "16MiB",
         "--disk-path", str(tmp_path / "disk"), "--disk-bytes", "64MiB", "--stats-interval-s", "0",
+        "--listen", f"unix://{socket_path}", "--listen", "127.0.0.1:0",
     ]
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
@@ -26,6 +30,13 @@ def test_serve_opens_reports_ready_and_stops_cleanly_on_sigterm(tmp_path: Path) 
         assert ready["ready"] is True
         assert ready["tiers"] == {"host": "16.0 MiB", "disk": "64.0 MiB"}
         assert Path(f"/dev/shm/{ready['host_shm_name']}").exists()
+        assert ready["port"] > 0
+        for target in (f"unix://{socket_path}", f"127.0.0.1:{ready['port']}"):
+            with grpc.insecure_channel(target) as channel:
+                check = health_pb2_grpc.HealthStub(channel).Check(
+                    health_pb2.HealthCheckRequest(service="tierkv.v1.TierKV"), timeout=10
+                )
+                assert check.status == health_pb2.HealthCheckResponse.SERVING
         process.send_signal(signal.SIGTERM)
         assert process.wait(timeout=30) == 0
     finally:

@@ -5,6 +5,7 @@ HBM, shared host memory and LMDB on local disk. The first rule: a hit returns ex
 stored under that key, or is a miss; never anything else.
 """
 
+from tierkv.client import AsyncClient, Client
 from tierkv.config import (
     DiskTierConfig,
     GpuTierConfig,
@@ -21,6 +22,8 @@ from tierkv.errors import (
     InvalidArgumentError,
     LeaseNotFoundError,
     LeaseStateError,
+    NotFoundError,
+    SessionNotFoundError,
     StoreClosedError,
     TierKVError,
     UnknownNamespaceError,
@@ -32,9 +35,11 @@ from tierkv.store import StoreStats, TieredStore, TierStats
 from tierkv.store.leases import ReadLease, WriteLease
 
 __all__ = [
+    "AsyncClient",
     "BlockHash",
     "BlockKey",
     "CapacityError",
+    "Client",
     "ConfigError",
     "DType",
     "DiskFullError",
@@ -48,9 +53,11 @@ __all__ = [
     "LeaseStateError",
     "MultiModalItem",
     "Namespace",
+    "NotFoundError",
     "NamespaceId",
     "Priority",
     "ReadLease",
+    "SessionNotFoundError",
     "StoreClosedError",
     "StoreConfig",
     "StoreStats",

@@ -35,12 +35,35 @@ class DiskFullError(CapacityError):
     """The disk (or LMDB's map) has no room left for a write, even after eviction."""
 
 
-class LeaseNotFoundError(TierKVError, LookupError):
+class NotFoundError(TierKVError, LookupError):
+    """A named thing (lease, session) does not exist for this caller."""
+
+    def __str__(self) -> str:  # LookupError subclasses may quote the message otherwise
+        return str(self.args[0]) if self.args else ""
+
+
+class LeaseNotFoundError(NotFoundError):
     """No such lease for this owner (never granted, or another client's)."""
+
+
+class SessionNotFoundError(NotFoundError):
+    """No session of that id for that tenant (never saved, deleted, or its TTL ran out)."""
 
 
 class LeaseStateError(TierKVError):
     """The lease exists no more: it was committed, aborted, released or it expired."""
+
+
+class AuthenticationError(TierKVError):
+    """The server rejected the call's credentials (missing or unknown bearer token)."""
+
+
+class ServiceUnavailableError(TierKVError):
+    """The server could not be reached (after retries), or is starting or stopping."""
+
+
+class DeadlineExceededError(TierKVError, TimeoutError):
+    """A call did not finish within its deadline."""
 
 
 class StoreClosedError(TierKVError):

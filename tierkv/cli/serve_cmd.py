@@ -1,19 +1,22 @@
-"""``tierkv serve``: run the store as a long-lived process on this node.
+"""``tierkv serve``: the sidecar. One per node: the store plus its gRPC service.
 
-Embedded defaults: a HOST tier in shared memory, a DISK tier under the user's cache directory,
-and a GPU tier when CUDA is present. The process recovers the disk index, reports readiness and
-then serves until SIGINT/SIGTERM, when it flushes HOST-only blocks to disk and exits.
-The gRPC listeners (Unix socket, 127.0.0.1:50051) are added by the service layer; until then this
-process holds the store (its shared-memory slab is named in the readiness line).
+Embedded defaults: a HOST tier in shared memory, a DISK tier under the user's cache directory, a
+GPU tier when CUDA is present; listeners on a Unix socket and 127.0.0.1:50051. Every flag has an
+environment variable (``TIERKV_<FLAG>``, e.g. ``TIERKV_HOST_BYTES``); the flag wins.
+
+The listeners start at once with health NOT_SERVING; the store opens (recovering its disk index)
+and then the service turns SERVING and prints one JSON line. On SIGTERM or SIGINT it turns
+NOT_SERVING, drains in-flight calls, flushes HOST-only blocks to disk and exits 0.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import logging
+import os
 import signal
-import threading
 from pathlib import Path
 from typing import Any
 
@@ -27,31 +30,50 @@ from tierkv.config import (
     default_disk_bytes,
     default_disk_path,
 )
+from tierkv.hashing import DEFAULT_SEED
 from tierkv.sizes import format_size, parse_size
 
 log = logging.getLogger("tierkv.serve")
+
+DEFAULT_SOCKET = "/tmp/tierkv.sock"
+
+
+def _env(flag: str, default: str | None = None) -> str | None:
+    return os.environ.get("TIERKV_" + flag.removeprefix("--").replace("-", "_").upper(), default)
 
 
 def register(subparsers: Any) -> None:
     """Add ``serve`` to the command line."""
     parser = subparsers.add_parser(
-        "serve", help="run the KV-cache store on this node",
-        description="Run the tiered KV-cache store until interrupted.",
+        "serve", help="run the KV-cache sidecar on this node",
+        description="Run the tiered KV-cache store and its gRPC service until interrupted. "
+        "Every flag can also be set as TIERKV_<FLAG> in the environment.",
     )
-    parser.add_argument("--host-bytes", default="1GiB", help="HOST tier budget (default 1GiB)")
-    parser.add_argument("--gpu-bytes", default=None,
-                        help="GPU tier budget (default 2GiB when CUDA is present, else 0: off)")
-    parser.add_argument("--gpu-device", default="cuda", help="cuda[:N] or 'emulated'")
-    parser.add_argument("--disk-path", default=None, help="LMDB directory (default: user cache)")
-    parser.add_argument("--disk-bytes", default=None,
-                        help="DISK tier budget (default: half the free space, at most 16GiB)")
-    parser.add_argument("--no-disk", action="store_true", help="run without a DISK tier")
-    parser.add_argument("--page-bytes", default="256KiB", help="page size of GPU/HOST slabs")
-    parser.add_argument("--write-policy", choices=[p.value for p in WritePolicy],
-                        default=WritePolicy.WRITE_BACK.value)
-    parser.add_argument("--stats-interval-s", type=float, default=60.0,
-                        help="log tier stats this often (0: never)")
-    parser.add_argument("--log-level", default="INFO")
+
+    def add(flag: str, default: str | None = None, **kwargs: Any) -> None:
+        parser.add_argument(flag, default=_env(flag, default), **kwargs)
+
+    parser.add_argument(
+        "--listen", action="append", default=None,
+        help=f"address to serve on, repeatable: unix:///path or host:port (default "
+        f"unix://{DEFAULT_SOCKET} and 127.0.0.1:50051; env: comma-separated)",
+    )
+    add("--host-bytes", "1GiB", help="HOST tier budget, e.g. 8GiB (default 1GiB)")
+    add("--gpu-bytes", help="GPU tier budget (default 2GiB when CUDA is present, else 0: off)")
+    add("--gpu-device", "cuda", help="cuda[:N] or 'emulated'")
+    add("--disk-path", help="LMDB directory (default: the user cache directory)")
+    add("--disk-bytes", help="DISK tier budget (default: half the free space, at most 16GiB)")
+    parser.add_argument("--no-disk", action="store_true", default=_env("--no-disk") == "1",
+                        help="run without a DISK tier")
+    add("--page-bytes", "256KiB", help="page size of the GPU/HOST slabs")
+    add("--write-policy", WritePolicy.WRITE_BACK.value,
+        choices=[p.value for p in WritePolicy], help="default write policy of puts")
+    add("--hash-seed", DEFAULT_SEED, help="seed of block hashes (vLLM's PYTHONHASHSEED)")
+    add("--tokens-file", help="'<token> <tenant>' lines; every call must then carry a token")
+    add("--tls-cert", help="PEM certificate chain for the TCP listeners")
+    add("--tls-key", help="PEM private key for the TCP listeners")
+    add("--stats-interval-s", "60", type=float, help="log tier stats this often (0: never)")
+    add("--log-level", "INFO")
     parser.set_defaults(func=run)
 
 
@@ -77,30 +99,85 @@ def build_config(args: argparse.Namespace) -> StoreConfig:
     return StoreConfig(host=host, gpu=gpu, disk=disk, write_policy=WritePolicy(args.write_policy))
 
 
-def run(args: argparse.Namespace) -> int:
-    """Open the store and hold it until SIGINT or SIGTERM."""
-    from tierkv.store import TieredStore
+def build_service_config(args: argparse.Namespace) -> Any:
+    """The service configuration the flags describe."""
+    from service.config import ServiceConfig, TlsConfig, load_tokens
+    from tierkv.errors import ConfigError
 
+    listen = args.listen
+    if listen is None:
+        env = _env("--listen")
+        listen = env.split(",") if env else [f"unix://{DEFAULT_SOCKET}", "127.0.0.1:50051"]
+    tls = None
+    if args.tls_cert or args.tls_key:
+        if not (args.tls_cert and args.tls_key):
+            raise ConfigError("--tls-cert and --tls-key go together")
+        tls = TlsConfig(Path(args.tls_cert), Path(args.tls_key))
+    tokens = load_tokens(Path(args.tokens_file)) if args.tokens_file else {}
+    for address in listen:
+        if address.startswith("unix://"):
+            _remove_stale_socket(Path(address.removeprefix("unix://")))
+    return ServiceConfig(listen=tuple(listen), tokens=tokens, tls=tls, hash_seed=args.hash_seed)
+
+
+def _remove_stale_socket(path: Path) -> None:
+    """A socket file left by a killed server would make the bind fail."""
+    import socket
+
+    if not path.exists():
+        return
+    probe = socket.socket(socket.AF_UNIX)
+    try:
+        probe.connect(str(path))
+    except OSError:
+        path.unlink()
+    else:
+        from tierkv.errors import ConfigError
+
+        raise ConfigError(f"--listen: another server is listening on {path}")
+    finally:
+        probe.close()
+
+
+def run(args: argparse.Namespace) -> int:
+    """Serve until SIGINT or SIGTERM."""
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(message)s")
     config = build_config(args)
-    stop = threading.Event()
-    for signum in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(signum, lambda *_: stop.set())
-    with TieredStore(config, show_progress=True) as store:
-        tiers = {t.label: format_size(s.capacity_bytes) for t, s in store.stats().tiers.items()}
-        ready = {
-            "ready": True,
-            "tiers": tiers,
-            "disk_path": str(config.disk.path) if config.disk else None,
-            "recovered_blocks": store.num_recovered_blocks,
-            "host_shm_name": store.host_shm_name,
-            "page_bytes": config.host.page_bytes,
-        }
-        print(json.dumps(ready), flush=True)
-        interval = args.stats_interval_s
-        while not stop.wait(interval if interval > 0 else None):
-            log.info("stats %s", json.dumps(store.stats().as_dict()))
-        log.info("stopping: flushing host blocks to disk")
-    log.info("stopped")
+    service_config = build_service_config(args)
+    asyncio.run(_serve(config, service_config, args.stats_interval_s))
     return 0
 
+
+async def _serve(config: StoreConfig, service_config: Any, stats_interval_s: float) -> None:
+    from service.server import TierKVServer
+    from tierkv.store import TieredStore
+
+    server = TierKVServer(service_config)
+    port = server.bind()
+    await server.start()
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(signum, stop.set)
+    store = await asyncio.to_thread(TieredStore, config, show_progress=True)
+    await server.attach(store)
+    tiers = {t.label: format_size(s.capacity_bytes) for t, s in store.stats().tiers.items()}
+    print(json.dumps({
+        "ready": True,
+        "listen": list(service_config.listen),
+        "port": port,
+        "tiers": tiers,
+        "disk_path": str(config.disk.path) if config.disk else None,
+        "recovered_blocks": store.num_recovered_blocks,
+        "host_shm_name": store.host_shm_name,
+        "page_bytes": config.host.page_bytes,
+    }), flush=True)
+    while True:
+        try:
+            await asyncio.wait_for(stop.wait(), stats_interval_s if stats_interval_s > 0 else None)
+            break
+        except TimeoutError:
+            log.info("stats %s", json.dumps(store.stats().as_dict()))
+    log.info("stopping: draining calls, flushing host blocks to disk")
+    await server.stop()
+    log.info("stopped")

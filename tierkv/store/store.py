@@ -29,7 +29,7 @@ from tierkv.store.leases import Leases, ReadLease, WriteLease
 from tierkv.store.ledger import NamespaceState, PagedLedger
 from tierkv.store.moves import Mover
 from tierkv.store.reads import Reader
-from tierkv.store.sessions import ResumedSession, SessionInfo, SessionTable
+from tierkv.store.sessions import ResumedSession, SessionInfo, SessionTable, TokenIds
 from tierkv.store.stats import StoreStats, TierStats
 from tierkv.store.validation import check_blocks, check_hashes, check_lookup_hashes, check_ttl
 from tierkv.store.writes import Writer
@@ -165,6 +165,20 @@ class TieredStore:
                     break
                 num_found += 1
         return num_found
+
+    def locate(self, namespace: Namespace, hashes: Sequence[bytes]) -> list[Tier]:
+        """The fastest tier holding each of the leading stored blocks of ``hashes``."""
+        state = self._state(namespace)
+        check_lookup_hashes(hashes)
+        tiers: list[Tier] = []
+        with self._core.lock:
+            for block_hash in hashes:
+                entry = state.blocks.get(block_hash)
+                top = entry.top_tier() if entry is not None else None
+                if top is None:
+                    break
+                tiers.append(top)
+        return tiers
 
     def get_into(self, namespace: Namespace, hashes: Sequence[bytes], out: torch.Tensor) -> int:
         """Copy the leading stored blocks of ``hashes`` into ``out[:k]``; returns ``k``.
@@ -342,12 +356,13 @@ class TieredStore:
         self,
         namespace: Namespace,
         session_id: str,
-        token_ids: Sequence[int],
+        token_ids: TokenIds,
         ttl_s: float | None = None,
     ) -> int:
         """Store (or replace) the chat session ``session_id`` of ``namespace.tenant``: its
-        namespace and ``token_ids``, last used now, kept until deleted or, with ``ttl_s``, until
-        ``ttl_s`` seconds pass without a ``resume_session``. Returns the number of tokens.
+        namespace and ``token_ids`` (ints, or a 1-D integer numpy array or tensor), last used
+        now, kept until deleted or, with ``ttl_s``, until ``ttl_s`` seconds pass without a
+        ``resume_session``. Returns the number of tokens.
 
         Store the session's blocks yourself (``write_through``, ``Priority.SESSION``). With a
         disk tier the record is durable when this returns; without one it is kept in memory

@@ -177,18 +177,20 @@ class AllocateRequest(_message.Message):
     def __init__(self, namespace: _Optional[_Union[Namespace, _Mapping]] = ..., hashes: _Optional[_Iterable[bytes]] = ..., write_policy: _Optional[_Union[WritePolicy, str]] = ..., priority: _Optional[_Union[Priority, str]] = ..., lease_ttl_s: _Optional[float] = ...) -> None: ...
 
 class LeaseResponse(_message.Message):
-    __slots__ = ("lease_id", "num_blocks", "blocks", "write_indices", "expires_in_s")
+    __slots__ = ("lease_id", "num_blocks", "blocks", "write_indices", "expires_in_s", "num_cached")
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     BLOCKS_FIELD_NUMBER: _ClassVar[int]
     WRITE_INDICES_FIELD_NUMBER: _ClassVar[int]
     EXPIRES_IN_S_FIELD_NUMBER: _ClassVar[int]
+    NUM_CACHED_FIELD_NUMBER: _ClassVar[int]
     lease_id: bytes
     num_blocks: int
     blocks: _containers.RepeatedCompositeFieldContainer[BlockExtents]
     write_indices: _containers.RepeatedScalarFieldContainer[int]
     expires_in_s: float
-    def __init__(self, lease_id: _Optional[bytes] = ..., num_blocks: _Optional[int] = ..., blocks: _Optional[_Iterable[_Union[BlockExtents, _Mapping]]] = ..., write_indices: _Optional[_Iterable[int]] = ..., expires_in_s: _Optional[float] = ...) -> None: ...
+    num_cached: int
+    def __init__(self, lease_id: _Optional[bytes] = ..., num_blocks: _Optional[int] = ..., blocks: _Optional[_Iterable[_Union[BlockExtents, _Mapping]]] = ..., write_indices: _Optional[_Iterable[int]] = ..., expires_in_s: _Optional[float] = ..., num_cached: _Optional[int] = ...) -> None: ...
 
 class LeaseRequest(_message.Message):
     __slots__ = ("lease_id",)

@@ -1,0 +1,82 @@
+"""The server's own settings, frozen and validated where they are built (the CLI)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from tierkv.errors import ConfigError
+from tierkv.hashing import DEFAULT_SEED
+
+DEFAULT_LISTEN = ("unix:///tmp/tierkv.sock", "127.0.0.1:50051")
+MiB = 1024 * 1024
+
+
+@dataclass(frozen=True, slots=True)
+class TlsConfig:
+    """A certificate chain and its private key (PEM files) for the TCP listeners."""
+
+    cert_path: Path
+    key_path: Path
+
+    def __post_init__(self) -> None:
+        for name in ("cert_path", "key_path"):
+            path = Path(getattr(self, name))
+            object.__setattr__(self, name, path)
+            if not path.is_file():
+                flag = "--tls-cert" if name == "cert_path" else "--tls-key"
+                raise ConfigError(f"{flag}: no such file {path}")
+
+
+@dataclass(frozen=True, slots=True)
+class ServiceConfig:
+    """How the sidecar listens and what it allows.
+
+    ``listen``: ``unix:///path`` or ``host:port`` addresses (port 0 picks a free one).
+    ``tokens``: bearer token -> tenant; when empty, calls need no token and share the tenant
+    ``default``. ``tls``: used by every TCP listener when set (Unix sockets stay plain).
+    """
+
+    listen: tuple[str, ...] = DEFAULT_LISTEN
+    tokens: dict[str, str] = field(default_factory=dict)
+    tls: TlsConfig | None = None
+    hash_seed: str = DEFAULT_SEED
+    max_hashes_per_call: int = 65536
+    chunk_bytes: int = 1 * MiB
+    max_message_bytes: int = 4 * MiB
+    max_put_bytes: int = 1024 * MiB
+    grace_s: float = 10.0
+    lease_reap_interval_s: float = 1.0
+    num_workers: int = 8
+
+    def __post_init__(self) -> None:
+        if not self.listen:
+            raise ConfigError("--listen: give at least one address")
+        if not 0 < self.chunk_bytes <= self.max_message_bytes - 64 * 1024:
+            raise ConfigError("chunk_bytes must leave room for the message header under 4 MiB")
+        if self.max_hashes_per_call < 1 or self.num_workers < 1:
+            raise ConfigError("max_hashes_per_call and num_workers must be positive")
+        object.__setattr__(self, "listen", tuple(self.listen))
+
+
+def load_tokens(path: Path) -> dict[str, str]:
+    """Read a tokens file: one ``<token> <tenant>`` per line; ``#`` starts a comment."""
+    tokens: dict[str, str] = {}
+    try:
+        lines = Path(path).read_text().splitlines()
+    except OSError as exc:
+        raise ConfigError(f"--tokens-file: cannot read {path}: {exc}") from exc
+    for number, line in enumerate(lines, 1):
+        text = line.split("#", 1)[0].strip()
+        if not text:
+            continue
+        parts = text.split()
+        if len(parts) != 2 or len(parts[0]) < 16:
+            raise ConfigError(
+                f"--tokens-file {path}:{number}: expected '<token> <tenant>' with a token of "
+                "at least 16 characters"
+            )
+        tokens[parts[0]] = parts[1]
+    if not tokens:
+        raise ConfigError(f"--tokens-file {path}: no tokens in it")
+    return tokens

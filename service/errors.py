@@ -1,0 +1,42 @@
+"""tierkv exceptions -> gRPC status codes (one place, one table)."""
+
+from __future__ import annotations
+
+import logging
+
+import grpc
+
+from tierkv.errors import (
+    CapacityError,
+    InvalidArgumentError,
+    LeaseNotFoundError,
+    LeaseStateError,
+    SessionNotFoundError,
+    StoreClosedError,
+    TierKVError,
+)
+
+log = logging.getLogger(__name__)
+
+# Checked in order: the first class that matches decides.
+_CODES: tuple[tuple[type[BaseException], grpc.StatusCode], ...] = (
+    (InvalidArgumentError, grpc.StatusCode.INVALID_ARGUMENT),
+    (CapacityError, grpc.StatusCode.RESOURCE_EXHAUSTED),
+    (LeaseNotFoundError, grpc.StatusCode.NOT_FOUND),
+    (SessionNotFoundError, grpc.StatusCode.NOT_FOUND),
+    (LeaseStateError, grpc.StatusCode.FAILED_PRECONDITION),
+    (StoreClosedError, grpc.StatusCode.UNAVAILABLE),
+    (ValueError, grpc.StatusCode.INVALID_ARGUMENT),
+)
+
+
+def status_of(exc: BaseException) -> tuple[grpc.StatusCode, str]:
+    """The status code and message a failed call answers with."""
+    for kind, code in _CODES:
+        if isinstance(exc, kind):
+            return code, str(exc)
+    if isinstance(exc, TierKVError):  # a disk that failed, not the caller's input
+        log.error("store error: %s", exc)
+        return grpc.StatusCode.UNAVAILABLE, str(exc)
+    log.exception("unexpected error in a call", exc_info=exc)
+    return grpc.StatusCode.INTERNAL, "internal error (logged by the server)"

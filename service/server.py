@@ -1,0 +1,126 @@
+"""The grpc.aio server: listeners, health, reflection, lease reaping, graceful stop.
+
+``create_server(config, store)`` binds every listener and returns ``(server, port)``; ``port`` is
+the first TCP listener's (useful with ``127.0.0.1:0``), or 0 when there is none. The health
+service answers NOT_SERVING until a store is attached (its disk index recovered) and again once
+shutdown begins; reflection lets a stock gRPC client list and call the API.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from service.config import ServiceConfig
+from service.servicer import TierKVServicer
+from tierkv.store import TieredStore
+from tierkv.wire import tierkv_pb2 as pb
+from tierkv.wire import tierkv_pb2_grpc as pb_grpc
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["TierKV"].full_name
+
+
+class TierKVServer:
+    """A started-or-not gRPC server around one ``TieredStore``."""
+
+    def __init__(self, config: ServiceConfig) -> None:
+        self.config = config
+        options = [
+            ("grpc.max_receive_message_length", config.max_message_bytes),
+            ("grpc.max_send_message_length", config.max_message_bytes),
+            ("grpc.so_reuseport", 0),
+        ]
+        self.grpc_server = grpc.aio.server(options=options)
+        self.servicer = TierKVServicer(config)
+        pb_grpc.add_TierKVServicer_to_server(  # type: ignore[no-untyped-call]
+            self.servicer, self.grpc_server
+        )
+        self.health = health.aio.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.grpc_server)
+        reflection.enable_server_reflection(
+            (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), self.grpc_server
+        )
+        self.store: TieredStore | None = None
+        self._reaper: asyncio.Task[None] | None = None
+
+    def bind(self) -> int:
+        """Add every listener; returns the first TCP port (0 if none)."""
+        first_port = 0
+        credentials = None
+        if self.config.tls is not None:
+            credentials = grpc.ssl_server_credentials([(
+                self.config.tls.key_path.read_bytes(), self.config.tls.cert_path.read_bytes()
+            )])
+        for address in self.config.listen:
+            if address.startswith("unix:") or credentials is None:
+                port = self.grpc_server.add_insecure_port(address)
+            else:
+                port = self.grpc_server.add_secure_port(address, credentials)
+            if not address.startswith("unix:") and not first_port:
+                first_port = port
+        return first_port
+
+    async def start(self) -> None:
+        """Start answering (health NOT_SERVING until ``attach``)."""
+        await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
+        await self.grpc_server.start()
+
+    async def attach(self, store: TieredStore) -> None:
+        """Serve ``store`` from now on."""
+        self.store = store
+        self.servicer.attach(store)
+        self._reaper = asyncio.create_task(self._reap_leases())
+        await self._set_health(health_pb2.HealthCheckResponse.SERVING)
+
+    async def stop(self, close_store: bool = True) -> None:
+        """Graceful stop: NOT_SERVING, drain in-flight calls, then close (flush) the store."""
+        await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
+        await self.grpc_server.stop(self.config.grace_s)
+        if self._reaper is not None:
+            self._reaper.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._reaper
+        self.servicer.close()
+        if close_store and self.store is not None:
+            await asyncio.to_thread(self.store.close)
+
+    async def wait_for_termination(self) -> None:
+        """Until the server stops."""
+        await self.grpc_server.wait_for_termination()
+
+    async def _set_health(self, status: int) -> None:
+        for name in ("", SERVICE_NAME):
+            await self.health.set(name, status)
+
+    async def _reap_leases(self) -> None:
+        # Leases of clients that died expire here even when no one else calls.
+        store = self.store
+        assert store is not None
+        while True:
+            await asyncio.sleep(self.config.lease_reap_interval_s)
+            try:
+                expired = await asyncio.to_thread(store.expire_leases)
+            except Exception:  # a closed store at shutdown; the loop is cancelled right after
+                log.debug("lease reaping stopped", exc_info=True)
+                return
+            if expired:
+                log.info("expired %d leases", expired)
+
+
+async def create_server(
+    config: ServiceConfig, store: TieredStore | None = None
+) -> tuple[TierKVServer, int]:
+    """A bound, started server (serving ``store`` if given) and its first TCP port."""
+    server = TierKVServer(config)
+    port = server.bind()
+    await server.start()
+    if store is not None:
+        await server.attach(store)
+    return server, port

@@ -1,0 +1,306 @@
+"""The TierKV gRPC servicer: convert, validate, call the store, map errors. Nothing else.
+
+Every handler resolves the caller's tenant from its credentials first (UNAUTHENTICATED if they
+are missing or wrong), then runs the store call on the servicer's worker threads, so the event
+loop never blocks on a lock, a copy or the disk.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+from collections.abc import AsyncIterator, Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TypeVar
+
+import grpc
+import torch
+
+import tierkv
+from service import convert
+from service.auth import Authenticator, client_id_of
+from service.config import ServiceConfig
+from service.errors import status_of
+from tierkv import codec
+from tierkv.config import Tier
+from tierkv.errors import InvalidArgumentError, TierKVError
+from tierkv.keys import Namespace
+from tierkv.store import TieredStore
+from tierkv.wire import tierkv_pb2 as pb
+from tierkv.wire import tierkv_pb2_grpc as pb_grpc
+
+R = TypeVar("R")
+_MAX_KNOWN_NAMESPACES = 4096
+# Lookups of up to this many hashes run on the event loop: a few dict probes under the store
+# lock, which is never held across copies or I/O, cost less than a hop to a worker thread.
+_INLINE_LOOKUP_HASHES = 64
+
+
+@dataclass(frozen=True, slots=True)
+class Caller:
+    """Who is calling: the tenant (from credentials) and the lease owner (tenant + client)."""
+
+    tenant: str
+    owner: str
+
+
+def _host_id() -> str:
+    try:
+        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        return ""
+
+
+def unary(fn: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[Any]]:
+    """Wrap a unary (or stream-in) handler: authenticate, then map tierkv errors to codes."""
+
+    @functools.wraps(fn)
+    async def handler(self: TierKVServicer, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        caller = await self._caller(context)
+        try:
+            return await fn(self, request, context, caller)
+        except (TierKVError, ValueError) as exc:
+            code, message = status_of(exc)
+            await context.abort(code, message)
+
+    return handler
+
+
+class TierKVServicer(pb_grpc.TierKVServicer):
+    """Serves one ``TieredStore`` (set with ``attach`` once its disk index is recovered)."""
+
+    def __init__(self, config: ServiceConfig) -> None:
+        self.config = config
+        self._auth = Authenticator(config.tokens)
+        self._store: TieredStore | None = None
+        self._executor = ThreadPoolExecutor(config.num_workers, "tierkv-rpc")
+        self._host_id = _host_id()
+        # (wire namespace, tenant) -> registered Namespace: skips rebuilding it on every call.
+        self._known: dict[tuple[bytes, str], Namespace] = {}
+
+    def attach(self, store: TieredStore) -> None:
+        """Start serving ``store``."""
+        self._store = store
+
+    def close(self) -> None:
+        """Stop the worker threads (after the server stopped)."""
+        self._executor.shutdown(wait=True)
+
+    @property
+    def store(self) -> TieredStore:
+        """The store (only valid inside handlers, after ``_caller``)."""
+        assert self._store is not None
+        return self._store
+
+    async def _caller(self, context: grpc.aio.ServicerContext) -> Caller:
+        metadata = context.invocation_metadata()
+        tenant = self._auth.tenant_of(metadata)
+        if tenant is None:
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or unknown bearer token")
+        if self._store is None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the store is still recovering")
+        assert tenant is not None
+        return Caller(tenant, f"{tenant}/{client_id_of(metadata)}")
+
+    async def _run(self, fn: Callable[..., R], *args: Any, **kwargs: Any) -> R:
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._executor, functools.partial(fn, *args, **kwargs))
+
+    def _namespace(self, spec: pb.Namespace, caller: Caller) -> Namespace:
+        key = (spec.SerializeToString(deterministic=True), caller.tenant)
+        namespace = self._known.get(key)
+        if namespace is None:
+            namespace = codec.namespace_from_wire(spec, caller.tenant)
+            self.store.register(namespace)  # idempotent; a new one is stored once
+            if len(self._known) < _MAX_KNOWN_NAMESPACES:
+                self._known[key] = namespace
+        return namespace
+
+    def _blocks(self, request: Any, caller: Caller) -> tuple[Namespace, list[bytes]]:
+        namespace = self._namespace(request.namespace, caller)
+        return namespace, convert.hashes_from(request.hashes, self.config.max_hashes_per_call)
+
+    # --- control --------------------------------------------------------------------------
+
+    @unary
+    async def Describe(self, request: pb.DescribeRequest, context: Any, caller: Caller) -> Any:
+        store = self.store
+        return pb.DescribeResponse(
+            version=tierkv.__version__, shm_name=store.host_shm_name,
+            shm_size_bytes=store.stats().tiers[Tier.HOST].capacity_bytes,
+            page_bytes=store.config.host.page_bytes, host_id=self._host_id,
+            max_hashes_per_call=self.config.max_hashes_per_call,
+            max_chunk_bytes=self.config.chunk_bytes, hash_seed=self.config.hash_seed,
+        )
+
+    @unary
+    async def Lookup(self, request: pb.LookupRequest, context: Any, caller: Caller) -> Any:
+        key = (request.namespace.SerializeToString(deterministic=True), caller.tenant)
+        namespace = self._known.get(key)
+        simple = not request.prefetch and not request.pin_ttl_s
+        if namespace is not None and simple and len(request.hashes) <= _INLINE_LOOKUP_HASHES:
+            tiers = self.store.locate(namespace, list(request.hashes))
+            return pb.LookupResponse(num_cached=len(tiers), **convert.tier_counts(tiers))
+        return await self._run(self._lookup, request, caller)
+
+    def _lookup(self, request: pb.LookupRequest, caller: Caller) -> pb.LookupResponse:
+        namespace, hashes = self._blocks(request, caller)
+        store = self.store
+        num_pinned = 0
+        if request.prefetch:
+            store.prefetch(namespace, hashes, Tier.HOST).result()
+        if request.pin_ttl_s:
+            num_pinned = store.pin(namespace, hashes, request.pin_ttl_s)
+        tiers = store.locate(namespace, hashes)
+        return pb.LookupResponse(num_cached=len(tiers), num_pinned=num_pinned,
+                                 **convert.tier_counts(tiers))
+
+    @unary
+    async def Pin(self, request: pb.PinRequest, context: Any, caller: Caller) -> Any:
+        namespace, hashes = await self._run(self._blocks, request, caller)
+        count = await self._run(self.store.pin, namespace, hashes, convert.ttl_from(request.ttl_s))
+        return pb.CountResponse(count=count)
+
+    @unary
+    async def Unpin(self, request: pb.BlocksRequest, context: Any, caller: Caller) -> Any:
+        namespace, hashes = await self._run(self._blocks, request, caller)
+        return pb.CountResponse(count=await self._run(self.store.unpin, namespace, hashes))
+
+    @unary
+    async def Delete(self, request: pb.BlocksRequest, context: Any, caller: Caller) -> Any:
+        namespace, hashes = await self._run(self._blocks, request, caller)
+        return pb.CountResponse(count=await self._run(self.store.delete, namespace, hashes))
+
+    @unary
+    async def Stats(self, request: pb.StatsRequest, context: Any, caller: Caller) -> Any:
+        stats = await self._run(self.store.stats)
+        return convert.stats_to(stats, self.store.num_leases)
+
+    # --- stream data path -----------------------------------------------------------------
+
+    @unary
+    async def Put(self, request_iterator: Any, context: Any, caller: Caller) -> Any:
+        chunks = aiter(request_iterator)
+        first = await anext(chunks, None)
+        if first is None or not first.HasField("header"):
+            raise InvalidArgumentError("the first Put message must carry the header")
+        header = first.header
+        namespace, hashes = await self._run(self._blocks, header, caller)
+        layout = namespace.layout
+        total_bytes = len(hashes) * layout.bytes_per_block
+        if total_bytes > self.config.max_put_bytes:
+            raise InvalidArgumentError(
+                f"{total_bytes} bytes in one Put; at most {self.config.max_put_bytes} (split it)"
+            )
+        buffer = bytearray(total_bytes)
+        received = 0
+        chunk: pb.PutChunk | None = first
+        while chunk is not None:
+            if chunk is not first and chunk.HasField("header"):
+                raise InvalidArgumentError("only the first Put message may carry a header")
+            end = received + len(chunk.data)
+            if end > total_bytes:
+                raise InvalidArgumentError(
+                    f"more bytes than {len(hashes)} blocks of {layout.bytes_per_block} B hold"
+                )
+            buffer[received:end] = chunk.data
+            received = end
+            chunk = await anext(chunks, None)
+        if received != total_bytes:
+            raise InvalidArgumentError(
+                f"got {received} bytes for {len(hashes)} blocks of {layout.bytes_per_block} B"
+            )
+        blocks = torch.frombuffer(buffer, dtype=torch.uint8) if total_bytes else torch.empty(0)
+        blocks = blocks.view(layout.torch_dtype).reshape(len(hashes), *layout.block_shape)
+        count = await self._run(
+            self.store.put, namespace, hashes, blocks,
+            priority=convert.priority_from(header.priority),
+            write_policy=convert.write_policy_from(header.write_policy),
+        )
+        return pb.CountResponse(count=count)
+
+    async def Get(self, request: pb.BlocksRequest, context: Any) -> AsyncIterator[pb.GetChunk]:
+        caller = await self._caller(context)
+        try:
+            namespace, hashes = await self._run(self._blocks, request, caller)
+            layout = namespace.layout
+            out = torch.empty((len(hashes), *layout.block_shape), dtype=layout.torch_dtype)
+            num_blocks = await self._run(self.store.get_into, namespace, hashes, out)
+        except (TierKVError, ValueError) as exc:
+            code, message = status_of(exc)
+            await context.abort(code, message)
+            return
+        data = out.view(torch.uint8).reshape(-1).numpy().data[: num_blocks * layout.bytes_per_block]
+        step = self.config.chunk_bytes
+        yield pb.GetChunk(num_blocks=num_blocks, data=bytes(data[:step]))
+        for start in range(step, len(data), step):
+            yield pb.GetChunk(data=bytes(data[start : start + step]))
+
+    # --- shared-memory data path ----------------------------------------------------------
+
+    @unary
+    async def Acquire(self, request: pb.AcquireRequest, context: Any, caller: Caller) -> Any:
+        namespace, hashes = await self._run(self._blocks, request, caller)
+        lease = await self._run(self.store.acquire, namespace, hashes,
+                                convert.ttl_from(request.lease_ttl_s), caller.owner)
+        return convert.lease_to(lease)
+
+    @unary
+    async def Release(self, request: pb.LeaseRequest, context: Any, caller: Caller) -> Any:
+        await self._run(self.store.release, request.lease_id, caller.owner)
+        return pb.LeaseDoneResponse()
+
+    @unary
+    async def Allocate(self, request: pb.AllocateRequest, context: Any, caller: Caller) -> Any:
+        namespace, hashes = await self._run(self._blocks, request, caller)
+        lease = await self._run(
+            self.store.allocate, namespace, hashes, convert.ttl_from(request.lease_ttl_s),
+            caller.owner, priority=convert.priority_from(request.priority),
+            write_policy=convert.write_policy_from(request.write_policy),
+        )
+        return convert.lease_to(lease)
+
+    @unary
+    async def Commit(self, request: pb.LeaseRequest, context: Any, caller: Caller) -> Any:
+        return pb.CountResponse(count=await self._run(self.store.commit, request.lease_id,
+                                                      caller.owner))
+
+    @unary
+    async def Abort(self, request: pb.LeaseRequest, context: Any, caller: Caller) -> Any:
+        await self._run(self.store.abort, request.lease_id, caller.owner)
+        return pb.LeaseDoneResponse()
+
+    # --- sessions -------------------------------------------------------------------------
+
+    @unary
+    async def SaveSession(self, request: pb.SaveSessionRequest, context: Any, caller: Caller) -> Any:
+        namespace = await self._run(self._namespace, request.namespace, caller)
+        num_tokens = await self._run(self.store.save_session, namespace, request.session_id,
+                                     list(request.token_ids), convert.ttl_from(request.ttl_s))
+        return pb.SaveSessionResponse(num_tokens=num_tokens)
+
+    @unary
+    async def ResumeSession(self, request: pb.SessionRequest, context: Any, caller: Caller) -> Any:
+        resumed = await self._run(self.store.resume_session, caller.tenant, request.session_id,
+                                  self.config.hash_seed)
+        return pb.ResumeSessionResponse(
+            namespace=codec.namespace_to_wire(resumed.namespace), token_ids=resumed.token_ids,
+            num_cached_tokens=resumed.num_cached_tokens,
+        )
+
+    @unary
+    async def DeleteSession(self, request: pb.SessionRequest, context: Any, caller: Caller) -> Any:
+        deleted = await self._run(self.store.delete_session, caller.tenant, request.session_id)
+        return pb.DeleteSessionResponse(deleted=deleted)
+
+    @unary
+    async def ListSessions(self, request: pb.ListSessionsRequest, context: Any,
+                           caller: Caller) -> Any:
+        sessions = await self._run(self.store.list_sessions, caller.tenant)
+        return pb.ListSessionsResponse(sessions=[
+            pb.SessionInfo(session_id=s.session_id, model_id=s.model_id, num_tokens=s.num_tokens,
+                           last_use_unix_s=s.last_use_unix_s)
+            for s in sessions
+        ])

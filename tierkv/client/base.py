@@ -1,0 +1,232 @@
+"""What ``Client`` and ``AsyncClient`` share: settings, errors, retries, the slab mapping and the
+byte shuffling between caller tensors, wire chunks and leased slab extents."""
+
+from __future__ import annotations
+
+import contextlib
+import mmap
+import os
+import secrets
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+import torch
+
+from tierkv.codec import namespace_to_wire
+from tierkv.config import Priority, WritePolicy
+from tierkv.errors import (
+    AuthenticationError,
+    CapacityError,
+    DeadlineExceededError,
+    InvalidArgumentError,
+    LeaseStateError,
+    NotFoundError,
+    ServiceUnavailableError,
+    TierKVError,
+)
+from tierkv.keys import Namespace
+from tierkv.wire import tierkv_pb2 as pb
+
+DEFAULT_TARGET = "unix:///tmp/tierkv.sock"
+CHUNK_BYTES = 1024 * 1024
+MAX_MESSAGE_BYTES = 4 * 1024 * 1024
+
+_ERRORS: dict[grpc.StatusCode, type[TierKVError]] = {
+    grpc.StatusCode.INVALID_ARGUMENT: InvalidArgumentError,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: CapacityError,
+    grpc.StatusCode.NOT_FOUND: NotFoundError,
+    grpc.StatusCode.FAILED_PRECONDITION: LeaseStateError,
+    grpc.StatusCode.UNAUTHENTICATED: AuthenticationError,
+    grpc.StatusCode.UNAVAILABLE: ServiceUnavailableError,
+    grpc.StatusCode.DEADLINE_EXCEEDED: DeadlineExceededError,
+}
+_POLICIES: dict[WritePolicy | None, pb.WritePolicy] = {
+    None: pb.WRITE_POLICY_UNSPECIFIED,
+    WritePolicy.WRITE_BACK: pb.WRITE_POLICY_WRITE_BACK,
+    WritePolicy.WRITE_THROUGH: pb.WRITE_POLICY_WRITE_THROUGH,
+}
+_PRIORITIES: dict[Priority, pb.Priority] = {
+    Priority.LOW: pb.PRIORITY_LOW,
+    Priority.NORMAL: pb.PRIORITY_NORMAL,
+    Priority.HIGH: pb.PRIORITY_HIGH,
+    Priority.SESSION: pb.PRIORITY_SESSION,
+}
+
+# (slab offset, length) runs of one block.
+Extents = list[tuple[int, int]]
+
+
+@dataclass(frozen=True, slots=True)
+class ClientSettings:
+    """How a client connects and behaves.
+
+    ``use_shm``: None picks the shared-memory path automatically when the server is on this host;
+    False forces the stream path; True requires shared memory. ``retries`` re-sends a call that
+    got UNAVAILABLE, after ``backoff_s``, doubling each time.
+    """
+
+    target: str = DEFAULT_TARGET
+    token: str | None = None
+    root_certificates: bytes | None = None
+    timeout_s: float = 30.0
+    retries: int = 3
+    backoff_s: float = 0.05
+    use_shm: bool | None = None
+    client_id: str = field(default_factory=lambda: secrets.token_hex(8))
+
+    @property
+    def metadata(self) -> tuple[tuple[str, str], ...]:
+        """Sent with every call: the bearer token and the client id (leases are per client)."""
+        items = [("x-tierkv-client", self.client_id)]
+        if self.token:
+            items.append(("authorization", f"Bearer {self.token}"))
+        return tuple(items)
+
+    @property
+    def channel_options(self) -> list[tuple[str, int]]:
+        """Message limits matching the server's."""
+        return [
+            ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+            ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+        ]
+
+
+def error_from(exc: grpc.RpcError) -> TierKVError:
+    """The tierkv exception a failed call stands for."""
+    code = exc.code()
+    kind = _ERRORS.get(code, TierKVError)
+    return kind(f"{code.name}: {exc.details()}")
+
+
+def is_retryable(exc: grpc.RpcError) -> bool:
+    """Only UNAVAILABLE is retried: the call did not reach a serving server."""
+    return bool(exc.code() == grpc.StatusCode.UNAVAILABLE)
+
+
+def namespace_wire(namespace: Namespace) -> pb.Namespace:
+    """The wire namespace (its tenant is the server's to decide)."""
+    return namespace_to_wire(namespace)
+
+
+def policy_wire(policy: WritePolicy | None) -> pb.WritePolicy:
+    """The wire enum of a write policy (None: the server's default)."""
+    return _POLICIES[policy]
+
+
+def priority_wire(priority: Priority) -> pb.Priority:
+    """The wire enum of a priority."""
+    return _PRIORITIES[Priority(priority)]
+
+
+def block_bytes_of(blocks: torch.Tensor, namespace: Namespace) -> torch.Tensor:
+    """``blocks`` checked against the namespace's layout, as one flat CPU uint8 tensor."""
+    layout = namespace.layout
+    if tuple(blocks.shape[1:]) != layout.block_shape or blocks.dtype != layout.torch_dtype:
+        raise InvalidArgumentError(
+            f"blocks of shape {tuple(blocks.shape)} and dtype {blocks.dtype} do not match the "
+            f"layout's [n, *{layout.block_shape}] {layout.torch_dtype}"
+        )
+    return blocks.contiguous().view(torch.uint8).reshape(-1).cpu()
+
+
+def put_chunks(
+    namespace: Namespace, hashes: Sequence[bytes], flat: torch.Tensor, policy: WritePolicy | None,
+    priority: Priority,
+) -> Iterator[pb.PutChunk]:
+    """The Put stream: the header with the first slice, then slices of ``CHUNK_BYTES``."""
+    data = flat.numpy().data
+    header = pb.PutHeader(namespace=namespace_wire(namespace), hashes=list(hashes),
+                          write_policy=policy_wire(policy), priority=priority_wire(priority))
+    yield pb.PutChunk(header=header, data=bytes(data[:CHUNK_BYTES]))
+    for start in range(CHUNK_BYTES, len(data), CHUNK_BYTES):
+        yield pb.PutChunk(data=bytes(data[start : start + CHUNK_BYTES]))
+
+
+def extents_of(blocks: Sequence[pb.BlockExtents]) -> list[Extents]:
+    """The leased extents of each block."""
+    return [[(e.offset, e.length) for e in block.extents] for block in blocks]
+
+
+def copy_spans(
+    extents: Sequence[Extents], block_indices: Sequence[int], block_bytes: int
+) -> list[tuple[int, int, int]]:
+    """``(slab offset, buffer offset, length)`` copies, adjacent runs merged into one."""
+    spans: list[tuple[int, int, int]] = []
+    for block_extents, index in zip(extents, block_indices, strict=True):
+        buffer_offset = index * block_bytes
+        for slab_offset, length in block_extents:
+            if spans:
+                last_slab, last_buffer, last_length = spans[-1]
+                if last_slab + last_length == slab_offset and last_buffer + last_length == buffer_offset:
+                    spans[-1] = (last_slab, last_buffer, last_length + length)
+                    buffer_offset += length
+                    continue
+            spans.append((slab_offset, buffer_offset, length))
+            buffer_offset += length
+    return spans
+
+
+def local_host_id() -> str:
+    """This machine's boot id (what the server reports as ``host_id``)."""
+    try:
+        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        return ""
+
+
+class SlabMapping:
+    """The server's HOST slab mapped into this process (shared memory, read and write).
+
+    Mapped with ``mmap`` on ``/dev/shm/<name>`` rather than ``SharedMemory``, whose resource
+    tracker would unlink the server's segment when this process exits.
+    """
+
+    def __init__(self, name: str, size_bytes: int) -> None:
+        path = f"/dev/shm/{name}"
+        fd = os.open(path, os.O_RDWR)
+        try:
+            if os.fstat(fd).st_size != size_bytes:
+                raise ServiceUnavailableError(f"{path} is not the server's slab (size differs)")
+            self._map = mmap.mmap(fd, size_bytes)
+        finally:
+            os.close(fd)
+        self.tensor = torch.frombuffer(self._map, dtype=torch.uint8)
+
+    def read(self, spans: Sequence[tuple[int, int, int]], out: torch.Tensor) -> None:
+        """Copy slab spans into the flat uint8 ``out``."""
+        for slab_offset, buffer_offset, length in spans:
+            out[buffer_offset : buffer_offset + length].copy_(
+                self.tensor[slab_offset : slab_offset + length]
+            )
+
+    def write(self, spans: Sequence[tuple[int, int, int]], source: torch.Tensor) -> None:
+        """Copy the flat uint8 ``source`` into slab spans."""
+        for slab_offset, buffer_offset, length in spans:
+            self.tensor[slab_offset : slab_offset + length].copy_(
+                source[buffer_offset : buffer_offset + length]
+            )
+
+    def close(self) -> None:
+        """Unmap (once no tensor views are left)."""
+        del self.tensor
+        with contextlib.suppress(BufferError):  # a view is still alive: it goes with that view
+            self._map.close()
+
+
+def shm_mapping_for(info: pb.DescribeResponse, use_shm: bool | None) -> SlabMapping | None:
+    """The slab mapping when the shared-memory path can and should be used."""
+    if use_shm is False:
+        return None
+    same_host = bool(info.host_id) and info.host_id == local_host_id()
+    if same_host and info.shm_name and Path(f"/dev/shm/{info.shm_name}").exists():
+        try:
+            return SlabMapping(info.shm_name, info.shm_size_bytes)
+        except (OSError, ServiceUnavailableError):
+            if use_shm:
+                raise
+            return None
+    if use_shm:
+        raise ServiceUnavailableError("use_shm=True, but the server is not on this host")
+    return None

@@ -1,0 +1,362 @@
+"""Chat sessions: named records that let a restarted process find a conversation's blocks.
+
+A session is ``(tenant, session_id) -> namespace, token ids, last use, TTL``. The blocks are
+stored by the caller (``write_through``, ``Priority.SESSION``); the record only lets a restarted
+process find them again: ``TieredStore.resume_session`` gives back the token ids and how many
+leading tokens are still cached, so the caller prefills only the rest.
+
+Decisions:
+1. Memory mirrors disk, per session. Operations on one session are serialized by a (striped)
+   lock that is held across the disk wait, so a record changes in memory only once its write is
+   durable, and a write that fails changes neither. Different sessions do not wait for each
+   other and share group commits. The store lock is never taken here.
+2. The disk writer applies jobs in the order they were queued, so a write that is not waited for
+   (a resume's new last use, the delete of an expired session), queued under the session's lock,
+   is never overtaken by a later operation on that session.
+3. An expired session (its TTL since last use ran out) is absent. It is dropped from memory and
+   deleted from disk lazily (resume, delete, list, open); if that delete fails, the record stays
+   on disk, still expired, and goes at the next open.
+4. Without a disk tier the records live in memory only and end with the process.
+5. Last use is wall-clock time (``time.time``): a TTL must survive a restart, which a monotonic
+   clock does not. A new last use is written in the background (``close`` waits for it).
+6. Record: key ``tenant (UTF-8) + NUL + session_id (UTF-8)``; value msgpack of the namespace
+   descriptor (as for the namespace DB), the token ids as little-endian uint32 (what the wire
+   carries), last use and TTL.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from array import array
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass, replace
+from typing import Any
+
+import msgpack
+import numpy as np
+import numpy.typing as npt
+import torch
+
+from tierkv.errors import InvalidArgumentError, SessionNotFoundError, TierKVError
+from tierkv.keys import Namespace
+from tierkv.store.recovery import namespace_descriptor, namespace_from_descriptor
+from tierkv.store.validation import check_ttl
+from tierkv.tiers.disk import DiskTier, DiskWrite
+
+log = logging.getLogger(__name__)
+
+MAX_SESSION_ID_BYTES = 256
+"""Longest session id, in UTF-8 bytes."""
+MAX_SESSION_TOKENS = 2**20
+"""Most token ids one session holds."""
+TOKEN_ID_LIMIT = 2**32
+"""Token ids are uint32 (as on the wire): each must be in ``[0, TOKEN_ID_LIMIT)``."""
+_MAX_KEY_BYTES = 511  # LMDB's key size limit (tenant + NUL + session id)
+_NUM_KEY_LOCKS = 64
+_RECORD_VERSION = 1
+_TOKEN_DTYPE = np.dtype("<u4")
+
+TokenIds = Sequence[int] | npt.NDArray[np.integer[Any]] | torch.Tensor
+"""Token ids as ``save_session`` takes them: a sequence of ints, a 1-D numpy array or tensor."""
+
+
+@dataclass(frozen=True, slots=True)
+class ResumedSession:
+    """What ``resume_session`` gives back: the caller prefills only
+    ``token_ids[num_cached_tokens:]``."""
+
+    namespace: Namespace
+    token_ids: tuple[int, ...]
+    num_cached_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class SessionInfo:
+    """One session, as ``list_sessions`` reports it."""
+
+    session_id: str
+    model_id: str
+    num_tokens: int
+    last_use_unix_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class SessionRecord:
+    """A stored session (its tenant is ``namespace.tenant``)."""
+
+    namespace: Namespace
+    tokens: bytes  # little-endian uint32 token ids
+    last_use: float  # unix seconds
+    ttl: float | None  # seconds after last use; None: kept until deleted
+
+    @property
+    def num_tokens(self) -> int:
+        """How many token ids the session holds."""
+        return len(self.tokens) // _TOKEN_DTYPE.itemsize
+
+    def token_array(self) -> npt.NDArray[np.uint32]:
+        """The token ids as a read-only uint32 array (no copy)."""
+        return np.frombuffer(self.tokens, dtype=_TOKEN_DTYPE)
+
+    def expired(self, now: float) -> bool:
+        """Whether the TTL ran out at ``now``."""
+        return self.ttl is not None and now - self.last_use > self.ttl
+
+    def encode(self) -> bytes:
+        """The value stored in the sessions DB."""
+        packed: bytes = msgpack.packb(
+            {
+                "v": _RECORD_VERSION,
+                "namespace": namespace_descriptor(self.namespace),
+                "tokens": self.tokens,
+                "last_use": self.last_use,
+                "ttl": self.ttl,
+            }
+        )
+        return packed
+
+    @classmethod
+    def decode(cls, data: bytes) -> SessionRecord:
+        """Inverse of ``encode``; raises ``ValueError`` (or ``KeyError``/``TypeError``) if
+        ``data`` is not a record this version can read."""
+        fields = msgpack.unpackb(data)
+        if fields["v"] != _RECORD_VERSION:
+            raise ValueError(f"session record version {fields['v']!r}")
+        tokens, last_use, ttl = fields["tokens"], fields["last_use"], fields["ttl"]
+        if not isinstance(tokens, bytes) or len(tokens) % _TOKEN_DTYPE.itemsize:
+            raise ValueError("token ids are not packed uint32")
+        if not isinstance(last_use, float) or not (ttl is None or isinstance(ttl, float)):
+            raise TypeError("last use and TTL must be floats")
+        return cls(namespace_from_descriptor(fields["namespace"]), tokens, last_use, ttl)
+
+
+# --- input checks ---------------------------------------------------------------------------
+
+
+def check_tenant(tenant: str) -> bytes:
+    """The tenant as UTF-8 bytes."""
+    if not isinstance(tenant, str):
+        raise InvalidArgumentError(f"tenant must be a str, got {type(tenant).__name__}")
+    try:
+        return tenant.encode()
+    except UnicodeEncodeError as exc:
+        raise InvalidArgumentError(f"tenant is not valid Unicode: {exc}") from exc
+
+
+def check_session_id(session_id: str) -> bytes:
+    """The session id as UTF-8 bytes: non-empty, at most 256 bytes, no NUL."""
+    if not isinstance(session_id, str):
+        raise InvalidArgumentError(f"session_id must be a str, got {type(session_id).__name__}")
+    try:
+        encoded = session_id.encode()
+    except UnicodeEncodeError as exc:
+        raise InvalidArgumentError(f"session_id is not valid Unicode: {exc}") from exc
+    if not encoded:
+        raise InvalidArgumentError("session_id must not be empty")
+    if len(encoded) > MAX_SESSION_ID_BYTES:
+        raise InvalidArgumentError(
+            f"session_id is {len(encoded)} UTF-8 bytes; at most {MAX_SESSION_ID_BYTES} are allowed"
+        )
+    if b"\x00" in encoded:
+        raise InvalidArgumentError("session_id must not contain NUL characters")
+    return encoded
+
+
+def session_key(tenant: str, session_id: str) -> bytes:
+    """The sessions-DB key of ``(tenant, session_id)``, after checking both."""
+    key = check_tenant(tenant) + b"\x00" + check_session_id(session_id)
+    if len(key) > _MAX_KEY_BYTES:
+        raise InvalidArgumentError(
+            f"tenant and session_id together are {len(key) - 1} UTF-8 bytes; at most "
+            f"{_MAX_KEY_BYTES - 1} are allowed"
+        )
+    return key
+
+
+def check_token_ids(token_ids: TokenIds) -> bytes:
+    """The token ids packed as little-endian uint32: a 1-D sequence (list, numpy array, torch
+    tensor) of at most ``MAX_SESSION_TOKENS`` integers in ``[0, 2**32)``."""
+    ids: Any = token_ids
+    if isinstance(ids, str | bytes | bytearray | memoryview):
+        raise InvalidArgumentError("token_ids must be a sequence of ints, not one value")
+    if hasattr(ids, "detach"):  # a torch tensor, possibly on a GPU
+        if ids.dtype.is_floating_point or ids.dtype.is_complex:
+            raise InvalidArgumentError(f"token ids must be integers, got {ids.dtype}")
+        ids = ids.detach().cpu().numpy()
+    if hasattr(ids, "__len__") and len(ids) > MAX_SESSION_TOKENS:
+        raise InvalidArgumentError(
+            f"a session holds at most {MAX_SESSION_TOKENS} tokens, got {len(ids)}"
+        )
+    if isinstance(ids, np.ndarray):
+        arr = ids
+    else:
+        try:  # refuses floats and negative ids instead of truncating them
+            arr = np.frombuffer(array("Q", ids), dtype=np.uint64)
+        except (TypeError, OverflowError) as exc:
+            raise InvalidArgumentError(f"token ids must be integers in [0, 2**32): {exc}") from exc
+    if arr.ndim != 1 or arr.dtype.kind not in "iu":
+        raise InvalidArgumentError(f"token ids must be 1-D integers, got {arr.dtype} {arr.shape}")
+    if len(arr) > MAX_SESSION_TOKENS:
+        raise InvalidArgumentError(
+            f"a session holds at most {MAX_SESSION_TOKENS} tokens, got {len(arr)}"
+        )
+    if arr.size:
+        lo, hi = int(arr.min()), int(arr.max())
+        if lo < 0 or hi >= TOKEN_ID_LIMIT:
+            raise InvalidArgumentError(
+                f"token id {lo if lo < 0 else hi} is outside [0, 2**32) (token ids are uint32)"
+            )
+    return arr.astype(_TOKEN_DTYPE).tobytes()
+
+
+# --- the table ------------------------------------------------------------------------------
+
+
+class SessionTable:
+    """Every session of a store, in memory, mirrored in the disk tier's sessions DB when there
+    is one. Thread-safe."""
+
+    def __init__(self, disk: DiskTier | None, clock: Callable[[], float] = time.time) -> None:
+        self._disk = disk
+        self._clock = clock
+        self._mutex = threading.Lock()  # guards _by_tenant; held only briefly, never over a wait
+        self._by_tenant: dict[str, dict[str, SessionRecord]] = {}
+        self._key_locks = [threading.Lock() for _ in range(_NUM_KEY_LOCKS)]
+        if disk is not None:
+            self._load(disk)
+
+    def _load(self, disk: DiskTier) -> None:
+        now = self._clock()
+        expired: list[bytes] = []
+        for key, data in disk.load_sessions().items():
+            try:
+                tenant, _, session_id = key.decode().rpartition("\x00")
+                record = SessionRecord.decode(data)
+                if record.namespace.tenant != tenant:
+                    raise ValueError(f"tenant {record.namespace.tenant!r} in the key of {tenant!r}")
+            except (ValueError, KeyError, TypeError, msgpack.UnpackException) as exc:
+                log.warning("unreadable session record %r (kept): %s", key, exc)
+                continue
+            if record.expired(now):
+                expired.append(key)
+            else:
+                self._by_tenant.setdefault(tenant, {})[session_id] = record
+        if expired:
+            try:
+                disk.submit(DiskWrite(session_deletes=expired)).result()
+            except TierKVError as exc:
+                log.warning("deleting %d expired sessions failed (retried at the next open): %s",
+                            len(expired), exc)
+
+    def _key_lock(self, key: bytes) -> threading.Lock:
+        return self._key_locks[hash(key) % _NUM_KEY_LOCKS]
+
+    def _get(self, tenant: str, session_id: str) -> SessionRecord | None:
+        with self._mutex:
+            return self._by_tenant.get(tenant, {}).get(session_id)
+
+    def _set(self, tenant: str, session_id: str, record: SessionRecord | None) -> None:
+        with self._mutex:
+            sessions = self._by_tenant.setdefault(tenant, {})
+            if record is not None:
+                sessions[session_id] = record
+                return
+            sessions.pop(session_id, None)
+            if not sessions:
+                del self._by_tenant[tenant]
+
+    # --- disk -----------------------------------------------------------------------------
+
+    def _write(self, job: DiskWrite) -> None:
+        """Commit ``job`` and wait until it is durable; raises its error (nothing changed)."""
+        if self._disk is not None:
+            self._disk.submit(job).result()
+
+    def _write_in_background(self, job: DiskWrite, what: str) -> None:
+        """Queue ``job`` without waiting; a failure is only logged (see decisions 3 and 5)."""
+        if self._disk is None:
+            return
+
+        def report(future: Future[None]) -> None:
+            exc = future.exception()
+            if exc is not None:
+                log.warning("%s failed: %s", what, exc)
+
+        self._disk.submit(job).add_done_callback(report)
+
+    def _expire_locked(self, key: bytes, tenant: str, session_id: str, record: SessionRecord) -> None:
+        """Drop an expired session (the key lock is held): at once in memory, in the background
+        on disk."""
+        if self._get(tenant, session_id) is not record:
+            return  # replaced or deleted meanwhile
+        self._set(tenant, session_id, None)
+        self._write_in_background(
+            DiskWrite(session_deletes=[key]), f"deleting expired session {session_id!r}"
+        )
+
+    # --- operations -----------------------------------------------------------------------
+
+    def save(
+        self, namespace: Namespace, session_id: str, token_ids: TokenIds, ttl_s: float | None
+    ) -> int:
+        """Store or replace the session; durable on return when there is a disk tier."""
+        key = session_key(namespace.tenant, session_id)
+        tokens = check_token_ids(token_ids)
+        ttl = check_ttl(ttl_s)
+        with self._key_lock(key):
+            record = SessionRecord(namespace, tokens, self._clock(), ttl)
+            self._write(DiskWrite(session_puts=[(key, record.encode())]))
+            self._set(namespace.tenant, session_id, record)
+        return record.num_tokens
+
+    def resume(self, tenant: str, session_id: str) -> SessionRecord:
+        """The session's record, with its last use set to now."""
+        key = session_key(tenant, session_id)
+        with self._key_lock(key):
+            record = self._get(tenant, session_id)
+            now = self._clock()
+            if record is not None and record.expired(now):
+                self._expire_locked(key, tenant, session_id, record)
+                record = None
+            if record is None:
+                raise SessionNotFoundError(f"no session {session_id!r} for tenant {tenant!r}")
+            touched = replace(record, last_use=max(now, record.last_use))
+            self._set(tenant, session_id, touched)
+            self._write_in_background(
+                DiskWrite(session_puts=[(key, touched.encode())]),
+                f"recording the last use of session {session_id!r}",
+            )
+        return touched
+
+    def delete(self, tenant: str, session_id: str) -> bool:
+        """Delete the session durably; whether it existed (an expired one did not)."""
+        key = session_key(tenant, session_id)
+        with self._key_lock(key):
+            record = self._get(tenant, session_id)
+            if record is None:
+                return False
+            existed = not record.expired(self._clock())
+            self._write(DiskWrite(session_deletes=[key]))
+            self._set(tenant, session_id, None)
+        return existed
+
+    def list_for(self, tenant: str) -> list[SessionInfo]:
+        """The tenant's unexpired sessions, sorted by id."""
+        check_tenant(tenant)
+        now = self._clock()
+        with self._mutex:
+            records = sorted(self._by_tenant.get(tenant, {}).items())
+        live: list[SessionInfo] = []
+        for session_id, record in records:
+            if record.expired(now):
+                key = session_key(tenant, session_id)
+                with self._key_lock(key):
+                    self._expire_locked(key, tenant, session_id, record)
+            else:
+                live.append(SessionInfo(session_id, record.namespace.model_id, record.num_tokens,
+                                        record.last_use))
+        return live
+
