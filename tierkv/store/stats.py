@@ -6,6 +6,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from tierkv.config import Tier
+from tierkv.store.core import StoreCore
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,3 +47,21 @@ class StoreStats:
             for tier, stats in self.tiers.items()
         }
         return data
+
+
+def snapshot(core: StoreCore) -> StoreStats:
+    """Every tier's bytes, blocks and counters, read under the store lock (consistent)."""
+    with core.lock:
+        tiers = {
+            tier: TierStats(
+                tier, ledger.capacity_bytes, ledger.used_bytes, ledger.num_blocks,
+                ledger.counters.hits, ledger.counters.misses, ledger.counters.evictions,
+                ledger.counters.promotions_in, ledger.counters.demotions_in,
+            )
+            for tier, ledger in sorted(core.ledgers.items())
+        }
+        c = core.counters
+        return StoreStats(
+            tiers, len(core.namespaces), len(core.pins), c.promotions, c.demotions,
+            c.failed_demotions, c.checksum_failures, c.puts, c.gets,
+        )

@@ -10,12 +10,11 @@ coroutines run the blocking work on the store's worker threads and never block t
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, ParamSpec, TypeVar
+from typing import ParamSpec, TypeVar
 
 import torch
 
@@ -24,13 +23,14 @@ from tierkv.errors import ConfigError, InvalidArgumentError, StoreClosedError, U
 from tierkv.hashing import DEFAULT_SEED, block_hashes
 from tierkv.keys import Namespace
 from tierkv.store import recovery
+from tierkv.store.async_api import AsyncMethods
 from tierkv.store.core import StoreCore
 from tierkv.store.leases import Leases, ReadLease, WriteLease
 from tierkv.store.ledger import NamespaceState, PagedLedger
 from tierkv.store.moves import Mover
 from tierkv.store.reads import Reader
 from tierkv.store.sessions import ResumedSession, SessionInfo, SessionTable, TokenIds
-from tierkv.store.stats import StoreStats, TierStats
+from tierkv.store.stats import StoreStats, snapshot
 from tierkv.store.validation import check_blocks, check_hashes, check_lookup_hashes, check_ttl
 from tierkv.store.writes import Writer
 from tierkv.tiers.disk import DiskTier
@@ -42,7 +42,7 @@ P = ParamSpec("P")
 R = TypeVar("R")
 
 
-class TieredStore:
+class TieredStore(AsyncMethods):
     """KV blocks across GPU, HOST and DISK tiers, keyed by ``(namespace, block hash)``.
 
     Open it with a ``StoreConfig``; with a disk tier, blocks written there by an earlier process
@@ -324,21 +324,7 @@ class TieredStore:
     def stats(self) -> StoreStats:
         """A consistent snapshot of every tier's bytes, blocks and counters."""
         self._check_open()
-        core = self._core
-        with core.lock:
-            tiers = {
-                tier: TierStats(
-                    tier, ledger.capacity_bytes, ledger.used_bytes, ledger.num_blocks,
-                    ledger.counters.hits, ledger.counters.misses, ledger.counters.evictions,
-                    ledger.counters.promotions_in, ledger.counters.demotions_in,
-                )
-                for tier, ledger in sorted(core.ledgers.items())
-            }
-            c = core.counters
-            return StoreStats(
-                tiers, len(core.namespaces), len(core.pins), c.promotions, c.demotions,
-                c.failed_demotions, c.checksum_failures, c.puts, c.gets,
-            )
+        return snapshot(self._core)
 
     @property
     def host_shm_name(self) -> str:
@@ -402,43 +388,9 @@ class TieredStore:
         self._check_open()
         return self._sessions.list_for(tenant)
 
-    # --- async variants -------------------------------------------------------------------
-
     def _submit(self, fn: Callable[P, R], *args: P.args, **kwargs: P.kwargs) -> Future[R]:
         self._check_open()
         return self._executor.submit(fn, *args, **kwargs)
-
-    def put_async(self, *args: Any, **kwargs: Any) -> Future[int]:
-        """``put`` on a worker thread."""
-        return self._submit(self.put, *args, **kwargs)
-
-    def get_async(self, *args: Any, **kwargs: Any) -> Future[torch.Tensor]:
-        """``get`` on a worker thread."""
-        return self._submit(self.get, *args, **kwargs)
-
-    def get_into_async(self, *args: Any, **kwargs: Any) -> Future[int]:
-        """``get_into`` on a worker thread."""
-        return self._submit(self.get_into, *args, **kwargs)
-
-    async def aput(self, *args: Any, **kwargs: Any) -> int:
-        """``put`` without blocking the event loop."""
-        return await asyncio.wrap_future(self.put_async(*args, **kwargs))
-
-    async def aget(self, *args: Any, **kwargs: Any) -> torch.Tensor:
-        """``get`` without blocking the event loop."""
-        return await asyncio.wrap_future(self.get_async(*args, **kwargs))
-
-    async def aget_into(self, *args: Any, **kwargs: Any) -> int:
-        """``get_into`` without blocking the event loop."""
-        return await asyncio.wrap_future(self.get_into_async(*args, **kwargs))
-
-    async def aprefetch(self, *args: Any, **kwargs: Any) -> int:
-        """``prefetch``, awaited."""
-        return await asyncio.wrap_future(self.prefetch(*args, **kwargs))
-
-    async def alookup(self, *args: Any, **kwargs: Any) -> int:
-        """``lookup`` on a worker thread (it takes the store lock)."""
-        return await asyncio.wrap_future(self._submit(self.lookup, *args, **kwargs))
 
     # --- lifecycle ------------------------------------------------------------------------
 
