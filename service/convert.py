@@ -29,18 +29,25 @@ _PRIORITIES: dict[int, Priority] = {
 }
 
 
-def hashes_from(hashes: Sequence[bytes], max_hashes: int) -> list[bytes]:
-    """The request's hashes, checked for count and length."""
+def hashes_within(hashes: Sequence[bytes], max_hashes: int) -> Sequence[bytes]:
+    """The request's hashes, checked for count only (for calls whose store method checks the
+    lengths itself)."""
     if len(hashes) > max_hashes:
         raise InvalidArgumentError(
             f"{len(hashes)} hashes in one call; at most {max_hashes} (split the chain)"
         )
-    for index, block_hash in enumerate(hashes):
-        if len(block_hash) != BLOCK_HASH_BYTES:
-            raise InvalidArgumentError(
-                f"hashes[{index}] is {len(block_hash)} bytes; block hashes are 32 bytes"
-            )
-    return list(hashes)
+    return hashes
+
+
+def hashes_from(hashes: Sequence[bytes], max_hashes: int) -> Sequence[bytes]:
+    """The request's hashes (as given: no copy), checked for count and length."""
+    hashes_within(hashes, max_hashes)
+    if hashes and set(map(len, hashes)) != {BLOCK_HASH_BYTES}:
+        index, bad = next((i, h) for i, h in enumerate(hashes) if len(h) != BLOCK_HASH_BYTES)
+        raise InvalidArgumentError(
+            f"hashes[{index}] is {len(bad)} bytes; block hashes are 32 bytes"
+        )
+    return hashes
 
 
 def write_policy_from(value: int) -> WritePolicy | None:
@@ -97,10 +104,11 @@ def stats_to(stats: StoreStats, num_leases: int) -> pb.StatsResponse:
     )
 
 
-def tier_counts(tiers: Sequence[Tier]) -> dict[str, int]:
-    """How many blocks have their fastest copy in each tier."""
+def tier_counts(counts: dict[Tier, int]) -> dict[str, int]:
+    """``LookupResponse`` fields from ``TieredStore.locate``."""
     return {
-        "num_gpu": sum(t is Tier.GPU for t in tiers),
-        "num_host": sum(t is Tier.HOST for t in tiers),
-        "num_disk": sum(t is Tier.DISK for t in tiers),
+        "num_cached": sum(counts.values()),
+        "num_gpu": counts[Tier.GPU],
+        "num_host": counts[Tier.HOST],
+        "num_disk": counts[Tier.DISK],
     }

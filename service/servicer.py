@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -118,7 +118,7 @@ class TierKVServicer(pb_grpc.TierKVServicer):
                 self._known[key] = namespace
         return namespace
 
-    def _blocks(self, request: Any, caller: Caller) -> tuple[Namespace, list[bytes]]:
+    def _blocks(self, request: Any, caller: Caller) -> tuple[Namespace, Sequence[bytes]]:
         namespace = self._namespace(request.namespace, caller)
         return namespace, convert.hashes_from(request.hashes, self.config.max_hashes_per_call)
 
@@ -141,21 +141,22 @@ class TierKVServicer(pb_grpc.TierKVServicer):
         namespace = self._known.get(key)
         simple = not request.prefetch and not request.pin_ttl_s
         if namespace is not None and simple and len(request.hashes) <= _INLINE_LOOKUP_HASHES:
-            tiers = self.store.locate(namespace, list(request.hashes))
-            return pb.LookupResponse(num_cached=len(tiers), **convert.tier_counts(tiers))
+            return pb.LookupResponse(**convert.tier_counts(self.store.locate(namespace,
+                                                                             request.hashes)))
         return await self._run(self._lookup, request, caller)
 
     def _lookup(self, request: pb.LookupRequest, caller: Caller) -> pb.LookupResponse:
-        namespace, hashes = self._blocks(request, caller)
+        namespace = self._namespace(request.namespace, caller)
+        # One list, reused; the store checks the hashes' lengths (``_blocks`` would do it twice).
+        hashes = convert.hashes_within(list(request.hashes), self.config.max_hashes_per_call)
         store = self.store
         num_pinned = 0
         if request.prefetch:
             store.prefetch(namespace, hashes, Tier.HOST).result()
         if request.pin_ttl_s:
             num_pinned = store.pin(namespace, hashes, request.pin_ttl_s)
-        tiers = store.locate(namespace, hashes)
-        return pb.LookupResponse(num_cached=len(tiers), num_pinned=num_pinned,
-                                 **convert.tier_counts(tiers))
+        return pb.LookupResponse(num_pinned=num_pinned,
+                                 **convert.tier_counts(store.locate(namespace, hashes)))
 
     @unary
     async def Pin(self, request: pb.PinRequest, context: Any, caller: Caller) -> Any:
