@@ -40,6 +40,7 @@ class AsyncClient:
         self._stub = pb_grpc.TierKVStub(self._channel)  # type: ignore[no-untyped-call]
         self._info: pb.DescribeResponse | None = None
         self._slab: SlabMapping | None = None
+        self._closed = False
 
     async def __aenter__(self) -> AsyncClient:
         return self
@@ -48,7 +49,9 @@ class AsyncClient:
         await self.close()
 
     async def close(self) -> None:
-        """Close the channel and unmap the slab."""
+        """Close the channel and unmap the slab. Calls afterwards raise
+        ``ServiceUnavailableError``."""
+        self._closed = True
         if self._slab is not None:
             self._slab.close()
             self._slab = None
@@ -56,6 +59,8 @@ class AsyncClient:
 
     async def _retrying(self, attempt: Callable[[], Awaitable[R]], retry: bool = True) -> R:
         settings = self.settings
+        if self._closed:
+            raise ServiceUnavailableError("this client is closed")
         for number in range(settings.retries + 1):
             try:
                 return await attempt()

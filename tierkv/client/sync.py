@@ -42,6 +42,7 @@ class Client:
         self._stub = pb_grpc.TierKVStub(self._channel)  # type: ignore[no-untyped-call]
         self._info: pb.DescribeResponse | None = None
         self._slab: SlabMapping | None = None
+        self._closed = False
 
     def __enter__(self) -> Client:
         return self
@@ -50,7 +51,9 @@ class Client:
         self.close()
 
     def close(self) -> None:
-        """Close the channel and unmap the slab."""
+        """Close the channel and unmap the slab. Calls afterwards raise
+        ``ServiceUnavailableError``."""
+        self._closed = True
         if self._slab is not None:
             self._slab.close()
             self._slab = None
@@ -70,6 +73,8 @@ class Client:
 
     def _retrying(self, attempt: Callable[[], R], retry: bool = True) -> R:
         settings = self.settings
+        if self._closed:
+            raise ServiceUnavailableError("this client is closed")
         for number in range(settings.retries + 1):
             try:
                 return attempt()

@@ -109,15 +109,22 @@ class Leases:
         """Lease the leading stored blocks of ``keys`` in HOST (see the module docstring)."""
         ttl = _check_lease_ttl(ttl_s)
         core = self.core
+        host = core.paged[Tier.HOST]
+        # Only what HOST can hold at once is leased (and marked read); the caller asks again
+        # for the rest. Marking more would leave no victims to make room with.
+        max_blocks = max(1, host.slab.num_pages // host.pages_for(state.block_bytes))
         planned: list[Entry] = []
+        num_cached = 0
         with core.lock:
             self._expire_locked()
             for key in keys:
                 entry = state.blocks.get(key)
                 if entry is None or entry.top_tier() is None:
                     break
-                entry.readers += 1
-                planned.append(entry)
+                num_cached += 1
+                if len(planned) < max_blocks:
+                    entry.readers += 1
+                    planned.append(entry)
         self._bring_into_host(planned)
         leased: list[Entry] = []
         blocks: list[BlockExtents] = []
@@ -132,7 +139,7 @@ class Leases:
                 blocks.append(self._extents(node.location, entry.ns.block_bytes))
             lease_id = self._new_id()
             self._active[lease_id] = _Read(owner, self._clock() + ttl, leased)
-        return ReadLease(lease_id, blocks[: len(leased)], len(planned), ttl)
+        return ReadLease(lease_id, blocks[: len(leased)], num_cached, ttl)
 
     def _bring_into_host(self, entries: list[Entry]) -> None:
         by_source: dict[Tier, list[Entry]] = {}
@@ -142,8 +149,14 @@ class Leases:
                 if top is not None and entry.host is None:
                     by_source.setdefault(top, []).append(entry)
         for source, batch in by_source.items():
-            # No waiting: the lease already holds blocks of HOST itself.
-            self.mover.copy_between(batch, source, Tier.HOST, wait=False)
+            # No waiting: the lease already holds blocks of HOST itself. When the whole batch
+            # does not fit (other leases hold pages), bring in what does, head first.
+            done = self.mover.copy_between(batch, source, Tier.HOST, wait=False)
+            for entry in batch:
+                if entry in done:
+                    continue
+                if not self.mover.copy_between([entry], source, Tier.HOST, wait=False):
+                    break  # HOST is full: the leased run ends here
 
     def release(self, lease_id: bytes, owner: str) -> None:
         """End a read lease: its blocks may be evicted again."""
