@@ -21,6 +21,7 @@ import torch
 import tierkv
 from service import convert
 from service.auth import Authenticator, client_id_of
+from service.buffers import BufferPool
 from service.config import ServiceConfig
 from service.errors import status_of
 from tierkv import codec
@@ -76,6 +77,7 @@ class TierKVServicer(pb_grpc.TierKVServicer):
         self._auth = Authenticator(config.tokens)
         self._store: TieredStore | None = None
         self._executor = ThreadPoolExecutor(config.num_workers, "tierkv-rpc")
+        self._buffers = BufferPool(2 * config.max_put_bytes)
         self._host_id = _host_id()
         # (wire namespace, tenant) -> registered Namespace: skips rebuilding it on every call.
         self._known: dict[tuple[bytes, str], Namespace] = {}
@@ -195,7 +197,18 @@ class TierKVServicer(pb_grpc.TierKVServicer):
             raise InvalidArgumentError(
                 f"{total_bytes} bytes in one Put; at most {self.config.max_put_bytes} (split it)"
             )
-        buffer = bytearray(total_bytes)
+        buffer = self._buffers.take(total_bytes)
+        try:
+            return await self._put_into(buffer, first, chunks, namespace, hashes, header)
+        finally:
+            self._buffers.give(buffer)
+
+    async def _put_into(
+        self, buffer: bytearray, first: pb.PutChunk, chunks: AsyncIterator[pb.PutChunk],
+        namespace: Namespace, hashes: Sequence[bytes], header: pb.PutHeader,
+    ) -> pb.CountResponse:
+        layout = namespace.layout
+        total_bytes = len(hashes) * layout.bytes_per_block
         received = 0
         chunk: pb.PutChunk | None = first
         while chunk is not None:
@@ -213,8 +226,9 @@ class TierKVServicer(pb_grpc.TierKVServicer):
             raise InvalidArgumentError(
                 f"got {received} bytes for {len(hashes)} blocks of {layout.bytes_per_block} B"
             )
-        blocks = torch.frombuffer(buffer, dtype=torch.uint8) if total_bytes else torch.empty(0)
-        blocks = blocks.view(layout.torch_dtype).reshape(len(hashes), *layout.block_shape)
+        flat = (torch.frombuffer(buffer, dtype=torch.uint8, count=total_bytes) if total_bytes
+                else torch.empty(0, dtype=torch.uint8))
+        blocks = flat.view(layout.torch_dtype).reshape(len(hashes), *layout.block_shape)
         count = await self._run(
             self.store.put, namespace, hashes, blocks,
             priority=convert.priority_from(header.priority),
@@ -224,44 +238,61 @@ class TierKVServicer(pb_grpc.TierKVServicer):
 
     async def Get(self, request: pb.BlocksRequest, context: Any) -> AsyncIterator[pb.GetChunk]:
         caller = await self._caller(context)
+        buffer: bytearray | None = None
         try:
             namespace, hashes = await self._run(self._blocks, request, caller)
             layout = namespace.layout
-            out = torch.empty((len(hashes), *layout.block_shape), dtype=layout.torch_dtype)
+            total_bytes = len(hashes) * layout.bytes_per_block
+            buffer = self._buffers.take(total_bytes)
+            flat = (torch.frombuffer(buffer, dtype=torch.uint8, count=total_bytes) if total_bytes
+                    else torch.empty(0, dtype=torch.uint8))
+            out = flat.view(layout.torch_dtype).reshape(len(hashes), *layout.block_shape)
             num_blocks = await self._run(self.store.get_into, namespace, hashes, out)
         except (TierKVError, ValueError) as exc:
+            if buffer is not None:
+                self._buffers.give(buffer)
             code, message = status_of(exc)
             await context.abort(code, message)
             return
-        data = out.view(torch.uint8).reshape(-1).numpy().data[: num_blocks * layout.bytes_per_block]
-        step = self.config.chunk_bytes
-        yield pb.GetChunk(num_blocks=num_blocks, data=bytes(data[:step]))
-        for start in range(step, len(data), step):
-            yield pb.GetChunk(data=bytes(data[start : start + step]))
+        try:
+            data = memoryview(buffer)[: num_blocks * layout.bytes_per_block]
+            step = self.config.chunk_bytes
+            yield pb.GetChunk(num_blocks=num_blocks, data=bytes(data[:step]))
+            for start in range(step, len(data), step):
+                yield pb.GetChunk(data=bytes(data[start : start + step]))
+        finally:
+            del out, flat, data  # the tensor views pin the buffer's export
+            self._buffers.give(buffer)
 
     # --- shared-memory data path ----------------------------------------------------------
 
     @unary
     async def Acquire(self, request: pb.AcquireRequest, context: Any, caller: Caller) -> Any:
-        namespace, hashes = await self._run(self._blocks, request, caller)
-        lease = await self._run(self.store.acquire, namespace, hashes,
-                                convert.ttl_from(request.lease_ttl_s), caller.owner)
-        return convert.lease_to(lease)
+        return await self._run(self._acquire, request, caller)
+
+    def _acquire(self, request: pb.AcquireRequest, caller: Caller) -> pb.LeaseResponse:
+        namespace, hashes = self._blocks(request, caller)
+        return convert.lease_to(self.store.acquire(
+            namespace, hashes, convert.ttl_from(request.lease_ttl_s), caller.owner
+        ))
 
     @unary
     async def Release(self, request: pb.LeaseRequest, context: Any, caller: Caller) -> Any:
-        await self._run(self.store.release, request.lease_id, caller.owner)
+        # A few dict operations under the store lock: cheaper here than a thread hop.
+        self.store.release(request.lease_id, caller.owner)
         return pb.LeaseDoneResponse()
 
     @unary
     async def Allocate(self, request: pb.AllocateRequest, context: Any, caller: Caller) -> Any:
-        namespace, hashes = await self._run(self._blocks, request, caller)
-        lease = await self._run(
-            self.store.allocate, namespace, hashes, convert.ttl_from(request.lease_ttl_s),
-            caller.owner, priority=convert.priority_from(request.priority),
+        return await self._run(self._allocate, request, caller)
+
+    def _allocate(self, request: pb.AllocateRequest, caller: Caller) -> pb.LeaseResponse:
+        namespace, hashes = self._blocks(request, caller)
+        return convert.lease_to(self.store.allocate(
+            namespace, hashes, convert.ttl_from(request.lease_ttl_s), caller.owner,
+            priority=convert.priority_from(request.priority),
             write_policy=convert.write_policy_from(request.write_policy),
-        )
-        return convert.lease_to(lease)
+        ))
 
     @unary
     async def Commit(self, request: pb.LeaseRequest, context: Any, caller: Caller) -> Any:
@@ -270,7 +301,7 @@ class TierKVServicer(pb_grpc.TierKVServicer):
 
     @unary
     async def Abort(self, request: pb.LeaseRequest, context: Any, caller: Caller) -> Any:
-        await self._run(self.store.abort, request.lease_id, caller.owner)
+        self.store.abort(request.lease_id, caller.owner)  # dict work under the lock, as Release
         return pb.LeaseDoneResponse()
 
     # --- sessions -------------------------------------------------------------------------

@@ -30,6 +30,20 @@ def register(subparsers: Any) -> None:
     store.add_argument("--plot", type=Path, nargs="?", const=Path("bench-out/store.png"),
                        default=None, help="also write a PNG bar chart")
     store.set_defaults(func=run_store)
+    service = targets.add_parser(
+        "service", help="the sidecar through the client SDK vs memcpy and a real Redis"
+    )
+    service.add_argument("--only", nargs="*", default=[],
+                         choices=["local", "remote", "lookup", "calls"])
+    service.add_argument("--repeats", type=int, default=5, help="runs per figure (median)")
+    service.add_argument("--quick", action="store_true",
+                         help="smaller runs (for a smoke test; figures are noisier)")
+    service.add_argument("--work-dir", type=Path, default=None,
+                         help="where the servers keep sockets, logs and disk (default: a temp dir)")
+    service.add_argument("--json", type=Path, default=Path("bench-out/service.json"))
+    service.add_argument("--plot", type=Path, nargs="?", const=Path("bench-out/service.png"),
+                         default=None, help="also write a PNG bar chart")
+    service.set_defaults(func=run_service)
     gpu = targets.add_parser("gpu", help="CUDA copies through the store vs raw pinned copies")
     gpu.add_argument("--repeats", type=int, default=5)
     gpu.add_argument("--json", type=Path, default=Path("bench-out/gpu.json"))
@@ -74,5 +88,37 @@ def run_store(args: argparse.Namespace) -> int:
     print(f"wrote {args.json}")
     if args.plot is not None:
         save_plot(rows, args.plot, "tierkv bench store")
+        print(f"wrote {args.plot}")
+    return 0
+
+
+def run_service(args: argparse.Namespace) -> int:
+    """Run ``bench service`` (starts a ``tierkv serve`` and a ``redis-server`` of its own)."""
+    from tierkv.bench.service_bench import (
+        ServiceBenchConfig,
+        num_steps,
+        redis_parser,
+        run_service_bench,
+    )
+
+    with tempfile.TemporaryDirectory(prefix="tierkv-bench-", dir=args.work_dir) as work:
+        cfg = ServiceBenchConfig(Path(work), repeats=args.repeats)
+        if args.quick:
+            cfg = ServiceBenchConfig(Path(work), num_batches=2, num_stream_batches=1,
+                                     repeats=min(args.repeats, 3), lookup_calls=50,
+                                     small_calls=500)
+        with tqdm(total=num_steps(cfg, args.only), desc="bench service", unit="step") as bar:
+            def progress(message: str) -> None:
+                bar.set_postfix_str(message)
+                bar.update(1)
+
+            rows = run_service_bench(cfg, args.only, progress)
+    print(format_table(rows))
+    extra = {"repeats": cfg.repeats, "batch_blocks": cfg.batch_blocks, "quick": args.quick,
+             "redis_parser": redis_parser()}
+    save_json(rows, args.json, extra)
+    print(f"wrote {args.json}")
+    if args.plot is not None:
+        save_plot(rows, args.plot, "tierkv bench service")
         print(f"wrote {args.plot}")
     return 0

@@ -41,6 +41,8 @@ class AsyncClient:
         self._info: pb.DescribeResponse | None = None
         self._slab: SlabMapping | None = None
         self._closed = False
+        self._metadata = self.settings.metadata
+        self._wire_namespaces: dict[Namespace, pb.Namespace] = {}
 
     async def __aenter__(self) -> AsyncClient:
         return self
@@ -76,10 +78,16 @@ class AsyncClient:
         return await self._retrying(
             lambda: getattr(self._stub, method)(
                 request, timeout=timeout_s or self.settings.timeout_s,
-                metadata=self.settings.metadata,
+                metadata=self._metadata,
             ),
             retry,
         )
+
+    def _wire(self, namespace: Namespace) -> pb.Namespace:
+        wire = self._wire_namespaces.get(namespace)
+        if wire is None:
+            wire = self._wire_namespaces[namespace] = base.namespace_wire(namespace)
+        return wire
 
     async def describe(self) -> pb.DescribeResponse:
         """The server's facts (slab, host, limits); fetched once."""
@@ -107,11 +115,11 @@ class AsyncClient:
         if slab is None:
             response = await self._retrying(lambda: self._stub.Put(
                 base.put_chunks(namespace, hashes, flat, write_policy, priority),
-                timeout=timeout_s or self.settings.timeout_s, metadata=self.settings.metadata,
+                timeout=timeout_s or self.settings.timeout_s, metadata=self._metadata,
             ))
             return int(response.count)
         lease = await self._call("Allocate", pb.AllocateRequest(
-            namespace=base.namespace_wire(namespace), hashes=list(hashes),
+            namespace=self._wire(namespace), hashes=list(hashes),
             write_policy=base.policy_wire(write_policy), priority=base.priority_wire(priority),
         ), timeout_s)
         try:
@@ -131,7 +139,7 @@ class AsyncClient:
     ) -> pb.LookupResponse:
         """The cached prefix with per-tier counts; optionally prefetch it into HOST and pin it."""
         response: pb.LookupResponse = await self._call("Lookup", pb.LookupRequest(
-            namespace=base.namespace_wire(namespace), hashes=list(hashes), prefetch=prefetch,
+            namespace=self._wire(namespace), hashes=list(hashes), prefetch=prefetch,
             pin_ttl_s=pin_ttl_s,
         ), timeout_s)
         return response
@@ -169,7 +177,7 @@ class AsyncClient:
         done = 0
         while done < len(hashes):
             lease = await self._call("Acquire", pb.AcquireRequest(
-                namespace=base.namespace_wire(namespace), hashes=list(hashes[done:])), timeout_s)
+                namespace=self._wire(namespace), hashes=list(hashes[done:])), timeout_s)
             try:
                 count = len(lease.blocks)
                 spans = base.copy_spans(base.extents_of(lease.blocks), range(done, done + count),
@@ -184,13 +192,13 @@ class AsyncClient:
 
     async def _get_streamed(self, namespace: Namespace, hashes: Sequence[bytes],
                             flat: torch.Tensor, timeout_s: float | None) -> int:
-        request = pb.BlocksRequest(namespace=base.namespace_wire(namespace), hashes=list(hashes))
+        request = pb.BlocksRequest(namespace=self._wire(namespace), hashes=list(hashes))
         target = flat.numpy()
 
         async def attempt() -> int:
             num_blocks, received, first = 0, 0, True
             call = self._stub.Get(request, timeout=timeout_s or self.settings.timeout_s,
-                                  metadata=self.settings.metadata)
+                                  metadata=self._metadata)
             async for chunk in call:
                 if first:
                     num_blocks, first = chunk.num_blocks, False
@@ -216,20 +224,20 @@ class AsyncClient:
                   ttl_s: float | None = None, *, timeout_s: float | None = None) -> int:
         """Pin the cached prefix (until ``unpin``, or for ``ttl_s``); returns how many."""
         response = await self._call("Pin", pb.PinRequest(
-            namespace=base.namespace_wire(namespace), hashes=list(hashes), ttl_s=ttl_s or 0.0,
+            namespace=self._wire(namespace), hashes=list(hashes), ttl_s=ttl_s or 0.0,
         ), timeout_s)
         return int(response.count)
 
     async def unpin(self, namespace: Namespace, hashes: Sequence[bytes], *,
                     timeout_s: float | None = None) -> int:
         """Drop one pin of each; returns how many were pinned."""
-        request = pb.BlocksRequest(namespace=base.namespace_wire(namespace), hashes=list(hashes))
+        request = pb.BlocksRequest(namespace=self._wire(namespace), hashes=list(hashes))
         return int((await self._call("Unpin", request, timeout_s)).count)
 
     async def delete(self, namespace: Namespace, hashes: Sequence[bytes], *,
                      timeout_s: float | None = None) -> int:
         """Delete the blocks; returns how many were stored."""
-        request = pb.BlocksRequest(namespace=base.namespace_wire(namespace), hashes=list(hashes))
+        request = pb.BlocksRequest(namespace=self._wire(namespace), hashes=list(hashes))
         return int((await self._call("Delete", request, timeout_s)).count)
 
     async def stats(self, *, timeout_s: float | None = None) -> pb.StatsResponse:
@@ -242,7 +250,7 @@ class AsyncClient:
                            timeout_s: float | None = None) -> int:
         """Store a session's token ids durably; returns their number."""
         response = await self._call("SaveSession", pb.SaveSessionRequest(
-            namespace=base.namespace_wire(namespace), session_id=session_id,
+            namespace=self._wire(namespace), session_id=session_id,
             token_ids=list(token_ids), ttl_s=ttl_s or 0.0,
         ), timeout_s)
         return int(response.num_tokens)

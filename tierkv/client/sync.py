@@ -43,6 +43,8 @@ class Client:
         self._info: pb.DescribeResponse | None = None
         self._slab: SlabMapping | None = None
         self._closed = False
+        self._metadata = self.settings.metadata
+        self._wire_namespaces: dict[Namespace, pb.Namespace] = {}
 
     def __enter__(self) -> Client:
         return self
@@ -66,7 +68,7 @@ class Client:
         return self._retrying(
             lambda: getattr(self._stub, method)(
                 request, timeout=timeout_s or self.settings.timeout_s,
-                metadata=self.settings.metadata,
+                metadata=self._metadata,
             ),
             retry,
         )
@@ -84,6 +86,15 @@ class Client:
                     continue
                 raise base.error_from(exc) from None
         raise AssertionError("unreachable")
+
+    def _blocks_request(self, namespace: Namespace, hashes: Sequence[bytes]) -> pb.BlocksRequest:
+        return pb.BlocksRequest(namespace=self._wire(namespace), hashes=list(hashes))
+
+    def _wire(self, namespace: Namespace) -> pb.Namespace:
+        wire = self._wire_namespaces.get(namespace)
+        if wire is None:
+            wire = self._wire_namespaces[namespace] = base.namespace_wire(namespace)
+        return wire
 
     def describe(self) -> pb.DescribeResponse:
         """The server's facts (slab, host, limits); fetched once."""
@@ -114,7 +125,7 @@ class Client:
             return self._put_shared(namespace, hashes, flat, priority, write_policy, timeout_s)
         return int(self._retrying(lambda: self._stub.Put(
             base.put_chunks(namespace, hashes, flat, write_policy, priority),
-            timeout=timeout_s or self.settings.timeout_s, metadata=self.settings.metadata,
+            timeout=timeout_s or self.settings.timeout_s, metadata=self._metadata,
         )).count)
 
     def _put_shared(
@@ -123,7 +134,7 @@ class Client:
     ) -> int:
         assert self._slab is not None
         lease = self._call("Allocate", pb.AllocateRequest(
-            namespace=base.namespace_wire(namespace), hashes=list(hashes),
+            namespace=self._wire(namespace), hashes=list(hashes),
             write_policy=base.policy_wire(write_policy), priority=base.priority_wire(priority),
         ), timeout_s)
         try:
@@ -147,7 +158,7 @@ class Client:
     ) -> pb.LookupResponse:
         """The cached prefix with per-tier counts; optionally prefetch it into HOST and pin it."""
         response: pb.LookupResponse = self._call("Lookup", pb.LookupRequest(
-            namespace=base.namespace_wire(namespace), hashes=list(hashes), prefetch=prefetch,
+            namespace=self._wire(namespace), hashes=list(hashes), prefetch=prefetch,
             pin_ttl_s=pin_ttl_s,
         ), timeout_s)
         return response
@@ -180,7 +191,7 @@ class Client:
         done = 0
         while done < len(hashes):
             lease = self._call("Acquire", pb.AcquireRequest(
-                namespace=base.namespace_wire(namespace), hashes=list(hashes[done:])), timeout_s)
+                namespace=self._wire(namespace), hashes=list(hashes[done:])), timeout_s)
             try:
                 count = len(lease.blocks)
                 spans = base.copy_spans(base.extents_of(lease.blocks),
@@ -195,14 +206,14 @@ class Client:
 
     def _get_streamed(self, namespace: Namespace, hashes: Sequence[bytes], flat: torch.Tensor,
                       timeout_s: float | None) -> int:
-        request = pb.BlocksRequest(namespace=base.namespace_wire(namespace), hashes=list(hashes))
+        request = pb.BlocksRequest(namespace=self._wire(namespace), hashes=list(hashes))
         target = flat.numpy()
 
         def attempt() -> int:
             num_blocks, received = 0, 0
             responses: Iterator[pb.GetChunk] = self._stub.Get(
                 request, timeout=timeout_s or self.settings.timeout_s,
-                metadata=self.settings.metadata,
+                metadata=self._metadata,
             )
             for index, chunk in enumerate(responses):
                 if index == 0:
@@ -228,18 +239,18 @@ class Client:
             timeout_s: float | None = None) -> int:
         """Pin the cached prefix (until ``unpin``, or for ``ttl_s``); returns how many."""
         return int(self._call("Pin", pb.PinRequest(
-            namespace=base.namespace_wire(namespace), hashes=list(hashes), ttl_s=ttl_s or 0.0,
+            namespace=self._wire(namespace), hashes=list(hashes), ttl_s=ttl_s or 0.0,
         ), timeout_s).count)
 
     def unpin(self, namespace: Namespace, hashes: Sequence[bytes], *,
               timeout_s: float | None = None) -> int:
         """Drop one pin of each; returns how many were pinned."""
-        return int(self._call("Unpin", _blocks_request(namespace, hashes), timeout_s).count)
+        return int(self._call("Unpin", self._blocks_request(namespace, hashes), timeout_s).count)
 
     def delete(self, namespace: Namespace, hashes: Sequence[bytes], *,
                timeout_s: float | None = None) -> int:
         """Delete the blocks; returns how many were stored."""
-        return int(self._call("Delete", _blocks_request(namespace, hashes), timeout_s).count)
+        return int(self._call("Delete", self._blocks_request(namespace, hashes), timeout_s).count)
 
     def stats(self, *, timeout_s: float | None = None) -> pb.StatsResponse:
         """The server's tier and counter snapshot."""
@@ -252,7 +263,7 @@ class Client:
                      ttl_s: float | None = None, *, timeout_s: float | None = None) -> int:
         """Store a session's token ids durably; returns their number."""
         return int(self._call("SaveSession", pb.SaveSessionRequest(
-            namespace=base.namespace_wire(namespace), session_id=session_id,
+            namespace=self._wire(namespace), session_id=session_id,
             token_ids=list(token_ids), ttl_s=ttl_s or 0.0,
         ), timeout_s).num_tokens)
 
@@ -273,5 +284,4 @@ class Client:
         return list(self._call("ListSessions", pb.ListSessionsRequest(), timeout_s).sessions)
 
 
-def _blocks_request(namespace: Namespace, hashes: Sequence[bytes]) -> pb.BlocksRequest:
-    return pb.BlocksRequest(namespace=base.namespace_wire(namespace), hashes=list(hashes))
+

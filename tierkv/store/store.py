@@ -10,9 +10,7 @@ coroutines run the blocking work on the store's worker threads and never block t
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import operator
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -40,8 +38,6 @@ from tierkv.tiers.gpu import DeviceSlab
 from tierkv.tiers.host import HostSlab
 
 log = logging.getLogger(__name__)
-_GPU_OF = operator.attrgetter("gpu")
-_HOST_OF = operator.attrgetter("host")
 P = ParamSpec("P")
 R = TypeVar("R")
 
@@ -175,21 +171,20 @@ class TieredStore(AsyncMethods):
         tier (their sum is ``lookup``)."""
         state = self._state(namespace)
         check_lookup_hashes(hashes)
-        # Every remote lookup comes here: the loops run in C (map, list.index, count).
-        with self._core.lock:
-            entries = list(map(state.blocks.get, hashes))
-            with contextlib.suppress(ValueError):
-                del entries[entries.index(None):]
-            on_gpu = list(map(_GPU_OF, entries))
-            on_host = list(map(_HOST_OF, entries))
-        num_gpu = len(entries) - on_gpu.count(None)
-        if num_gpu == 0:  # the common case (no GPU tier, or nothing of this chain in it)
-            num_host = len(entries) - on_host.count(None)
-        else:  # fastest copy in HOST: none in GPU, one in HOST
-            num_host = sum(1 for g, h in zip(on_gpu, on_host, strict=True)
-                           if g is None and h is not None)
-        return {Tier.GPU: num_gpu, Tier.HOST: num_host,
-                Tier.DISK: len(entries) - num_gpu - num_host}
+        find = state.blocks.get
+        num_gpu = num_host = num_disk = 0
+        with self._core.lock:  # one tight loop: every remote lookup runs it
+            for block_hash in hashes:
+                entry = find(block_hash)
+                if entry is None:
+                    break
+                if entry.gpu is not None:
+                    num_gpu += 1
+                elif entry.host is not None:
+                    num_host += 1
+                else:
+                    num_disk += 1
+        return {Tier.GPU: num_gpu, Tier.HOST: num_host, Tier.DISK: num_disk}
 
     def get_into(self, namespace: Namespace, hashes: Sequence[bytes], out: torch.Tensor) -> int:
         """Copy the leading stored blocks of ``hashes`` into ``out[:k]``; returns ``k``.
