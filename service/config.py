@@ -45,6 +45,7 @@ class ServiceConfig:
     chunk_bytes: int = 1 * MiB
     max_message_bytes: int = 4 * MiB
     max_put_bytes: int = 1024 * MiB
+    max_namespaces: int = 4096
     grace_s: float = 10.0
     lease_reap_interval_s: float = 1.0
     num_workers: int = 8

@@ -17,6 +17,9 @@ from tierkv.errors import (
 )
 
 log = logging.getLogger(__name__)
+# gRPC clients refuse status messages over 8-16 KiB (they travel as metadata), and a message
+# may quote the caller's input: 1 KiB says enough.
+_MAX_MESSAGE_CHARS = 1024
 
 # Checked in order: the first class that matches decides.
 _CODES: tuple[tuple[type[BaseException], grpc.StatusCode], ...] = (
@@ -32,11 +35,14 @@ _CODES: tuple[tuple[type[BaseException], grpc.StatusCode], ...] = (
 
 def status_of(exc: BaseException) -> tuple[grpc.StatusCode, str]:
     """The status code and message a failed call answers with."""
+    message = str(exc)
+    if len(message) > _MAX_MESSAGE_CHARS:
+        message = message[:_MAX_MESSAGE_CHARS] + "..."
     for kind, code in _CODES:
         if isinstance(exc, kind):
-            return code, str(exc)
+            return code, message
     if isinstance(exc, TierKVError):  # a disk that failed, not the caller's input
         log.error("store error: %s", exc)
-        return grpc.StatusCode.UNAVAILABLE, str(exc)
+        return grpc.StatusCode.UNAVAILABLE, message
     log.exception("unexpected error in a call", exc_info=exc)
     return grpc.StatusCode.INTERNAL, "internal error (logged by the server)"

@@ -17,14 +17,35 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from service.config import ServiceConfig
-from service.servicer import TierKVServicer
+from service.servicer import TierKVServicer, lenient
 from tierkv.store import TieredStore
 from tierkv.wire import tierkv_pb2 as pb
-from tierkv.wire import tierkv_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["TierKV"].full_name
+
+
+_FACTORIES = {
+    (False, False): grpc.unary_unary_rpc_method_handler,
+    (True, False): grpc.stream_unary_rpc_method_handler,
+    (False, True): grpc.unary_stream_rpc_method_handler,
+    (True, True): grpc.stream_stream_rpc_method_handler,
+}
+
+
+def _handlers(servicer: TierKVServicer) -> grpc.GenericRpcHandler:
+    """What ``add_TierKVServicer_to_server`` registers, except that a request that does not
+    parse reaches its handler as ``Malformed`` (INVALID_ARGUMENT) instead of failing as UNKNOWN."""
+    methods = {}
+    for method in pb.DESCRIPTOR.services_by_name["TierKV"].methods:
+        factory = _FACTORIES[method.client_streaming, method.server_streaming]
+        methods[method.name] = factory(
+            getattr(servicer, method.name),
+            request_deserializer=lenient(getattr(pb, method.input_type.name).FromString),
+            response_serializer=getattr(pb, method.output_type.name).SerializeToString,
+        )
+    return grpc.method_handlers_generic_handler(SERVICE_NAME, methods)
 
 
 class TierKVServer:
@@ -39,9 +60,7 @@ class TierKVServer:
         ]
         self.grpc_server = grpc.aio.server(options=options)
         self.servicer = TierKVServicer(config)
-        pb_grpc.add_TierKVServicer_to_server(  # type: ignore[no-untyped-call]
-            self.servicer, self.grpc_server
-        )
+        self.grpc_server.add_generic_rpc_handlers((_handlers(self.servicer),))
         self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.grpc_server)
         reflection.enable_server_reflection(

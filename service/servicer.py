@@ -17,6 +17,7 @@ from typing import Any, TypeVar
 
 import grpc
 import torch
+from google.protobuf.message import DecodeError
 
 import tierkv
 from service import convert
@@ -26,9 +27,10 @@ from service.config import ServiceConfig
 from service.errors import status_of
 from tierkv import codec
 from tierkv.config import Tier
-from tierkv.errors import InvalidArgumentError, TierKVError
+from tierkv.errors import CapacityError, InvalidArgumentError, TierKVError
 from tierkv.keys import Namespace
 from tierkv.store import TieredStore
+from tierkv.store.validation import check_ttl
 from tierkv.wire import tierkv_pb2 as pb
 from tierkv.wire import tierkv_pb2_grpc as pb_grpc
 
@@ -54,6 +56,31 @@ def _host_id() -> str:
         return ""
 
 
+@dataclass(frozen=True, slots=True)
+class Malformed:
+    """What a request that does not parse deserializes to (answered INVALID_ARGUMENT)."""
+
+    reason: str
+
+
+def lenient(parse: Callable[[bytes], Any]) -> Callable[[bytes], Any]:
+    """A request deserializer that turns a parse error into ``Malformed`` (gRPC itself would
+    answer UNKNOWN for the exception)."""
+
+    def deserialize(data: bytes) -> Any:
+        try:
+            return parse(data)
+        except DecodeError as exc:
+            return Malformed(str(exc)[:256])
+
+    return deserialize
+
+
+def _check_parsed(message: Any) -> None:
+    if isinstance(message, Malformed):
+        raise InvalidArgumentError(f"malformed request: {message.reason}")
+
+
 def unary(fn: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[Any]]:
     """Wrap a unary (or stream-in) handler: authenticate, then map tierkv errors to codes."""
 
@@ -61,6 +88,7 @@ def unary(fn: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[Any]]:
     async def handler(self: TierKVServicer, request: Any, context: grpc.aio.ServicerContext) -> Any:
         caller = await self._caller(context)
         try:
+            _check_parsed(request)
             return await fn(self, request, context, caller)
         except (TierKVError, ValueError) as exc:
             code, message = status_of(exc)
@@ -115,7 +143,13 @@ class TierKVServicer(pb_grpc.TierKVServicer):
         namespace = self._known.get(key)
         if namespace is None:
             namespace = codec.namespace_from_wire(spec, caller.tenant)
-            self.store.register(namespace)  # idempotent; a new one is stored once
+            if not self.store.is_registered(namespace):
+                # Every namespace is stored for good: a client must not create them unbounded.
+                if self.store.stats().num_namespaces >= self.config.max_namespaces:
+                    raise CapacityError(
+                        f"the server holds {self.config.max_namespaces} namespaces already"
+                    )
+                self.store.register(namespace)
             if len(self._known) < _MAX_KNOWN_NAMESPACES:
                 self._known[key] = namespace
         return namespace
@@ -153,6 +187,8 @@ class TierKVServicer(pb_grpc.TierKVServicer):
         hashes = convert.hashes_within(list(request.hashes), self.config.max_hashes_per_call)
         store = self.store
         num_pinned = 0
+        if request.pin_ttl_s:
+            check_ttl(request.pin_ttl_s)  # refuse bad input before the prefetch moves anything
         if request.prefetch:
             store.prefetch(namespace, hashes, Tier.HOST).result()
         if request.pin_ttl_s:
@@ -187,6 +223,7 @@ class TierKVServicer(pb_grpc.TierKVServicer):
     async def Put(self, request_iterator: Any, context: Any, caller: Caller) -> Any:
         chunks = aiter(request_iterator)
         first = await anext(chunks, None)
+        _check_parsed(first)
         if first is None or not first.HasField("header"):
             raise InvalidArgumentError("the first Put message must carry the header")
         header = first.header
@@ -194,7 +231,7 @@ class TierKVServicer(pb_grpc.TierKVServicer):
         layout = namespace.layout
         total_bytes = len(hashes) * layout.bytes_per_block
         if total_bytes > self.config.max_put_bytes:
-            raise InvalidArgumentError(
+            raise CapacityError(
                 f"{total_bytes} bytes in one Put; at most {self.config.max_put_bytes} (split it)"
             )
         buffer = self._buffers.take(total_bytes)
@@ -212,6 +249,7 @@ class TierKVServicer(pb_grpc.TierKVServicer):
         received = 0
         chunk: pb.PutChunk | None = first
         while chunk is not None:
+            _check_parsed(chunk)
             if chunk is not first and chunk.HasField("header"):
                 raise InvalidArgumentError("only the first Put message may carry a header")
             end = received + len(chunk.data)
@@ -240,9 +278,16 @@ class TierKVServicer(pb_grpc.TierKVServicer):
         caller = await self._caller(context)
         buffer: bytearray | None = None
         try:
+            _check_parsed(request)
             namespace, hashes = await self._run(self._blocks, request, caller)
             layout = namespace.layout
-            total_bytes = len(hashes) * layout.bytes_per_block
+            # Sized by the cached run, never by the hashes asked for (65,536 hashes of 32 MiB
+            # blocks would be 2 TiB); a run longer than max_put_bytes is cut: a prefix of it is
+            # a valid answer.
+            num_cached = await self._run(self.store.lookup, namespace, hashes)
+            num_cached = min(num_cached, max(1, self.config.max_put_bytes // layout.bytes_per_block))
+            hashes = hashes[:num_cached]
+            total_bytes = num_cached * layout.bytes_per_block
             buffer = self._buffers.take(total_bytes)
             flat = (torch.frombuffer(buffer, dtype=torch.uint8, count=total_bytes) if total_bytes
                     else torch.empty(0, dtype=torch.uint8))

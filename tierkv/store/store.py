@@ -107,6 +107,10 @@ class TieredStore(AsyncMethods):
         if job is not None:
             job.future.result()
 
+    def is_registered(self, namespace: Namespace) -> bool:
+        """Whether ``namespace`` is usable (registered now, or recovered from disk)."""
+        return namespace.id in self._core.namespaces
+
     def _state(self, namespace: Namespace) -> NamespaceState:
         self._check_open()
         if not isinstance(namespace, Namespace):
