@@ -163,12 +163,14 @@ class TierKVServicer(pb_grpc.TierKVServicer):
     @unary
     async def Describe(self, request: pb.DescribeRequest, context: Any, caller: Caller) -> Any:
         store = self.store
+        presence_name, presence_key = store.presence_info(caller.tenant)
         return pb.DescribeResponse(
             version=tierkv.__version__, shm_name=store.host_shm_name,
             shm_size_bytes=store.stats().tiers[Tier.HOST].capacity_bytes,
             page_bytes=store.config.host.page_bytes, host_id=self._host_id,
             max_hashes_per_call=self.config.max_hashes_per_call,
             max_chunk_bytes=self.config.chunk_bytes, hash_seed=self.config.hash_seed,
+            presence_shm_name=presence_name, presence_key=presence_key,
         )
 
     @unary

@@ -146,7 +146,9 @@ class StoreConfig:
 
     ``write_policy`` is the default for puts that do not name one. ``promote_on_read`` copies a
     block read from a lower tier into the tier above in the background. ``num_workers`` threads
-    run the async variants of put/get/prefetch.
+    run the async variants of put/get/prefetch. ``presence_slots`` sizes the shared-memory
+    presence table same-host clients answer small lookups from (8 bytes a slot; it holds up to
+    half as many blocks; 0 turns it off).
     """
 
     host: HostTierConfig
@@ -155,9 +157,14 @@ class StoreConfig:
     write_policy: WritePolicy = WritePolicy.WRITE_BACK
     promote_on_read: bool = True
     num_workers: int = 4
+    presence_slots: int = 1 << 21
 
     def __post_init__(self) -> None:
         _check_positive("num_workers", self.num_workers)
+        if self.presence_slots < 0 or self.presence_slots & (self.presence_slots - 1):
+            raise ConfigError(
+                f"presence_slots must be 0 (off) or a power of two, got {self.presence_slots}"
+            )
         if not isinstance(self.write_policy, WritePolicy):
             object.__setattr__(self, "write_policy", WritePolicy(self.write_policy))
 

@@ -19,6 +19,7 @@ from tierkv.codec import namespace_from_wire
 from tierkv.config import Priority, WritePolicy
 from tierkv.errors import InvalidArgumentError, ServiceUnavailableError
 from tierkv.keys import Namespace
+from tierkv.store.presence import PresenceView
 from tierkv.store.validation import check_out
 from tierkv.wire import tierkv_pb2 as pb
 from tierkv.wire import tierkv_pb2_grpc as pb_grpc
@@ -40,6 +41,8 @@ class AsyncClient:
         self._stub = pb_grpc.TierKVStub(self._channel)  # type: ignore[no-untyped-call]
         self._info: pb.DescribeResponse | None = None
         self._slab: SlabMapping | None = None
+        self._presence: PresenceView | None = None
+        self._core_ids: dict[Namespace, bytes] = {}
         self._closed = False
         self._metadata = self.settings.metadata
         self._wire_namespaces: dict[Namespace, pb.Namespace] = {}
@@ -57,6 +60,9 @@ class AsyncClient:
         if self._slab is not None:
             self._slab.close()
             self._slab = None
+        if self._presence is not None:
+            self._presence.close()
+            self._presence = None
         await self._channel.close()
 
     async def _retrying(self, attempt: Callable[[], Awaitable[R]], retry: bool = True) -> R:
@@ -83,6 +89,16 @@ class AsyncClient:
             retry,
         )
 
+    def _lookup_locally(self, namespace: Namespace, hashes: Sequence[bytes]) -> int | None:
+        if self._presence is None or len(hashes) > base.MAX_PRESENCE_HASHES or self._closed:
+            return None
+        if any(len(h) != 32 for h in hashes):
+            return None  # let the server say what is wrong with them
+        core_id = self._core_ids.get(namespace)
+        if core_id is None:
+            core_id = self._core_ids[namespace] = bytes(namespace.with_tenant("").id)
+        return self._presence.count_leading(core_id, hashes)
+
     def _wire(self, namespace: Namespace) -> pb.Namespace:
         wire = self._wire_namespaces.get(namespace)
         if wire is None:
@@ -94,6 +110,7 @@ class AsyncClient:
         if self._info is None:
             self._info = await self._call("Describe", pb.DescribeRequest())
             self._slab = base.shm_mapping_for(self._info, self.settings.use_shm)
+            self._presence = base.presence_view_for(self._info, self._slab)
         return self._info
 
     async def uses_shared_memory(self) -> bool:
@@ -146,7 +163,12 @@ class AsyncClient:
 
     async def lookup(self, namespace: Namespace, hashes: Sequence[bytes], *,
                      timeout_s: float | None = None) -> int:
-        """How many leading ``hashes`` are cached."""
+        """How many leading ``hashes`` are cached (short chains, on the same host, from the
+        shared presence table without a call)."""
+        await self.describe()
+        local = self._lookup_locally(namespace, hashes)
+        if local is not None:
+            return local
         return int((await self.lookup_detail(namespace, hashes, timeout_s=timeout_s)).num_cached)
 
     async def prefetch(self, namespace: Namespace, hashes: Sequence[bytes], *,

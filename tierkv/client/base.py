@@ -27,6 +27,7 @@ from tierkv.errors import (
     TierKVError,
 )
 from tierkv.keys import Namespace
+from tierkv.store.presence import PresenceView
 from tierkv.wire import tierkv_pb2 as pb
 
 DEFAULT_TARGET = "unix:///tmp/tierkv.sock"
@@ -213,6 +214,21 @@ class SlabMapping:
         del self.tensor
         with contextlib.suppress(BufferError):  # a view is still alive: it goes with that view
             self._map.close()
+
+
+def presence_view_for(info: pb.DescribeResponse, slab: SlabMapping | None) -> PresenceView | None:
+    """The server's presence table, when the shared-memory path is on and the table too."""
+    if slab is None or not info.presence_shm_name:
+        return None
+    try:
+        return PresenceView(info.presence_shm_name, info.presence_key)
+    except (OSError, ValueError):
+        return None
+
+
+# Lookups of up to this many hashes are answered from the presence table (a probe each);
+# longer chains go over RPC, where the server walks them in one loop.
+MAX_PRESENCE_HASHES = 64
 
 
 def shm_mapping_for(info: pb.DescribeResponse, use_shm: bool | None) -> SlabMapping | None:

@@ -26,6 +26,7 @@ from tierkv.migration import CopyEngine
 from tierkv.paging import Location
 from tierkv.store.ledger import DOOMED, DiskLedger, Entry, Ledger, NamespaceState, PagedLedger
 from tierkv.store.pins import PinTable
+from tierkv.store.presence import PresenceTable, fingerprint
 from tierkv.tiers.disk import DiskTier, DiskWrite
 
 log = logging.getLogger(__name__)
@@ -52,6 +53,7 @@ class StoreCore:
         paged: dict[Tier, PagedLedger],
         disk: DiskTier | None,
         clock: Callable[[], float],
+        presence: PresenceTable | None = None,
     ) -> None:
         self.config = config
         self.lock = threading.Lock()
@@ -65,6 +67,7 @@ class StoreCore:
         if self.disk_ledger is not None:
             self.ledgers[Tier.DISK] = self.disk_ledger
         self.pins = PinTable(clock)
+        self.presence = presence
         self.engine = CopyEngine()
         self.counters = GlobalCounters()
         self._pending_deletes: list[bytes] = []
@@ -106,12 +109,30 @@ class StoreCore:
         if entry.top_tier() is None:
             self.forget_locked(entry)
 
+    def index_locked(self, entry: Entry) -> None:
+        """Put a new entry into its namespace's index (and the shared presence table)."""
+        entry.ns.blocks[entry.block_hash] = entry
+        presence = self.presence
+        if presence is not None and presence.enabled and not presence.add(self.presence_value(entry)):
+            log.warning("the presence table is full and now off: same-host clients look up "
+                        "over RPC; raise presence_slots")
+
     def forget_locked(self, entry: Entry) -> None:
-        """Take an entry out of its namespace's index and the pin table."""
+        """Take an entry out of its namespace's index, the presence table and the pins."""
         blocks = entry.ns.blocks
         if blocks.get(entry.block_hash) is entry:
             del blocks[entry.block_hash]
+            if self.presence is not None:
+                self.presence.remove(self.presence_value(entry))
         self.pins.forget(entry)
+
+    def presence_value(self, entry: Entry) -> int:
+        """The entry's fingerprint in the presence table."""
+        assert self.presence is not None
+        ns = entry.ns
+        if not ns.presence_key:
+            ns.presence_key = self.presence.tenant_key(ns.namespace.tenant)
+        return fingerprint(ns.presence_key, ns.core_id, entry.block_hash)
 
     def doom_locked(self, entry: Entry) -> None:
         """Delete ``entry``: at once if idle, else when its last reader is done."""

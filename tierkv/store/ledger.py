@@ -75,11 +75,18 @@ class NamespaceState:
     namespace: Namespace
     record_bytes: int
     blocks: dict[bytes, Entry] = field(default_factory=dict)
+    # The tenant's key in the presence table (set by the store on first use).
+    presence_key: bytes = b""
 
     @property
     def id(self) -> NamespaceId:
         """The key prefix."""
         return self.namespace.id
+
+    @cached_property
+    def core_id(self) -> bytes:
+        """The namespace's id without its tenant (the tenant keys the presence table)."""
+        return bytes(self.namespace.with_tenant("").id)
 
     @cached_property
     def fingerprint(self) -> str:

@@ -88,7 +88,7 @@ def recover(core: StoreCore) -> int:
                 continue
             block_hash = bytes(key.block_hash)
             entry = Entry(block_hash, state, Priority.NORMAL)
-            state.blocks[block_hash] = entry
+            core.index_locked(entry)
             core.link_locked(entry, Tier.DISK, 0)
             num_recovered += 1
         if surplus:

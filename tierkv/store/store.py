@@ -28,6 +28,7 @@ from tierkv.store.core import StoreCore
 from tierkv.store.leases import Leases, ReadLease, WriteLease
 from tierkv.store.ledger import NamespaceState, PagedLedger
 from tierkv.store.moves import Mover
+from tierkv.store.presence import PresenceTable
 from tierkv.store.reads import Reader
 from tierkv.store.sessions import ResumedSession, SessionInfo, SessionTable, TokenIds
 from tierkv.store.stats import StoreStats, snapshot
@@ -62,6 +63,7 @@ class TieredStore(AsyncMethods):
         self._host = HostSlab(config.host, show_progress)
         self._gpu: DeviceSlab | None = None
         self._disk: DiskTier | None = None
+        self._presence: PresenceTable | None = None
         try:
             paged = {Tier.HOST: PagedLedger(Tier.HOST, self._host)}
             if config.gpu.enabled:
@@ -69,7 +71,10 @@ class TieredStore(AsyncMethods):
                 paged[Tier.GPU] = PagedLedger(Tier.GPU, self._gpu)
             if config.disk is not None:
                 self._disk = DiskTier(config.disk)
-            self._core = StoreCore(config, paged, self._disk, clock)
+            if config.presence_slots:
+                self._presence = PresenceTable(config.presence_slots,
+                                               f"{self._host.shm_name}-presence")
+            self._core = StoreCore(config, paged, self._disk, clock, self._presence)
             self.num_recovered_blocks = recovery.recover(self._core)
             self._sessions = SessionTable(self._disk)
         except BaseException:
@@ -424,7 +429,16 @@ class TieredStore(AsyncMethods):
             self._closed = True
             self._release_resources()
 
+    def presence_info(self, tenant: str) -> tuple[str, bytes]:
+        """``(shared-memory name, tenant key)`` of the presence table, or ``("", b"")`` when it
+        is off (see ``tierkv.store.presence``)."""
+        if self._presence is None or not self._presence.enabled:
+            return "", b""
+        return self._presence.name, self._presence.tenant_key(tenant)
+
     def _release_resources(self) -> None:
+        if self._presence is not None:
+            self._presence.close()
         if self._disk is not None:
             self._disk.close()
         if self._gpu is not None:

@@ -170,7 +170,7 @@ class Writer:
         entry = state.blocks.get(key)
         if entry is None:
             entry = Entry(key, state, priority)
-            state.blocks[key] = entry
+            self.core.index_locked(entry)
         return entry
 
     def _publish_disk(

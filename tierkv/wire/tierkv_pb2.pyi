@@ -257,7 +257,7 @@ class DescribeRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class DescribeResponse(_message.Message):
-    __slots__ = ("version", "shm_name", "shm_size_bytes", "page_bytes", "host_id", "max_hashes_per_call", "max_chunk_bytes", "hash_seed")
+    __slots__ = ("version", "shm_name", "shm_size_bytes", "page_bytes", "host_id", "max_hashes_per_call", "max_chunk_bytes", "hash_seed", "presence_shm_name", "presence_key")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     SHM_NAME_FIELD_NUMBER: _ClassVar[int]
     SHM_SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -266,6 +266,8 @@ class DescribeResponse(_message.Message):
     MAX_HASHES_PER_CALL_FIELD_NUMBER: _ClassVar[int]
     MAX_CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]
     HASH_SEED_FIELD_NUMBER: _ClassVar[int]
+    PRESENCE_SHM_NAME_FIELD_NUMBER: _ClassVar[int]
+    PRESENCE_KEY_FIELD_NUMBER: _ClassVar[int]
     version: str
     shm_name: str
     shm_size_bytes: int
@@ -274,7 +276,9 @@ class DescribeResponse(_message.Message):
     max_hashes_per_call: int
     max_chunk_bytes: int
     hash_seed: str
-    def __init__(self, version: _Optional[str] = ..., shm_name: _Optional[str] = ..., shm_size_bytes: _Optional[int] = ..., page_bytes: _Optional[int] = ..., host_id: _Optional[str] = ..., max_hashes_per_call: _Optional[int] = ..., max_chunk_bytes: _Optional[int] = ..., hash_seed: _Optional[str] = ...) -> None: ...
+    presence_shm_name: str
+    presence_key: bytes
+    def __init__(self, version: _Optional[str] = ..., shm_name: _Optional[str] = ..., shm_size_bytes: _Optional[int] = ..., page_bytes: _Optional[int] = ..., host_id: _Optional[str] = ..., max_hashes_per_call: _Optional[int] = ..., max_chunk_bytes: _Optional[int] = ..., hash_seed: _Optional[str] = ..., presence_shm_name: _Optional[str] = ..., presence_key: _Optional[bytes] = ...) -> None: ...
 
 class SaveSessionRequest(_message.Message):
     __slots__ = ("namespace", "session_id", "token_ids", "ttl_s")

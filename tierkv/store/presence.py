@@ -1,0 +1,193 @@
+"""A presence table in shared memory: same-host clients answer small lookups without an RPC.
+
+The server keeps one 64-bit fingerprint per stored key in an open-addressing table (linear
+probing) in a shared-memory segment; a client maps it read-only and probes it. A small lookup
+then costs a few microseconds instead of a gRPC round trip (about 0.6 ms on a 2-core machine).
+
+Decisions:
+1. Fingerprints are keyed per tenant: ``blake2b(namespace core id + block hash, key=tenant
+   key)``. The server hands a tenant's key only to callers holding that tenant's token, so a
+   client cannot test for another tenant's blocks. (Any process that can map the HOST slab can
+   read its bytes anyway; see the README.)
+2. A lookup is advice, as over RPC: a get afterwards may still miss. 64-bit fingerprints make a
+   false hit (a collision) about 2**-64 per probe, and a false hit only ever costs a miss later.
+3. Writers (the store, under its lock) bump a sequence number before and after each change
+   (odd: a change is under way); readers retry when it moved while they probed, so they never
+   act on a half-made change.
+4. Deletion shifts the rest of the probe run back (no tombstones, so no rebuilds). The table
+   stays at most half full; if it would fill beyond that it is turned off for good (clients
+   fall back to RPC, and the server logs it: raise ``presence_slots``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import mmap
+import os
+import secrets
+from collections.abc import Sequence
+from multiprocessing import shared_memory
+
+import numpy as np
+
+EMPTY = 0
+_HEADER_WORDS = 4  # magic, sequence, number of slots, enabled
+_MAGIC = 0x544B5650524553  # "TKVPRES"
+_MAX_PROBE_RETRIES = 8
+
+
+def fingerprint(tenant_key: bytes, core_id: bytes, block_hash: bytes) -> int:
+    """The table value of one key (never EMPTY)."""
+    digest = hashlib.blake2b(core_id + block_hash, key=tenant_key, digest_size=8).digest()
+    return int.from_bytes(digest, "little") | 1
+
+
+class PresenceTable:
+    """The server side: creates the segment and keeps it in step with the store's index.
+
+    Not thread-safe: the store calls it under its lock.
+    """
+
+    def __init__(self, num_slots: int, name: str) -> None:
+        if num_slots & (num_slots - 1):
+            raise ValueError("presence table slots must be a power of two")
+        size_bytes = (_HEADER_WORDS + num_slots) * 8
+        self._shm = shared_memory.SharedMemory(name=name, create=True, size=size_bytes)
+        self.name = self._shm.name
+        self.num_slots = num_slots
+        words: np.ndarray = np.ndarray((_HEADER_WORDS + num_slots,), np.uint64, buffer=self._shm.buf)
+        self._words: np.ndarray | None = words
+        self._slots = words[_HEADER_WORDS:]
+        self._slots.fill(EMPTY)
+        words[:_HEADER_WORDS] = (_MAGIC, 0, num_slots, 1)
+        self._mask = num_slots - 1
+        self._num_live = 0
+        self._secret = secrets.token_bytes(32)
+
+    def tenant_key(self, tenant: str) -> bytes:
+        """The fingerprint key of ``tenant`` (handed to that tenant's clients only)."""
+        return hashlib.blake2b(tenant.encode(), key=self._secret, digest_size=16).digest()
+
+    @property
+    def enabled(self) -> bool:
+        """False once the table was turned off for lack of room."""
+        return self._words is not None and int(self._words[3]) == 1
+
+    def add(self, value: int) -> bool:
+        """Record a key (by its fingerprint); False if the table is (now) turned off."""
+        if not self.enabled:
+            return False
+        assert self._words is not None
+        self._begin()
+        if (self._num_live + 1) * 2 > self.num_slots:
+            self._words[3] = 0
+            self._end()
+            return False
+        slots, mask = self._slots, self._mask
+        index = value & mask
+        while int(slots[index]) != EMPTY:
+            index = (index + 1) & mask
+        slots[index] = value
+        self._num_live += 1
+        self._end()
+        return True
+
+    def remove(self, value: int) -> None:
+        """Forget a key: empty its slot, then shift back the entries after it in its probe run
+        that would otherwise no longer be found."""
+        if not self.enabled:
+            return
+        slots, mask = self._slots, self._mask
+        hole = value & mask
+        while int(slots[hole]) != value:
+            if int(slots[hole]) == EMPTY:
+                return
+            hole = (hole + 1) & mask
+        self._begin()
+        slots[hole] = EMPTY
+        index = hole
+        while True:
+            index = (index + 1) & mask
+            current = int(slots[index])
+            if current == EMPTY:
+                break
+            home = current & mask
+            # The entry may stay if its home lies cyclically in (hole, index].
+            stays = (hole < home <= index) if hole <= index else (home > hole or home <= index)
+            if not stays:
+                slots[hole] = current
+                slots[index] = EMPTY
+                hole = index
+        self._num_live -= 1
+        self._end()
+
+    def _begin(self) -> None:
+        assert self._words is not None
+        self._words[1] += 1
+
+    def _end(self) -> None:
+        assert self._words is not None
+        self._words[1] += 1
+
+    def close(self) -> None:
+        """Unmap and unlink the segment. Idempotent."""
+        if self._words is None:
+            return
+        self._words = None
+        del self._slots
+        self._shm.close()
+        self._shm.unlink()
+
+
+class PresenceView:
+    """The client side: the table mapped read-only, probed for leading runs of keys."""
+
+    def __init__(self, name: str, tenant_key: bytes, core_id: bytes | None = None) -> None:
+        fd = os.open(f"/dev/shm/{name}", os.O_RDONLY)
+        try:
+            self._map = mmap.mmap(fd, 0, prot=mmap.PROT_READ)
+        finally:
+            os.close(fd)
+        self._words: np.ndarray = np.frombuffer(self._map, np.uint64)
+        if int(self._words[0]) != _MAGIC:
+            raise ValueError(f"/dev/shm/{name} is not a tierkv presence table")
+        self._slots = self._words[_HEADER_WORDS:]
+        self._mask = int(self._words[2]) - 1
+        self.tenant_key = tenant_key
+
+    def count_leading(self, core_id: bytes, hashes: Sequence[bytes]) -> int | None:
+        """How many leading ``hashes`` are present, or None when the table cannot answer now
+        (turned off, or changing under every retry): ask over RPC then."""
+        values = [fingerprint(self.tenant_key, core_id, h) for h in hashes]
+        return self.count_leading_values(values)
+
+    def count_leading_values(self, values: Sequence[int]) -> int | None:
+        """``count_leading`` for fingerprints computed already."""
+        words, slots, mask = self._words, self._slots, self._mask
+        for _ in range(_MAX_PROBE_RETRIES):
+            if int(words[3]) != 1:
+                return None
+            sequence = int(words[1])
+            if sequence & 1:
+                continue
+            count = 0
+            for value in values:
+                index, current = value & mask, EMPTY
+                for _ in range(mask + 1):  # bounded even if it reads a change half made
+                    current = int(slots[index])
+                    if current in (value, EMPTY):
+                        break
+                    index = (index + 1) & mask
+                if current != value:
+                    break
+                count += 1
+            if int(words[1]) == sequence:
+                return count
+        return None
+
+    def close(self) -> None:
+        """Unmap (once no array view of it is left)."""
+        del self._slots, self._words
+        with contextlib.suppress(BufferError):
+            self._map.close()
