@@ -485,9 +485,10 @@ def _percentile(samples: Sequence[float], percent: float) -> float:
 
 
 def bench_calls(cfg: ServiceBenchConfig, servers: Servers, progress: Progress) -> list[Row]:
-    """Small calls, one client, one after another: ``lookup`` of one hash over the Unix socket
-    vs redis-py ``GET`` of a small key (Redis over its Unix socket too). For scale, the same
-    rate of the server's gRPC health ``Check`` (a call that does nothing: the gRPC floor)."""
+    """Small calls, one client, one after another: ``lookup`` of one hash by a same-host client
+    (answered from the shared presence table, no call) vs redis-py ``GET`` of a small key (Redis
+    over its Unix socket too). For scale, the same lookup forced over RPC (``lookup_detail``)
+    and the server's gRPC health ``Check`` (a call that does nothing: the gRPC floor)."""
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
@@ -512,19 +513,23 @@ def bench_calls(cfg: ServiceBenchConfig, servers: Servers, progress: Progress) -
             return one_round
 
         rounds = [rate(lambda: client.lookup(namespace, hashes)),
-                  rate(lambda: rds.get(b"small")), rate(lambda: health.Check(check))]
+                  rate(lambda: rds.get(b"small")), rate(lambda: health.Check(check)),
+                  rate(lambda: client.lookup_detail(namespace, hashes))]
         assert client.lookup(namespace, hashes) == 1
         assert rds.get(b"small") == b"x" * 64
         assert health.Check(check).status == health_pb2.HealthCheckResponse.SERVING
         for one_round in rounds:  # warm-up
             one_round()
-        our_s, redis_s, floor_s = _interleaved(rounds, cfg.repeats, progress, "small calls")
+        our_s, redis_s, floor_s, rpc_s = _interleaved(rounds, cfg.repeats, progress,
+                                                      "small calls")
         client.delete(namespace, hashes)
         rds.flushdb()
-    ours, base, floor = _med(our_s), _med(redis_s), _med(floor_s)
+    ours, base, floor, rpc = _med(our_s), _med(redis_s), _med(floor_s), _med(rpc_s)
     return [
         Row("lookup 1 hash vs redis GET, unix", "calls/s", ours, base,
             "redis-py GET of a small key (unix)", ">= 1.0x", ours >= base, our_s),
+        Row("lookup 1 hash over RPC vs redis GET, unix", "calls/s", rpc, base,
+            "redis-py GET of a small key (unix)", "(info: no shm)", True, rpc_s),
         Row("gRPC Health.Check vs redis GET, unix", "calls/s", floor, base,
             "redis-py GET of a small key (unix)", "(info: gRPC floor)", True, floor_s),
     ]
