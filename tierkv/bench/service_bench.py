@@ -471,7 +471,7 @@ def bench_lookup(cfg: ServiceBenchConfig, servers: Servers, progress: Progress) 
         Row(f"lookup {cfg.lookup_blocks} p50 vs redis EXISTS, unix", "ms", p50, base50, baseline,
             "<= 5 ms", p50 <= 5.0, ours),
         Row(f"lookup {cfg.lookup_blocks} p99 vs redis EXISTS, unix", "ms", p99, base99, baseline,
-            "(info)", True, theirs),
+            "(info)", True, sorted(ours)[-max(1, len(ours) // 100):]),
     ]
 
 
