@@ -14,12 +14,10 @@ import grpc
 import torch
 
 from tierkv.client import base
-from tierkv.client.base import ClientSettings, SlabMapping
 from tierkv.codec import namespace_from_wire
 from tierkv.config import Priority, WritePolicy
 from tierkv.errors import InvalidArgumentError, ServiceUnavailableError
 from tierkv.keys import Namespace
-from tierkv.store.presence import PresenceView
 from tierkv.store.validation import check_out
 from tierkv.wire import tierkv_pb2 as pb
 from tierkv.wire import tierkv_pb2_grpc as pb_grpc
@@ -27,11 +25,11 @@ from tierkv.wire import tierkv_pb2_grpc as pb_grpc
 R = TypeVar("R")
 
 
-class AsyncClient:
+class AsyncClient(base.ClientBase):
     """An asyncio connection to a ``tierkv serve`` sidecar (``async with``, or ``await close()``)."""
 
     def __init__(self, target: str = base.DEFAULT_TARGET, **settings: Any) -> None:
-        self.settings = ClientSettings(target=target, **settings)
+        super().__init__(target, settings)
         if self.settings.root_certificates is not None:
             credentials = grpc.ssl_channel_credentials(self.settings.root_certificates)
             self._channel = grpc.aio.secure_channel(target, credentials,
@@ -39,13 +37,6 @@ class AsyncClient:
         else:
             self._channel = grpc.aio.insecure_channel(target, self.settings.channel_options)
         self._stub = pb_grpc.TierKVStub(self._channel)  # type: ignore[no-untyped-call]
-        self._info: pb.DescribeResponse | None = None
-        self._slab: SlabMapping | None = None
-        self._presence: PresenceView | None = None
-        self._core_ids: dict[Namespace, bytes] = {}
-        self._closed = False
-        self._metadata = self.settings.metadata
-        self._wire_namespaces: dict[Namespace, pb.Namespace] = {}
 
     async def __aenter__(self) -> AsyncClient:
         return self
@@ -56,13 +47,7 @@ class AsyncClient:
     async def close(self) -> None:
         """Close the channel and unmap the slab. Calls afterwards raise
         ``ServiceUnavailableError``."""
-        self._closed = True
-        if self._slab is not None:
-            self._slab.close()
-            self._slab = None
-        if self._presence is not None:
-            self._presence.close()
-            self._presence = None
+        self._unmap()
         await self._channel.close()
 
     async def _retrying(self, attempt: Callable[[], Awaitable[R]], retry: bool = True) -> R:
@@ -89,28 +74,11 @@ class AsyncClient:
             retry,
         )
 
-    def _lookup_locally(self, namespace: Namespace, hashes: Sequence[bytes]) -> int | None:
-        if self._presence is None or len(hashes) > base.MAX_PRESENCE_HASHES or self._closed:
-            return None
-        if any(len(h) != 32 for h in hashes):
-            return None  # let the server say what is wrong with them
-        core_id = self._core_ids.get(namespace)
-        if core_id is None:
-            core_id = self._core_ids[namespace] = bytes(namespace.with_tenant("").id)
-        return self._presence.count_leading(core_id, hashes)
-
-    def _wire(self, namespace: Namespace) -> pb.Namespace:
-        wire = self._wire_namespaces.get(namespace)
-        if wire is None:
-            wire = self._wire_namespaces[namespace] = base.namespace_wire(namespace)
-        return wire
-
     async def describe(self) -> pb.DescribeResponse:
         """The server's facts (slab, host, limits); fetched once."""
         if self._info is None:
             self._info = await self._call("Describe", pb.DescribeRequest())
-            self._slab = base.shm_mapping_for(self._info, self.settings.use_shm)
-            self._presence = base.presence_view_for(self._info, self._slab)
+            self._adopt(self._info)
         return self._info
 
     async def uses_shared_memory(self) -> bool:
@@ -135,13 +103,11 @@ class AsyncClient:
                 timeout=timeout_s or self.settings.timeout_s, metadata=self._metadata,
             ))
             return int(response.count)
-        lease = await self._call("Allocate", pb.AllocateRequest(
-            namespace=self._wire(namespace), hashes=list(hashes),
-            write_policy=base.policy_wire(write_policy), priority=base.priority_wire(priority),
-        ), timeout_s)
+        lease = await self._call(
+            "Allocate", self._allocate_request(namespace, hashes, priority, write_policy), timeout_s
+        )
         try:
-            spans = base.copy_spans(base.extents_of(lease.blocks), list(lease.write_indices),
-                                    namespace.layout.bytes_per_block)
+            spans = self._write_spans(lease, namespace)
             await asyncio.to_thread(slab.write, spans, flat)
         except BaseException:
             await self._call("Abort", pb.LeaseRequest(lease_id=lease.lease_id), retry=False)
@@ -155,10 +121,9 @@ class AsyncClient:
         pin_ttl_s: float = 0.0, timeout_s: float | None = None,
     ) -> pb.LookupResponse:
         """The cached prefix with per-tier counts; optionally prefetch it into HOST and pin it."""
-        response: pb.LookupResponse = await self._call("Lookup", pb.LookupRequest(
-            namespace=self._wire(namespace), hashes=list(hashes), prefetch=prefetch,
-            pin_ttl_s=pin_ttl_s,
-        ), timeout_s)
+        response: pb.LookupResponse = await self._call(
+            "Lookup", self._lookup_request(namespace, hashes, prefetch, pin_ttl_s), timeout_s
+        )
         return response
 
     async def lookup(self, namespace: Namespace, hashes: Sequence[bytes], *,
@@ -202,8 +167,7 @@ class AsyncClient:
                 namespace=self._wire(namespace), hashes=list(hashes[done:])), timeout_s)
             try:
                 count = len(lease.blocks)
-                spans = base.copy_spans(base.extents_of(lease.blocks), range(done, done + count),
-                                        namespace.layout.bytes_per_block)
+                spans = self._read_spans(lease, namespace, done)
                 await asyncio.to_thread(slab.read, spans, flat)
             finally:
                 await self._call("Release", pb.LeaseRequest(lease_id=lease.lease_id), retry=False)
@@ -214,7 +178,7 @@ class AsyncClient:
 
     async def _get_streamed(self, namespace: Namespace, hashes: Sequence[bytes],
                             flat: torch.Tensor, timeout_s: float | None) -> int:
-        request = pb.BlocksRequest(namespace=self._wire(namespace), hashes=list(hashes))
+        request = self._blocks_request(namespace, hashes)
         target = flat.numpy()
 
         async def attempt() -> int:
@@ -253,14 +217,14 @@ class AsyncClient:
     async def unpin(self, namespace: Namespace, hashes: Sequence[bytes], *,
                     timeout_s: float | None = None) -> int:
         """Drop one pin of each; returns how many were pinned."""
-        request = pb.BlocksRequest(namespace=self._wire(namespace), hashes=list(hashes))
-        return int((await self._call("Unpin", request, timeout_s)).count)
+        return int((await self._call("Unpin", self._blocks_request(namespace, hashes),
+                                     timeout_s)).count)
 
     async def delete(self, namespace: Namespace, hashes: Sequence[bytes], *,
                      timeout_s: float | None = None) -> int:
         """Delete the blocks; returns how many were stored."""
-        request = pb.BlocksRequest(namespace=self._wire(namespace), hashes=list(hashes))
-        return int((await self._call("Delete", request, timeout_s)).count)
+        return int((await self._call("Delete", self._blocks_request(namespace, hashes),
+                                     timeout_s)).count)
 
     async def stats(self, *, timeout_s: float | None = None) -> pb.StatsResponse:
         """The server's tier and counter snapshot."""

@@ -246,3 +246,77 @@ def shm_mapping_for(info: pb.DescribeResponse, use_shm: bool | None) -> SlabMapp
     if use_shm:
         raise ServiceUnavailableError("use_shm=True, but the server is not on this host")
     return None
+
+
+class ClientBase:
+    """What ``Client`` and ``AsyncClient`` hold and compute alike (no I/O here)."""
+
+    def __init__(self, target: str, settings: dict[str, object]) -> None:
+        self.settings = ClientSettings(target=target, **settings)  # type: ignore[arg-type]
+        self._info: pb.DescribeResponse | None = None
+        self._slab: SlabMapping | None = None
+        self._presence: PresenceView | None = None
+        self._core_ids: dict[Namespace, bytes] = {}
+        self._wire_namespaces: dict[Namespace, pb.Namespace] = {}
+        self._metadata = self.settings.metadata
+        self._closed = False
+
+    def _adopt(self, info: pb.DescribeResponse) -> None:
+        """Take the server's facts: map its slab and presence table when on the same host."""
+        self._info = info
+        self._slab = shm_mapping_for(info, self.settings.use_shm)
+        self._presence = presence_view_for(info, self._slab)
+
+    def _unmap(self) -> None:
+        self._closed = True
+        if self._slab is not None:
+            self._slab.close()
+            self._slab = None
+        if self._presence is not None:
+            self._presence.close()
+            self._presence = None
+
+    def _wire(self, namespace: Namespace) -> pb.Namespace:
+        wire = self._wire_namespaces.get(namespace)
+        if wire is None:
+            wire = self._wire_namespaces[namespace] = namespace_wire(namespace)
+        return wire
+
+    def _blocks_request(self, namespace: Namespace, hashes: Sequence[bytes]) -> pb.BlocksRequest:
+        return pb.BlocksRequest(namespace=self._wire(namespace), hashes=list(hashes))
+
+    def _lookup_locally(self, namespace: Namespace, hashes: Sequence[bytes]) -> int | None:
+        """The cached prefix from the presence table, or None: ask the server."""
+        if self._presence is None or len(hashes) > MAX_PRESENCE_HASHES or self._closed:
+            return None
+        if any(len(h) != 32 for h in hashes):
+            return None  # let the server say what is wrong with them
+        core_id = self._core_ids.get(namespace)
+        if core_id is None:
+            core_id = self._core_ids[namespace] = bytes(namespace.with_tenant("").id)
+        return self._presence.count_leading(core_id, hashes)
+
+    def _allocate_request(
+        self, namespace: Namespace, hashes: Sequence[bytes], priority: Priority,
+        write_policy: WritePolicy | None,
+    ) -> pb.AllocateRequest:
+        return pb.AllocateRequest(
+            namespace=self._wire(namespace), hashes=list(hashes),
+            write_policy=policy_wire(write_policy), priority=priority_wire(priority),
+        )
+
+    def _lookup_request(self, namespace: Namespace, hashes: Sequence[bytes], prefetch: bool,
+                        pin_ttl_s: float) -> pb.LookupRequest:
+        return pb.LookupRequest(namespace=self._wire(namespace), hashes=list(hashes),
+                                prefetch=prefetch, pin_ttl_s=pin_ttl_s)
+
+    def _write_spans(self, lease: pb.LeaseResponse, namespace: Namespace,
+                     ) -> list[tuple[int, int, int]]:
+        return copy_spans(extents_of(lease.blocks), list(lease.write_indices),
+                          namespace.layout.bytes_per_block)
+
+    def _read_spans(self, lease: pb.LeaseResponse, namespace: Namespace, done: int,
+                    ) -> list[tuple[int, int, int]]:
+        count = len(lease.blocks)
+        return copy_spans(extents_of(lease.blocks), range(done, done + count),
+                          namespace.layout.bytes_per_block)

@@ -17,12 +17,10 @@ import grpc
 import torch
 
 from tierkv.client import base
-from tierkv.client.base import ClientSettings, SlabMapping
 from tierkv.codec import namespace_from_wire
 from tierkv.config import Priority, WritePolicy
 from tierkv.errors import InvalidArgumentError, ServiceUnavailableError
 from tierkv.keys import Namespace
-from tierkv.store.presence import PresenceView
 from tierkv.store.validation import check_out
 from tierkv.wire import tierkv_pb2 as pb
 from tierkv.wire import tierkv_pb2_grpc as pb_grpc
@@ -30,24 +28,17 @@ from tierkv.wire import tierkv_pb2_grpc as pb_grpc
 R = TypeVar("R")
 
 
-class Client:
+class Client(base.ClientBase):
     """A connection to a ``tierkv serve`` sidecar. Use as a context manager, or ``close()``."""
 
     def __init__(self, target: str = base.DEFAULT_TARGET, **settings: Any) -> None:
-        self.settings = ClientSettings(target=target, **settings)
+        super().__init__(target, settings)
         if self.settings.root_certificates is not None:
             credentials = grpc.ssl_channel_credentials(self.settings.root_certificates)
             self._channel = grpc.secure_channel(target, credentials, self.settings.channel_options)
         else:
             self._channel = grpc.insecure_channel(target, self.settings.channel_options)
         self._stub = pb_grpc.TierKVStub(self._channel)  # type: ignore[no-untyped-call]
-        self._info: pb.DescribeResponse | None = None
-        self._slab: SlabMapping | None = None
-        self._presence: PresenceView | None = None
-        self._core_ids: dict[Namespace, bytes] = {}
-        self._closed = False
-        self._metadata = self.settings.metadata
-        self._wire_namespaces: dict[Namespace, pb.Namespace] = {}
 
     def __enter__(self) -> Client:
         return self
@@ -58,13 +49,7 @@ class Client:
     def close(self) -> None:
         """Close the channel and unmap the slab. Calls afterwards raise
         ``ServiceUnavailableError``."""
-        self._closed = True
-        if self._slab is not None:
-            self._slab.close()
-            self._slab = None
-        if self._presence is not None:
-            self._presence.close()
-            self._presence = None
+        self._unmap()
         self._channel.close()
 
     # --- plumbing -----------------------------------------------------------------------------
@@ -93,31 +78,11 @@ class Client:
                 raise base.error_from(exc) from None
         raise AssertionError("unreachable")
 
-    def _blocks_request(self, namespace: Namespace, hashes: Sequence[bytes]) -> pb.BlocksRequest:
-        return pb.BlocksRequest(namespace=self._wire(namespace), hashes=list(hashes))
-
-    def _lookup_locally(self, namespace: Namespace, hashes: Sequence[bytes]) -> int | None:
-        if self._presence is None or len(hashes) > base.MAX_PRESENCE_HASHES or self._closed:
-            return None
-        if any(len(h) != 32 for h in hashes):
-            return None  # let the server say what is wrong with them
-        core_id = self._core_ids.get(namespace)
-        if core_id is None:
-            core_id = self._core_ids[namespace] = bytes(namespace.with_tenant("").id)
-        return self._presence.count_leading(core_id, hashes)
-
-    def _wire(self, namespace: Namespace) -> pb.Namespace:
-        wire = self._wire_namespaces.get(namespace)
-        if wire is None:
-            wire = self._wire_namespaces[namespace] = base.namespace_wire(namespace)
-        return wire
-
     def describe(self) -> pb.DescribeResponse:
         """The server's facts (slab, host, limits); fetched once."""
         if self._info is None:
             self._info = self._call("Describe", pb.DescribeRequest())
-            self._slab = base.shm_mapping_for(self._info, self.settings.use_shm)
-            self._presence = base.presence_view_for(self._info, self._slab)
+            self._adopt(self._info)
         return self._info
 
     @property
@@ -150,13 +115,11 @@ class Client:
         priority: Priority, write_policy: WritePolicy | None, timeout_s: float | None,
     ) -> int:
         assert self._slab is not None
-        lease = self._call("Allocate", pb.AllocateRequest(
-            namespace=self._wire(namespace), hashes=list(hashes),
-            write_policy=base.policy_wire(write_policy), priority=base.priority_wire(priority),
-        ), timeout_s)
+        lease = self._call(
+            "Allocate", self._allocate_request(namespace, hashes, priority, write_policy), timeout_s
+        )
         try:
-            spans = base.copy_spans(base.extents_of(lease.blocks), list(lease.write_indices),
-                                    namespace.layout.bytes_per_block)
+            spans = self._write_spans(lease, namespace)
             self._slab.write(spans, flat)
         except BaseException:
             self._call("Abort", pb.LeaseRequest(lease_id=lease.lease_id), retry=False)
@@ -179,10 +142,9 @@ class Client:
         pin_ttl_s: float = 0.0, timeout_s: float | None = None,
     ) -> pb.LookupResponse:
         """The cached prefix with per-tier counts; optionally prefetch it into HOST and pin it."""
-        response: pb.LookupResponse = self._call("Lookup", pb.LookupRequest(
-            namespace=self._wire(namespace), hashes=list(hashes), prefetch=prefetch,
-            pin_ttl_s=pin_ttl_s,
-        ), timeout_s)
+        response: pb.LookupResponse = self._call(
+            "Lookup", self._lookup_request(namespace, hashes, prefetch, pin_ttl_s), timeout_s
+        )
         return response
 
     def prefetch(self, namespace: Namespace, hashes: Sequence[bytes], *,
@@ -209,15 +171,13 @@ class Client:
     def _get_shared(self, namespace: Namespace, hashes: Sequence[bytes], flat: torch.Tensor,
                     timeout_s: float | None) -> int:
         assert self._slab is not None
-        block_bytes = namespace.layout.bytes_per_block
         done = 0
         while done < len(hashes):
             lease = self._call("Acquire", pb.AcquireRequest(
                 namespace=self._wire(namespace), hashes=list(hashes[done:])), timeout_s)
             try:
                 count = len(lease.blocks)
-                spans = base.copy_spans(base.extents_of(lease.blocks),
-                                        range(done, done + count), block_bytes)
+                spans = self._read_spans(lease, namespace, done)
                 self._slab.read(spans, flat)
             finally:
                 self._call("Release", pb.LeaseRequest(lease_id=lease.lease_id), retry=False)
@@ -228,7 +188,7 @@ class Client:
 
     def _get_streamed(self, namespace: Namespace, hashes: Sequence[bytes], flat: torch.Tensor,
                       timeout_s: float | None) -> int:
-        request = pb.BlocksRequest(namespace=self._wire(namespace), hashes=list(hashes))
+        request = self._blocks_request(namespace, hashes)
         target = flat.numpy()
 
         def attempt() -> int:
