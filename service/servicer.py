@@ -185,8 +185,9 @@ class TierKVServicer(pb_grpc.TierKVServicer):
 
     def _lookup(self, request: pb.LookupRequest, caller: Caller) -> pb.LookupResponse:
         namespace = self._namespace(request.namespace, caller)
-        # One list, reused; the store checks the hashes' lengths (``_blocks`` would do it twice).
-        hashes = convert.hashes_within(list(request.hashes), self.config.max_hashes_per_call)
+        # The store checks the hashes' lengths (``_blocks`` would do it twice) and takes the
+        # repeated field as it is: a list of it would cost a pass.
+        hashes = convert.hashes_within(request.hashes, self.config.max_hashes_per_call)
         store = self.store
         num_pinned = 0
         if request.pin_ttl_s:

@@ -165,7 +165,8 @@ class TieredStore(AsyncMethods):
     def lookup(self, namespace: Namespace, hashes: Sequence[bytes]) -> int:
         """How many leading ``hashes`` are stored in some tier (a prefix-cache match)."""
         state = self._state(namespace)
-        check_lookup_hashes(hashes)
+        if isinstance(hashes, bytes | bytearray | memoryview | str):
+            check_lookup_hashes(hashes)
         blocks = state.blocks
         num_found = 0
         with self._core.lock:
@@ -173,13 +174,15 @@ class TieredStore(AsyncMethods):
                 if block_hash not in blocks:
                     break
                 num_found += 1
+        check_lookup_hashes(hashes, num_found)
         return num_found
 
     def locate(self, namespace: Namespace, hashes: Sequence[bytes]) -> dict[Tier, int]:
         """How many of the leading stored blocks of ``hashes`` have their fastest copy in each
         tier (their sum is ``lookup``)."""
         state = self._state(namespace)
-        check_lookup_hashes(hashes)
+        if isinstance(hashes, bytes | bytearray | memoryview | str):
+            check_lookup_hashes(hashes)
         find = state.blocks.get
         num_gpu = num_host = num_disk = 0
         with self._core.lock:  # one tight loop: every remote lookup runs it
@@ -193,6 +196,7 @@ class TieredStore(AsyncMethods):
                     num_host += 1
                 else:
                     num_disk += 1
+        check_lookup_hashes(hashes, num_gpu + num_host + num_disk)
         return {Tier.GPU: num_gpu, Tier.HOST: num_host, Tier.DISK: num_disk}
 
     def get_into(self, namespace: Namespace, hashes: Sequence[bytes], out: torch.Tensor) -> int:

@@ -28,11 +28,16 @@ def check_hashes(hashes: Sequence[bytes]) -> list[bytes]:
     return keys
 
 
-def check_lookup_hashes(hashes: Sequence[bytes]) -> None:
-    """Cheap check for lookups: every hash is 32 bytes (no copies)."""
+def check_lookup_hashes(hashes: Sequence[bytes], num_found: int = 0) -> None:
+    """Cheap check for lookups: every hash is 32 bytes (no copies).
+
+    The first ``num_found`` hashes were found in the index, whose keys are all 32 bytes, so
+    only the rest are looked at (a fully cached chain costs nothing here).
+    """
     if isinstance(hashes, bytes | bytearray | memoryview | str):
         raise InvalidArgumentError("hashes must be a sequence of 32-byte block hashes, not one value")
-    if hashes and set(map(len, hashes)) != {BLOCK_HASH_BYTES}:
+    rest = hashes[num_found:] if num_found else hashes
+    if rest and set(map(len, rest)) != {BLOCK_HASH_BYTES}:
         raise InvalidArgumentError(f"every block hash must be {BLOCK_HASH_BYTES} bytes")
 
 
