@@ -18,6 +18,7 @@ from grpc_reflection.v1alpha import reflection
 
 from service.config import ServiceConfig
 from service.servicer import TierKVServicer, lenient
+from tierkv.codec import decode_put_chunk
 from tierkv.store import TieredStore
 from tierkv.wire import tierkv_pb2 as pb
 
@@ -40,9 +41,12 @@ def _handlers(servicer: TierKVServicer) -> grpc.GenericRpcHandler:
     methods = {}
     for method in pb.DESCRIPTOR.services_by_name["TierKV"].methods:
         factory = _FACTORIES[method.client_streaming, method.server_streaming]
+        # Put's chunks are decoded by hand: their data stays a view of the received bytes.
+        parse = decode_put_chunk if method.name == "Put" else getattr(
+            pb, method.input_type.name).FromString
         methods[method.name] = factory(
             getattr(servicer, method.name),
-            request_deserializer=lenient(getattr(pb, method.input_type.name).FromString),
+            request_deserializer=lenient(parse),
             response_serializer=getattr(pb, method.output_type.name).SerializeToString,
         )
     return grpc.method_handlers_generic_handler(SERVICE_NAME, methods)

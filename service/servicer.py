@@ -26,6 +26,7 @@ from service.buffers import BufferPool
 from service.config import ServiceConfig
 from service.errors import status_of
 from tierkv import codec
+from tierkv.codec import RawPutChunk
 from tierkv.config import Tier
 from tierkv.errors import CapacityError, InvalidArgumentError, TierKVError
 from tierkv.keys import Namespace
@@ -70,7 +71,7 @@ def lenient(parse: Callable[[bytes], Any]) -> Callable[[bytes], Any]:
     def deserialize(data: bytes) -> Any:
         try:
             return parse(data)
-        except DecodeError as exc:
+        except (DecodeError, InvalidArgumentError) as exc:
             return Malformed(str(exc)[:256])
 
     return deserialize
@@ -227,7 +228,7 @@ class TierKVServicer(pb_grpc.TierKVServicer):
         chunks = aiter(request_iterator)
         first = await anext(chunks, None)
         _check_parsed(first)
-        if first is None or not first.HasField("header"):
+        if first is None or first.header is None:
             raise InvalidArgumentError("the first Put message must carry the header")
         header = first.header
         namespace, hashes = await self._run(self._blocks, header, caller)
@@ -244,16 +245,16 @@ class TierKVServicer(pb_grpc.TierKVServicer):
             self._buffers.give(buffer)
 
     async def _put_into(
-        self, buffer: bytearray, first: pb.PutChunk, chunks: AsyncIterator[pb.PutChunk],
+        self, buffer: bytearray, first: RawPutChunk, chunks: AsyncIterator[RawPutChunk],
         namespace: Namespace, hashes: Sequence[bytes], header: pb.PutHeader,
     ) -> pb.CountResponse:
         layout = namespace.layout
         total_bytes = len(hashes) * layout.bytes_per_block
         received = 0
-        chunk: pb.PutChunk | None = first
+        chunk: RawPutChunk | None = first
         while chunk is not None:
             _check_parsed(chunk)
-            if chunk is not first and chunk.HasField("header"):
+            if chunk is not first and chunk.header is not None:
                 raise InvalidArgumentError("only the first Put message may carry a header")
             end = received + len(chunk.data)
             if end > total_bytes:

@@ -37,6 +37,11 @@ class AsyncClient(base.ClientBase):
         else:
             self._channel = grpc.aio.insecure_channel(target, self.settings.channel_options)
         self._stub = pb_grpc.TierKVStub(self._channel)  # type: ignore[no-untyped-call]
+        # Put streams pre-serialized chunks (no protobuf copy of the bulk bytes).
+        self._put_stream = self._channel.stream_unary(
+            base.PUT_METHOD, request_serializer=None,
+            response_deserializer=pb.CountResponse.FromString,
+        )
 
     async def __aenter__(self) -> AsyncClient:
         return self
@@ -98,7 +103,7 @@ class AsyncClient(base.ClientBase):
         await self.describe()
         slab = self._slab
         if slab is None:
-            response = await self._retrying(lambda: self._stub.Put(
+            response = await self._retrying(lambda: self._put_stream(
                 base.put_chunks(namespace, hashes, flat, write_policy, priority),
                 timeout=timeout_s or self.settings.timeout_s, metadata=self._metadata,
             ))

@@ -14,7 +14,7 @@ from pathlib import Path
 import grpc
 import torch
 
-from tierkv.codec import namespace_to_wire
+from tierkv.codec import encode_put_chunk, namespace_to_wire
 from tierkv.config import Priority, WritePolicy
 from tierkv.errors import (
     AuthenticationError,
@@ -132,17 +132,21 @@ def block_bytes_of(blocks: torch.Tensor, namespace: Namespace) -> torch.Tensor:
     return blocks.contiguous().view(torch.uint8).reshape(-1).cpu()
 
 
+PUT_METHOD = "/tierkv.v1.TierKV/Put"
+
+
 def put_chunks(
     namespace: Namespace, hashes: Sequence[bytes], flat: torch.Tensor, policy: WritePolicy | None,
     priority: Priority,
-) -> Iterator[pb.PutChunk]:
-    """The Put stream: the header with the first slice, then slices of ``CHUNK_BYTES``."""
+) -> Iterator[bytes]:
+    """The Put stream, serialized (see ``tierkv.codec.encode_put_chunk``): the header with the
+    first slice, then slices of ``CHUNK_BYTES``."""
     data = flat.numpy().data
     header = pb.PutHeader(namespace=namespace_wire(namespace), hashes=list(hashes),
                           write_policy=policy_wire(policy), priority=priority_wire(priority))
-    yield pb.PutChunk(header=header, data=bytes(data[:CHUNK_BYTES]))
+    yield encode_put_chunk(header, data[:CHUNK_BYTES])
     for start in range(CHUNK_BYTES, len(data), CHUNK_BYTES):
-        yield pb.PutChunk(data=bytes(data[start : start + CHUNK_BYTES]))
+        yield encode_put_chunk(None, data[start : start + CHUNK_BYTES])
 
 
 def extents_of(blocks: Sequence[pb.BlockExtents]) -> list[Extents]:

@@ -39,6 +39,11 @@ class Client(base.ClientBase):
         else:
             self._channel = grpc.insecure_channel(target, self.settings.channel_options)
         self._stub = pb_grpc.TierKVStub(self._channel)  # type: ignore[no-untyped-call]
+        # Put streams pre-serialized chunks (no protobuf copy of the bulk bytes).
+        self._put_stream = self._channel.stream_unary(
+            base.PUT_METHOD, request_serializer=None,
+            response_deserializer=pb.CountResponse.FromString,
+        )
 
     def __enter__(self) -> Client:
         return self
@@ -105,7 +110,7 @@ class Client(base.ClientBase):
         self.describe()
         if self._slab is not None:
             return self._put_shared(namespace, hashes, flat, priority, write_policy, timeout_s)
-        return int(self._retrying(lambda: self._stub.Put(
+        return int(self._retrying(lambda: self._put_stream(
             base.put_chunks(namespace, hashes, flat, write_policy, priority),
             timeout=timeout_s or self.settings.timeout_s, metadata=self._metadata,
         )).count)
