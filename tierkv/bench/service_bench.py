@@ -18,26 +18,21 @@ import contextlib
 import functools
 import hashlib
 import importlib.util
-import json
 import os
 import shutil
-import signal
-import socket
 import statistics
-import subprocess
-import sys
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
-from dataclasses import dataclass, field
-from pathlib import Path
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
 
 from tierkv.bench.report import Row, timed
+from tierkv.bench.servers import Servers, ServiceBenchConfig, running_servers
 from tierkv.client import Client
-from tierkv.errors import ConfigError, ServiceUnavailableError
+from tierkv.errors import ConfigError
 from tierkv.hashing import block_hashes
 from tierkv.keys import Namespace
 from tierkv.layout import PRESETS, KVLayout
@@ -45,164 +40,6 @@ from tierkv.layout import PRESETS, KVLayout
 GB = 1e9
 MiB = 1024 * 1024
 Progress = Callable[[str], None]
-
-_REPO_ROOT = Path(__file__).resolve().parents[2]
-_START_TIMEOUT_S = 120.0  # the first run may install redis-server with apt-get
-_STOP_TIMEOUT_S = 30.0
-
-
-def _default_redis_command() -> tuple[str, ...]:
-    script = _REPO_ROOT / "scripts" / "redis-server"
-    if script.is_file():
-        return (str(script),)
-    return ("redis-server",)  # an installed (non-editable) tierkv: redis-server from PATH
-
-
-@dataclass(frozen=True, slots=True)
-class ServiceBenchConfig:
-    """What to measure and how much."""
-
-    work_dir: Path
-    batch_blocks: int = 32
-    num_batches: int = 8
-    num_stream_batches: int = 4
-    repeats: int = 5
-    lookup_blocks: int = 8192
-    lookup_calls: int = 200
-    small_calls: int = 2000
-    redis_command: tuple[str, ...] = field(default_factory=_default_redis_command)
-
-
-# --- the two servers -------------------------------------------------------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class Servers:
-    """Where the running servers answer."""
-
-    unix_target: str
-    tcp_target: str
-    redis_port: int
-    redis_socket: str
-
-
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port: int = probe.getsockname()[1]
-        return port
-
-
-def _log_tail(path: Path, limit: int = 2000) -> str:
-    try:
-        return path.read_text(errors="replace")[-limit:]
-    except OSError:
-        return ""
-
-
-def _stop(process: subprocess.Popen[bytes]) -> None:
-    """SIGTERM (a graceful stop), then SIGKILL if it does not exit in time."""
-    if process.poll() is not None:
-        return
-    process.send_signal(signal.SIGTERM)
-    try:
-        process.wait(_STOP_TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        process.kill()
-        process.wait()
-
-
-@contextlib.contextmanager
-def _tierkv_server(cfg: ServiceBenchConfig, host_bytes: int) -> Iterator[tuple[str, str]]:
-    """``tierkv serve`` in a subprocess; yields its (unix, tcp) targets once it is ready."""
-    work = cfg.work_dir / "tierkv"
-    work.mkdir(parents=True, exist_ok=True)
-    sock = work / "s.sock"
-    stdout_path, stderr_path = work / "serve.out", work / "serve.err"
-    command = [
-        sys.executable, "-m", "tierkv", "serve",
-        "--listen", f"unix://{sock}", "--listen", "127.0.0.1:0",
-        "--host-bytes", str(host_bytes), "--gpu-bytes", "0",
-        "--disk-path", str(work / "disk"), "--disk-bytes", str(1024 * MiB),
-        "--stats-interval-s", "0", "--log-level", "WARNING",
-    ]
-    # Only these flags configure it: no TIERKV_* settings (tokens, TLS, ...) from this shell.
-    env = {key: value for key, value in os.environ.items() if not key.startswith("TIERKV_")}
-    with stdout_path.open("wb") as stdout, stderr_path.open("wb") as stderr:
-        process = subprocess.Popen(command, stdout=stdout, stderr=stderr,
-                                   stdin=subprocess.DEVNULL, env=env)
-    try:
-        ready = _wait_for_ready_line(process, stdout_path, stderr_path)
-        yield f"unix://{sock}", f"127.0.0.1:{ready['port']}"
-    finally:
-        _stop(process)
-
-
-def _wait_for_ready_line(process: subprocess.Popen[bytes], stdout_path: Path,
-                         stderr_path: Path) -> dict[str, Any]:
-    deadline = time.monotonic() + _START_TIMEOUT_S
-    while time.monotonic() < deadline:
-        for line in stdout_path.read_text(errors="replace").splitlines():
-            with contextlib.suppress(ValueError):
-                message = json.loads(line)
-                if isinstance(message, dict) and message.get("ready"):
-                    return message
-        if process.poll() is not None:
-            raise ServiceUnavailableError(f"tierkv serve exited with {process.returncode}:\n"
-                               f"{_log_tail(stderr_path)}")
-        time.sleep(0.05)
-    raise ServiceUnavailableError(f"tierkv serve was not ready in {_START_TIMEOUT_S:.0f} s:\n"
-                       f"{_log_tail(stderr_path)}")
-
-
-@contextlib.contextmanager
-def _redis_server(cfg: ServiceBenchConfig) -> Iterator[tuple[int, str]]:
-    """``redis-server`` on a free loopback port (and a Unix socket); yields (port, socket)."""
-    import redis
-
-    work = cfg.work_dir / "redis"
-    work.mkdir(parents=True, exist_ok=True)
-    port = _free_port()
-    sock = str(work / "redis.sock")
-    log_path = work / "redis.log"
-    command = [*cfg.redis_command, "--port", str(port), "--save", "", "--appendonly", "no",
-               "--protected-mode", "no", "--bind", "127.0.0.1", "--unixsocket", sock,
-               "--dir", str(work)]
-    with log_path.open("wb") as log:
-        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT,
-                                   stdin=subprocess.DEVNULL)
-    try:
-        client = redis.Redis(host="127.0.0.1", port=port, socket_timeout=5)
-        deadline = time.monotonic() + _START_TIMEOUT_S
-        while True:
-            try:
-                if client.ping():
-                    break
-            except redis.ConnectionError:
-                pass
-            if process.poll() is not None:
-                raise ServiceUnavailableError(f"redis-server exited with {process.returncode}:\n"
-                                   f"{_log_tail(log_path)}")
-            if time.monotonic() > deadline:
-                raise ServiceUnavailableError(f"redis-server did not answer PING in "
-                                   f"{_START_TIMEOUT_S:.0f} s:\n{_log_tail(log_path)}")
-            time.sleep(0.05)
-        client.close()
-        yield port, sock
-    finally:
-        _stop(process)
-
-
-@contextlib.contextmanager
-def running_servers(cfg: ServiceBenchConfig, host_bytes: int) -> Iterator[Servers]:
-    """Both servers, stopped at the end (also on errors)."""
-    with _redis_server(cfg) as (redis_port, redis_socket), \
-            _tierkv_server(cfg, host_bytes) as (unix_target, tcp_target):
-        yield Servers(unix_target, tcp_target, redis_port, redis_socket)
-
-
-# --- helpers -----------------------------------------------------------------------------------
-
 
 def _random_blocks(layout: KVLayout, num_blocks: int) -> torch.Tensor:
     generator = torch.Generator().manual_seed(1234)
@@ -576,8 +413,3 @@ def run_service_bench(cfg: ServiceBenchConfig, only: Sequence[str],
                 progress(f"{name} done in {time.perf_counter() - started:.1f}s")
     shutil.rmtree(cfg.work_dir / "tierkv" / "disk", ignore_errors=True)
     return rows
-
-
-def redis_parser() -> str:
-    """Which reply parser redis-py uses (hiredis, when installed, is the faster one)."""
-    return "hiredis" if importlib.util.find_spec("hiredis") is not None else "python"

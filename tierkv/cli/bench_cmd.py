@@ -94,12 +94,8 @@ def run_store(args: argparse.Namespace) -> int:
 
 def run_service(args: argparse.Namespace) -> int:
     """Run ``bench service`` (starts a ``tierkv serve`` and a ``redis-server`` of its own)."""
-    from tierkv.bench.service_bench import (
-        ServiceBenchConfig,
-        num_steps,
-        redis_parser,
-        run_service_bench,
-    )
+    from tierkv.bench.servers import ServiceBenchConfig, redis_parser
+    from tierkv.bench.service_bench import num_steps, run_service_bench
 
     with tempfile.TemporaryDirectory(prefix="tierkv-bench-", dir=args.work_dir) as work:
         cfg = ServiceBenchConfig(Path(work), repeats=args.repeats)
