@@ -280,3 +280,39 @@ def test_get_onto_another_dtype_buffer_is_refused(
     not_contiguous = torch.empty((1, *TINY_LAYOUT.block_shape[::-1]), dtype=torch.float16)
     with pytest.raises(InvalidArgumentError):
         store.get_into(namespace, keys(1), not_contiguous.permute(0, 5, 4, 3, 2, 1))
+
+
+def test_write_through_into_gpu_whose_room_pushes_the_chain_itself_to_disk(
+    make_store: StoreFactory, namespace: Namespace
+) -> None:
+    store = make_store(gpu_blocks=2, host_blocks=2, disk_blocks=3, promote_on_read=False)
+    store.register(namespace)
+    chain, others = keys(2), keys(3, start=10)
+    store.put(namespace, others[:2], blocks(2, seed=1), tier=Tier.GPU)
+    store.put(namespace, chain, blocks(2, seed=2), tier=Tier.HOST)
+    store.put(namespace, others[2:], blocks(1, seed=3), tier=Tier.DISK)
+    # Room in GPU demotes the others to HOST, which demotes the chain's own blocks to DISK:
+    # their records exist by the time the write-through wants to write them.
+    assert store.put(namespace, chain, blocks(2, seed=2), tier=Tier.GPU,
+                     write_policy=WritePolicy.WRITE_THROUGH) == 2
+    assert same_bytes(store.get(namespace, chain), blocks(2, seed=2))
+    tiers = store.stats().tiers
+    assert tiers[Tier.DISK].used_bytes <= tiers[Tier.DISK].capacity_bytes
+
+
+def test_demoting_a_batch_one_by_one_never_waits_on_itself(
+    make_store: StoreFactory, namespace: Namespace
+) -> None:
+    store = make_store(gpu_blocks=3, host_blocks=4, disk_blocks=7)
+    store.register(namespace)
+    k = keys(10)
+    store.put(namespace, k[7:10], blocks(3, seed=1), tier=Tier.GPU)
+    store.put(namespace, k[1:4], blocks(3, seed=2), tier=Tier.HOST)
+    store.pin(namespace, k[2:4])  # HOST: two pinned, room for two more
+    store.put(namespace, k[6:7], blocks(1, seed=3), tier=Tier.HOST)
+    # The three GPU victims do not fit HOST together; one by one, the ones already demoted are
+    # busy (ours) and must not be waited for (that was a 5 s stall).
+    started = time.monotonic()
+    assert store.put(namespace, k[1:4], blocks(3, seed=2), tier=Tier.GPU) == 3
+    assert time.monotonic() - started < 2.5
+    assert same_bytes(store.get(namespace, k[1:4]), blocks(3, seed=2))

@@ -200,7 +200,7 @@ class Leases:
         try:
             if lease.plan.disk_indices:
                 self.writer.write_records(
-                    state, lease.keys, lease.plan.disk_indices, lease.plan.own,
+                    state, lease.keys, lease.plan,
                     lambda i: self.mover.host_view(slab, lease.locations[i], state.block_bytes),
                 )
         except BaseException:

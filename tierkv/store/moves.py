@@ -128,11 +128,15 @@ class Mover:
         to_demote = [e for e in victims if lower is not None and not self._has_copy_below(e, tier)]
         demoted: set[Entry] = set()
         if to_demote and lower is not None:
-            demoted = self.copy_between(to_demote, tier, lower, wait=may_drop)
+            # The victims are busy (ours): room below must never wait for them, nor evict them
+            # again once they land there.
+            ours = frozenset(victims)
+            demoted = self.copy_between(to_demote, tier, lower, wait=may_drop, exclude=ours)
             if len(demoted) < len(to_demote):  # all or nothing did not fit: one at a time
                 for entry in to_demote:
                     if entry not in demoted:
-                        demoted |= self.copy_between([entry], tier, lower, wait=may_drop)
+                        demoted |= self.copy_between([entry], tier, lower, wait=may_drop,
+                                                     exclude=ours)
         all_freed = True
         with core.lock:
             for entry in victims:
@@ -151,16 +155,18 @@ class Mover:
         return any(entry.residency(lower) is not None for lower in Tier if lower > tier)
 
     def copy_between(
-        self, entries: list[Entry], source: Tier, destination: Tier, wait: bool = True
+        self, entries: list[Entry], source: Tier, destination: Tier, wait: bool = True,
+        exclude: frozenset[Entry] = frozenset(),
     ) -> set[Entry]:
         """Copy busy-marked ``entries`` from ``source`` into ``destination`` and publish them
         there; returns those that made it (the others did not fit or failed a check).
-        ``wait`` is passed to ``reserve_pages``."""
+        ``wait`` and ``exclude`` (never evicted for the room, never waited for) go to the
+        reservation."""
         try:
             if destination is Tier.DISK:
-                done = self._write_records(entries, source)
+                done = self._write_records(entries, source, exclude)
             else:
-                done = self._copy_paged(entries, source, destination, wait)
+                done = self._copy_paged(entries, source, destination, wait, exclude)
         except CapacityError as exc:
             log.debug("%s -> %s: %s", source.label, destination.label, exc)
             return set()
@@ -174,10 +180,11 @@ class Mover:
         return done
 
     def _copy_paged(
-        self, entries: list[Entry], source: Tier, destination: Tier, wait: bool
+        self, entries: list[Entry], source: Tier, destination: Tier, wait: bool,
+        exclude: frozenset[Entry],
     ) -> set[Entry]:
         sizes = [entry.ns.block_bytes for entry in entries]
-        locations = self.reserve_pages(destination, sizes, wait=wait)
+        locations = self.reserve_pages(destination, sizes, exclude, wait)
         if source is Tier.DISK:
             readable = self._read_disk_into_pages(entries, locations, destination)
         else:
@@ -311,7 +318,9 @@ class Mover:
             except TierKVError as exc:  # the read already reports a miss; the delete is retried
                 log.warning("deleting bad records failed (will retry): %s", exc)
 
-    def _write_records(self, entries: list[Entry], source: Tier) -> set[Entry]:
+    def _write_records(
+        self, entries: list[Entry], source: Tier, exclude: frozenset[Entry]
+    ) -> set[Entry]:
         assert self.core.disk is not None
         records = [
             (entry.raw_key, encode_record(
@@ -326,7 +335,7 @@ class Mover:
             reserved: list[tuple[int, int]] = []
             try:
                 for size, count in by_size.items():
-                    self.core.reserve_disk_locked(count, size)
+                    self.core.reserve_disk_locked(count, size, exclude)
                     reserved.append((count, size))
             except CapacityError:
                 for count, size in reserved:

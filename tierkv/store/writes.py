@@ -75,8 +75,7 @@ class Writer:
             if plan.disk_indices:
                 array = (flat if flat.device.type == "cpu" else flat.cpu()).numpy()
                 self.write_records(
-                    state, keys, plan.disk_indices, plan.own,
-                    lambda i: array[i * block_bytes : (i + 1) * block_bytes],
+                    state, keys, plan, lambda i: array[i * block_bytes : (i + 1) * block_bytes]
                 )
         except BaseException:
             with core.lock:
@@ -116,12 +115,25 @@ class Writer:
         return plan
 
     def write_records(
-        self, state: NamespaceState, keys: list[bytes], indices: list[int],
-        own: frozenset[Entry], payload_of: Callable[[int], np.ndarray],
+        self, state: NamespaceState, keys: list[bytes], plan: PutPlan,
+        payload_of: Callable[[int], np.ndarray],
     ) -> None:
-        """Write-through: durable disk records of blocks ``indices`` (bytes from ``payload_of``)
-        before returning; their disk room is reserved, and given back on failure."""
+        """Write-through: durable disk records of the plan's ``disk_indices`` (bytes from
+        ``payload_of``) before returning; their disk room is reserved, and given back on failure.
+
+        Blocks that got a disk copy since the plan was made (making room for the put can demote
+        the chain's own blocks to disk) are dropped from ``plan.disk_indices`` and not written
+        twice.
+        """
         core = self.core
+        with core.lock:
+            plan.disk_indices = [
+                i for i in plan.disk_indices
+                if (entry := state.blocks.get(keys[i])) is None or entry.disk is None
+            ]
+        indices, own = plan.disk_indices, plan.own
+        if not indices:
+            return
         fingerprint = state.fingerprint
         records = [
             (state.id + keys[i], encode_record(state.id + keys[i], fingerprint, payload_of(i)))
