@@ -316,3 +316,6 @@ def test_demoting_a_batch_one_by_one_never_waits_on_itself(
     assert store.put(namespace, k[1:4], blocks(3, seed=2), tier=Tier.GPU) == 3
     assert time.monotonic() - started < 2.5
     assert same_bytes(store.get(namespace, k[1:4]), blocks(3, seed=2))
+    # The victim that did not fit HOST went on to DISK: none was lost.
+    assert store.stats().failed_demotions == 0
+    assert same_bytes(store.get(namespace, k[7:10]), blocks(3, seed=1))

@@ -119,7 +119,8 @@ class Mover:
         """Demote or drop busy-marked victims out of ``ledger``'s tier, freeing their pages.
 
         A victim someone started reading after it was picked keeps its pages (freeing them
-        under a reader would hand it another block's bytes). A victim whose demotion failed is
+        under a reader would hand it another block's bytes). A victim that does not fit the next
+        tier down goes to the one below it. A victim whose demotion failed is
         dropped if ``may_drop``, else kept, and False is returned.
         """
         tier = ledger.tier
@@ -137,6 +138,10 @@ class Mover:
                     if entry not in demoted:
                         demoted |= self.copy_between([entry], tier, lower, wait=may_drop,
                                                      exclude=ours)
+            further = core.tier_below(lower)
+            rest = [entry for entry in to_demote if entry not in demoted]
+            if rest and further is not None:  # the next tier is full of pins: skip it
+                demoted |= self.copy_between(rest, tier, further, wait=may_drop, exclude=ours)
         all_freed = True
         with core.lock:
             for entry in victims:
