@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import torch
 
-from tierkv.bench.report import Row, median_of
-from tierkv.bench.store_bench import GB, Progress, _fresh_hashes, _random_blocks
+from tierkv.bench.report import GB, Row, fresh_hashes, median_of, random_blocks
+from tierkv.bench.store_bench import Progress
 from tierkv.config import GpuTierConfig, HostTierConfig, StoreConfig, Tier
 from tierkv.keys import Namespace
 from tierkv.layout import PRESETS
@@ -34,7 +34,7 @@ def bench_gpu(repeats: int, progress: Progress) -> list[Row]:
     layout = PRESETS["llama-3-8b"].layout()
     num_blocks = 32
     batch_bytes = num_blocks * layout.bytes_per_block
-    cpu_blocks = _random_blocks(layout, num_blocks)
+    cpu_blocks = random_blocks(layout, num_blocks)
     device_blocks = cpu_blocks.cuda()
     pinned = cpu_blocks.pin_memory()
     pageable = cpu_blocks.clone()
@@ -56,15 +56,15 @@ def bench_gpu(repeats: int, progress: Progress) -> list[Row]:
     )
     with TieredStore(config) as store:
         store.register(namespace)
-        on_host = _fresh_hashes(num_blocks)
+        on_host = fresh_hashes(num_blocks)
         store.put(namespace, on_host, cpu_blocks, tier=Tier.HOST)
         host_get, host_get_s = gbs(lambda: store.get_into(namespace, on_host, device_out))
         assert torch.equal(device_out.view(torch.uint8), device_blocks.view(torch.uint8))
         host_put, host_put_s = gbs(
-            lambda: store.put(namespace, _fresh_hashes(num_blocks), device_blocks, tier=Tier.HOST)
+            lambda: store.put(namespace, fresh_hashes(num_blocks), device_blocks, tier=Tier.HOST)
         )
-        on_gpu = _fresh_hashes(num_blocks)
-        gpu_put, gpu_put_s = gbs(lambda: store.put(namespace, _fresh_hashes(num_blocks),
+        on_gpu = fresh_hashes(num_blocks)
+        gpu_put, gpu_put_s = gbs(lambda: store.put(namespace, fresh_hashes(num_blocks),
                                                    device_blocks, tier=Tier.GPU))
         store.put(namespace, on_gpu, device_blocks, tier=Tier.GPU)
         gpu_get, gpu_get_s = gbs(lambda: store.get_into(namespace, on_gpu, device_out))

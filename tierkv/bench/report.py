@@ -2,14 +2,24 @@
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import json
+import os
 import platform
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
+
+import torch
+
+from tierkv.layout import KVLayout
+
+GB = 1e9
+T = TypeVar("T")
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,6 +59,24 @@ def timed(fn: Callable[[], object]) -> float:
     start = time.perf_counter()
     fn()
     return time.perf_counter() - start
+
+
+def total_s(fn: Callable[[T], object], items: Iterable[T]) -> float:
+    """Seconds ``fn`` takes over all ``items``, one timed call each."""
+    return sum(timed(functools.partial(fn, item)) for item in items)
+
+
+def random_blocks(layout: KVLayout, num_blocks: int) -> torch.Tensor:
+    """``num_blocks`` blocks of fixed pseudo-random bits in ``layout``'s dtype."""
+    generator = torch.Generator().manual_seed(1234)
+    raw = torch.randint(-(2**15), 2**15, (num_blocks, *layout.block_shape), dtype=torch.int32,
+                        generator=generator)
+    return raw.to(torch.int16).view(layout.torch_dtype)
+
+
+def fresh_hashes(num: int) -> list[bytes]:
+    """``num`` block hashes never used before (so every put really stores)."""
+    return [hashlib.sha256(os.urandom(16)).digest() for _ in range(num)]
 
 
 def format_table(rows: list[Row]) -> str:

@@ -15,21 +15,19 @@ while ``get_into`` has copied the blocks into the caller's buffer.
 from __future__ import annotations
 
 import contextlib
-import functools
-import hashlib
 import importlib.util
 import os
 import shutil
 import statistics
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
 
-from tierkv.bench.report import Row, timed
+from tierkv.bench.report import GB, Row, fresh_hashes, random_blocks, timed, total_s
 from tierkv.bench.servers import Servers, ServiceBenchConfig, running_servers
 from tierkv.client import Client
 from tierkv.errors import ConfigError
@@ -37,19 +35,11 @@ from tierkv.hashing import block_hashes
 from tierkv.keys import Namespace
 from tierkv.layout import PRESETS, KVLayout
 
-GB = 1e9
 MiB = 1024 * 1024
 Progress = Callable[[str], None]
 
-def _random_blocks(layout: KVLayout, num_blocks: int) -> torch.Tensor:
-    generator = torch.Generator().manual_seed(1234)
-    raw = torch.randint(-(2**15), 2**15, (num_blocks, *layout.block_shape), dtype=torch.int32,
-                        generator=generator)
-    return raw.to(torch.int16).view(layout.torch_dtype)
 
 
-def _fresh_hashes(num: int) -> list[bytes]:
-    return [hashlib.sha256(os.urandom(16)).digest() for _ in range(num)]
 
 
 def _interleaved(fns: Sequence[Callable[[], float]], repeats: int,
@@ -64,9 +54,6 @@ def _interleaved(fns: Sequence[Callable[[], float]], repeats: int,
     return samples
 
 
-def _total_s(fn: Callable[[int], object], indices: Iterable[int]) -> float:
-    """Seconds ``fn`` takes over all ``indices``, one timed call each."""
-    return sum(timed(functools.partial(fn, i)) for i in indices)
 
 
 def _med(samples: list[float]) -> float:
@@ -94,7 +81,7 @@ class _Bulk:
     @classmethod
     def make(cls, batch_blocks: int, num_batches: int) -> _Bulk:
         layout = PRESETS["llama-3-8b"].layout()
-        source = _random_blocks(layout, batch_blocks + num_batches)
+        source = random_blocks(layout, batch_blocks + num_batches)
         return cls(layout, Namespace("bench-service", layout), source, batch_blocks)
 
     @property
@@ -144,7 +131,7 @@ class _BulkRounds:
         self.out = torch.empty_like(bulk.batch(0))
         namespace, batch_blocks = bulk.namespace, bulk.batch_blocks
         # What the gets read: stored once, untimed.
-        self.get_hashes = [_fresh_hashes(batch_blocks) for _ in self.indices]
+        self.get_hashes = [fresh_hashes(batch_blocks) for _ in self.indices]
         self.get_keys = [_redis_keys(batch_blocks) for _ in self.indices]
         for i in self.indices:
             client.put(namespace, self.get_hashes[i], bulk.batch(i))
@@ -154,7 +141,7 @@ class _BulkRounds:
         self.put_keys: list[list[bytes]] = []
 
     def gbs(self, fn: Callable[[int], object]) -> float:
-        return self.total_bytes / _total_s(fn, self.indices) / GB
+        return self.total_bytes / total_s(fn, self.indices) / GB
 
     def get(self) -> float:
         namespace, out = self.bulk.namespace, self.out
@@ -167,7 +154,7 @@ class _BulkRounds:
         namespace, batch_blocks = self.bulk.namespace, self.bulk.batch_blocks
         if self.put_hashes:
             self.client.delete(namespace, [h for batch in self.put_hashes for h in batch])
-        self.put_hashes = [_fresh_hashes(batch_blocks) for _ in self.indices]
+        self.put_hashes = [fresh_hashes(batch_blocks) for _ in self.indices]
         return self.gbs(
             lambda i: self.client.put(namespace, self.put_hashes[i], self.bulk.batch(i))
         )
@@ -331,7 +318,7 @@ def bench_calls(cfg: ServiceBenchConfig, servers: Servers, progress: Progress) -
 
     layout = KVLayout(1, 1, 8)
     namespace = Namespace("bench-service-calls", layout)
-    hashes = _fresh_hashes(1)
+    hashes = fresh_hashes(1)
     with Client(servers.unix_target) as client, \
             contextlib.closing(_redis(servers, unix=True)) as rds, \
             grpc.insecure_channel(servers.unix_target) as channel:

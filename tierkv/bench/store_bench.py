@@ -6,31 +6,27 @@ Every figure is measured beside its baseline in the same run, on the same bytes:
 
 from __future__ import annotations
 
-import functools
 import gc
 import hashlib
 import os
 import shutil
 import time
 import tracemalloc
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TypeVar
 
 import cbor2
 import numpy as np
 import torch
 
-from tierkv.bench.report import Row, median_of, timed
+from tierkv.bench.report import GB, Row, fresh_hashes, median_of, random_blocks, timed, total_s
 from tierkv.config import DiskTierConfig, HostTierConfig, StoreConfig, Tier, WritePolicy
 from tierkv.hashing import block_hashes, none_hash
 from tierkv.keys import Namespace
 from tierkv.layout import PRESETS, KVLayout
 from tierkv.store import TieredStore
 
-GB = 1e9
-T = TypeVar("T")
 Progress = Callable[[str], None]
 
 
@@ -48,20 +44,10 @@ class StoreBenchConfig:
     index_blocks: int = 1_000_000
 
 
-def _random_blocks(layout: KVLayout, num_blocks: int) -> torch.Tensor:
-    generator = torch.Generator().manual_seed(1234)
-    raw = torch.randint(-(2**15), 2**15, (num_blocks, *layout.block_shape), dtype=torch.int32,
-                        generator=generator)
-    return raw.to(torch.int16).view(layout.torch_dtype)
 
 
-def _total_s(fn: Callable[[T], object], items: Sequence[T]) -> float:
-    """Seconds ``fn`` takes over all ``items``, one timed call each."""
-    return sum(timed(functools.partial(fn, item)) for item in items)
 
 
-def _fresh_hashes(num: int) -> list[bytes]:
-    return [hashlib.sha256(os.urandom(16)).digest() for _ in range(num)]
 
 
 def bench_host(cfg: StoreBenchConfig, progress: Progress) -> list[Row]:
@@ -69,7 +55,7 @@ def bench_host(cfg: StoreBenchConfig, progress: Progress) -> list[Row]:
     layout = PRESETS["llama-3-8b"].layout()
     batch_bytes = cfg.batch_blocks * layout.bytes_per_block
     total_bytes = batch_bytes * cfg.num_batches
-    source = _random_blocks(layout, cfg.batch_blocks)
+    source = random_blocks(layout, cfg.batch_blocks)
     source_np = source.view(torch.uint8).reshape(-1).numpy()
     namespace = Namespace("bench", layout)
     config = StoreConfig(host=HostTierConfig(total_bytes + batch_bytes, 256 * 1024))
@@ -84,29 +70,29 @@ def bench_host(cfg: StoreBenchConfig, progress: Progress) -> list[Row]:
             if batches:
                 store.delete(namespace, [h for batch in batches for h in batch])
                 batches.clear()
-            batches.extend(_fresh_hashes(cfg.batch_blocks) for _ in range(cfg.num_batches))
-            seconds = _total_s(lambda b: store.put(namespace, b, source), batches)
+            batches.extend(fresh_hashes(cfg.batch_blocks) for _ in range(cfg.num_batches))
+            seconds = total_s(lambda b: store.put(namespace, b, source), batches)
             progress("host put")
             return total_bytes / seconds / GB
 
         def copy_round() -> float:
-            seconds = _total_s(
+            seconds = total_s(
                 lambda i: np.copyto(baseline_dst[i * batch_bytes:(i + 1) * batch_bytes], source_np),
                 range(cfg.num_batches),
             )
             return total_bytes / seconds / GB
 
         def get_into_round() -> float:
-            seconds = _total_s(lambda b: store.get_into(namespace, b, out), batches)
+            seconds = total_s(lambda b: store.get_into(namespace, b, out), batches)
             progress("host get")
             return total_bytes / seconds / GB
 
         def get_round() -> float:
-            seconds = _total_s(lambda b: store.get(namespace, b), batches)
+            seconds = total_s(lambda b: store.get(namespace, b), batches)
             return total_bytes / seconds / GB
 
         def copy_back_round() -> float:
-            seconds = _total_s(
+            seconds = total_s(
                 lambda i: np.copyto(out_np, baseline_dst[i * batch_bytes:(i + 1) * batch_bytes]),
                 range(cfg.num_batches),
             )
@@ -135,7 +121,7 @@ def bench_disk(cfg: StoreBenchConfig, progress: Progress) -> list[Row]:
     layout = PRESETS["llama-3-8b"].layout()
     batch_bytes = cfg.batch_blocks * layout.bytes_per_block
     total_bytes = batch_bytes * cfg.num_disk_batches
-    source = _random_blocks(layout, cfg.batch_blocks)
+    source = random_blocks(layout, cfg.batch_blocks)
     source_np = source.view(torch.uint8).reshape(-1).numpy()
     namespace = Namespace("bench", layout)
     disk_dir = cfg.work_dir / "store-disk"
@@ -158,8 +144,8 @@ def bench_disk(cfg: StoreBenchConfig, progress: Progress) -> list[Row]:
             if batches:
                 store.delete(namespace, [h for batch in batches for h in batch])
                 batches.clear()
-            batches.extend(_fresh_hashes(cfg.batch_blocks) for _ in range(cfg.num_disk_batches))
-            seconds = _total_s(
+            batches.extend(fresh_hashes(cfg.batch_blocks) for _ in range(cfg.num_disk_batches))
+            seconds = total_s(
                 lambda b: store.put(namespace, b, source, write_policy=WritePolicy.WRITE_THROUGH),
                 batches,
             )
@@ -172,10 +158,10 @@ def bench_disk(cfg: StoreBenchConfig, progress: Progress) -> list[Row]:
                     f.write(source_np.data)
                     f.flush()
                     os.fsync(f.fileno())
-            return total_bytes / _total_s(write, files) / GB
+            return total_bytes / total_s(write, files) / GB
 
         def get_round() -> float:
-            seconds = _total_s(lambda b: store.get_into(namespace, b, out), batches)
+            seconds = total_s(lambda b: store.get_into(namespace, b, out), batches)
             progress("disk get")
             return total_bytes / seconds / GB
 
@@ -183,7 +169,7 @@ def bench_disk(cfg: StoreBenchConfig, progress: Progress) -> list[Row]:
             def read(path: Path) -> None:
                 with path.open("rb", buffering=0) as f:
                     f.readinto(out_np.data)
-            return total_bytes / _total_s(read, files) / GB
+            return total_bytes / total_s(read, files) / GB
 
         put_gbs, put_samples = median_of(put_round, cfg.repeats)
         write_gbs, _ = median_of(write_round, cfg.repeats)
@@ -271,7 +257,7 @@ def bench_index_memory(cfg: StoreBenchConfig, progress: Progress) -> list[Row]:
         before, _ = tracemalloc.get_traced_memory()
         for start in range(0, cfg.index_blocks, batch):
             count = min(batch, cfg.index_blocks - start)
-            store.put(namespace, _fresh_hashes(count), blocks[:count])
+            store.put(namespace, fresh_hashes(count), blocks[:count])
         gc.collect()
         after, _ = tracemalloc.get_traced_memory()
         tracemalloc.stop()
