@@ -10,9 +10,9 @@ from collections.abc import Sequence
 
 from tierkv.config import Priority, Tier, WritePolicy
 from tierkv.errors import InvalidArgumentError
-from tierkv.keys import BLOCK_HASH_BYTES
 from tierkv.store import StoreStats
 from tierkv.store.leases import BlockExtents, ReadLease, WriteLease
+from tierkv.store.validation import check_lookup_hashes
 from tierkv.wire import tierkv_pb2 as pb
 
 _POLICIES: dict[int, WritePolicy | None] = {
@@ -40,13 +40,10 @@ def hashes_within(hashes: Sequence[bytes], max_hashes: int) -> Sequence[bytes]:
 
 
 def hashes_from(hashes: Sequence[bytes], max_hashes: int) -> Sequence[bytes]:
-    """The request's hashes (as given: no copy), checked for count and length."""
+    """The request's hashes (as given: no copy), checked for count and, with the store's own
+    rule, length: before a Put's bytes are received, not after."""
     hashes_within(hashes, max_hashes)
-    if hashes and set(map(len, hashes)) != {BLOCK_HASH_BYTES}:
-        index, bad = next((i, h) for i, h in enumerate(hashes) if len(h) != BLOCK_HASH_BYTES)
-        raise InvalidArgumentError(
-            f"hashes[{index}] is {len(bad)} bytes; block hashes are 32 bytes"
-        )
+    check_lookup_hashes(hashes)
     return hashes
 
 

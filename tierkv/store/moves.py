@@ -255,9 +255,7 @@ class Mover:
         assert node is not None
         slab = self.core.paged[tier].slab
         if slab.device.type == "cpu":
-            view = slab.view(node.location, entry.ns.block_bytes)
-            if view is not None:
-                return view.numpy()
+            return self.host_view(slab, node.location, entry.ns.block_bytes)
         return self.read_block(entry, tier).cpu().numpy()
 
     def _read_disk_into_pages(
