@@ -19,35 +19,32 @@ def register(subparsers: Any) -> None:
     store = targets.add_parser(
         "store", help="the embedded store vs memcpy, write+fsync, file reads and cbor2"
     )
-    store.add_argument("--only", nargs="*", default=[],
-                       choices=["host", "disk", "lookup", "hashing", "index"])
-    store.add_argument("--repeats", type=int, default=5, help="runs per figure (median)")
-    store.add_argument("--quick", action="store_true",
-                       help="smaller runs (for a smoke test; figures are noisier)")
-    store.add_argument("--work-dir", type=Path, default=None,
-                       help="where disk benchmarks write (default: a temp dir)")
-    store.add_argument("--json", type=Path, default=Path("bench-out/store.json"))
-    store.add_argument("--plot", type=Path, nargs="?", const=Path("bench-out/store.png"),
-                       default=None, help="also write a PNG bar chart")
+    _add_common(store, "store", ["host", "disk", "lookup", "hashing", "index"],
+                "where disk benchmarks write (default: a temp dir)")
     store.set_defaults(func=run_store)
     service = targets.add_parser(
         "service", help="the sidecar through the client SDK vs memcpy and a real Redis"
     )
-    service.add_argument("--only", nargs="*", default=[],
-                         choices=["local", "remote", "lookup", "calls"])
-    service.add_argument("--repeats", type=int, default=5, help="runs per figure (median)")
-    service.add_argument("--quick", action="store_true",
-                         help="smaller runs (for a smoke test; figures are noisier)")
-    service.add_argument("--work-dir", type=Path, default=None,
-                         help="where the servers keep sockets, logs and disk (default: a temp dir)")
-    service.add_argument("--json", type=Path, default=Path("bench-out/service.json"))
-    service.add_argument("--plot", type=Path, nargs="?", const=Path("bench-out/service.png"),
-                         default=None, help="also write a PNG bar chart")
+    _add_common(service, "service", ["local", "remote", "lookup", "calls"],
+                "where the servers keep sockets, logs and disk (default: a temp dir)")
     service.set_defaults(func=run_service)
     gpu = targets.add_parser("gpu", help="CUDA copies through the store vs raw pinned copies")
     gpu.add_argument("--repeats", type=int, default=5)
     gpu.add_argument("--json", type=Path, default=Path("bench-out/gpu.json"))
     gpu.set_defaults(func=run_gpu)
+
+
+def _add_common(parser: argparse.ArgumentParser, name: str, groups: list[str],
+                work_dir_help: str) -> None:
+    """The flags every ``bench`` target with a table, JSON and plot takes."""
+    parser.add_argument("--only", nargs="*", default=[], choices=groups)
+    parser.add_argument("--repeats", type=int, default=5, help="runs per figure (median)")
+    parser.add_argument("--quick", action="store_true",
+                        help="smaller runs (for a smoke test; figures are noisier)")
+    parser.add_argument("--work-dir", type=Path, default=None, help=work_dir_help)
+    parser.add_argument("--json", type=Path, default=Path(f"bench-out/{name}.json"))
+    parser.add_argument("--plot", type=Path, nargs="?", const=Path(f"bench-out/{name}.png"),
+                        default=None, help="also write a PNG bar chart")
 
 
 def run_gpu(args: argparse.Namespace) -> int:
