@@ -27,11 +27,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from tierkv.config import Priority, Tier, WritePolicy
-from tierkv.errors import InvalidArgumentError, LeaseNotFoundError, LeaseStateError
+from tierkv.errors import LeaseNotFoundError, LeaseStateError
 from tierkv.paging import Location, iter_extents
 from tierkv.store.core import StoreCore
 from tierkv.store.ledger import DOOMED, Entry, NamespaceState
 from tierkv.store.moves import Mover
+from tierkv.store.validation import check_ttl
 from tierkv.store.writes import PutPlan, Writer
 
 DEFAULT_LEASE_TTL_S = 30.0
@@ -276,10 +277,8 @@ class Leases:
 
 
 def _check_lease_ttl(ttl_s: float | None) -> float:
-    if ttl_s is None or ttl_s == 0:
+    if ttl_s is None or ttl_s == 0:  # 0: the wire's "unset"
         return DEFAULT_LEASE_TTL_S
-    if not isinstance(ttl_s, int | float) or not 0 < ttl_s <= MAX_LEASE_TTL_S:
-        raise InvalidArgumentError(
-            f"lease_ttl_s must be in (0, {MAX_LEASE_TTL_S:.0f}] seconds (0: the default), got {ttl_s}"
-        )
-    return float(ttl_s)
+    checked = check_ttl(ttl_s, MAX_LEASE_TTL_S, "lease_ttl_s")
+    assert checked is not None
+    return checked

@@ -81,12 +81,12 @@ def check_out(layout: KVLayout, out: torch.Tensor, num_hashes: int) -> torch.Ten
     return out.view(torch.uint8).reshape(-1)
 
 
-def check_ttl(ttl_s: float | None) -> float | None:
-    """A pin TTL: None (until unpinned) or a finite number of seconds in (0, 30 days]."""
+def check_ttl(ttl_s: float | None, max_s: float = MAX_TTL_S, name: str = "ttl_s") -> float | None:
+    """A TTL: None (none) or a finite number of seconds in (0, ``max_s``] (pins: 30 days)."""
     if ttl_s is None:
         return None
     if isinstance(ttl_s, bool) or not isinstance(ttl_s, int | float):
-        raise InvalidArgumentError(f"ttl_s must be a number of seconds or None, got {ttl_s!r}")
-    if not math.isfinite(ttl_s) or not 0 < ttl_s <= MAX_TTL_S:
-        raise InvalidArgumentError(f"ttl_s must be in (0, {MAX_TTL_S:.0f}] seconds, got {ttl_s}")
+        raise InvalidArgumentError(f"{name} must be a number of seconds or None, got {ttl_s!r}")
+    if not math.isfinite(ttl_s) or not 0 < ttl_s <= max_s:
+        raise InvalidArgumentError(f"{name} must be in (0, {max_s:.0f}] seconds, got {ttl_s}")
     return float(ttl_s)
