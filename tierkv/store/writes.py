@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from tierkv.config import Priority, Tier, WritePolicy
-from tierkv.errors import CapacityError, TierKVError
+from tierkv.errors import TierKVError
 from tierkv.paging import Location
 from tierkv.store.core import StoreCore
 from tierkv.store.ledger import DOOMED, Entry, NamespaceState
@@ -221,10 +221,8 @@ class Writer:
                     ]
                     for entry in batch:
                         entry.readers += 1
-                try:
+                try:  # a batch that does not fit comes back empty (copy_between says so)
                     num_written += len(self.mover.copy_between(batch, tier, Tier.DISK)) if batch else 0
-                except CapacityError:
-                    return num_written
                 finally:
                     with core.lock:
                         for entry in batch:
