@@ -139,9 +139,16 @@ class TierKVServicer(pb_grpc.TierKVServicer):
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._executor, functools.partial(fn, *args, **kwargs))
 
+    @staticmethod
+    def _known_key(spec: pb.Namespace, caller: Caller) -> tuple[bytes, str]:
+        return spec.SerializeToString(deterministic=True), caller.tenant
+
+    def _known_namespace(self, spec: pb.Namespace, caller: Caller) -> Namespace | None:
+        """The namespace of ``spec`` for this caller, if it was registered through here."""
+        return self._known.get(self._known_key(spec, caller))
+
     def _namespace(self, spec: pb.Namespace, caller: Caller) -> Namespace:
-        key = (spec.SerializeToString(deterministic=True), caller.tenant)
-        namespace = self._known.get(key)
+        namespace = self._known_namespace(spec, caller)
         if namespace is None:
             namespace = codec.namespace_from_wire(spec, caller.tenant)
             if not self.store.is_registered(namespace):
@@ -152,7 +159,7 @@ class TierKVServicer(pb_grpc.TierKVServicer):
                     )
                 self.store.register(namespace)
             if len(self._known) < _MAX_KNOWN_NAMESPACES:
-                self._known[key] = namespace
+                self._known[self._known_key(spec, caller)] = namespace
         return namespace
 
     def _blocks(self, request: Any, caller: Caller) -> tuple[Namespace, Sequence[bytes]]:
@@ -176,8 +183,7 @@ class TierKVServicer(pb_grpc.TierKVServicer):
 
     @unary
     async def Lookup(self, request: pb.LookupRequest, context: Any, caller: Caller) -> Any:
-        key = (request.namespace.SerializeToString(deterministic=True), caller.tenant)
-        namespace = self._known.get(key)
+        namespace = self._known_namespace(request.namespace, caller)
         simple = not request.prefetch and not request.pin_ttl_s
         if namespace is not None and simple and len(request.hashes) <= _INLINE_LOOKUP_HASHES:
             return pb.LookupResponse(**convert.tier_counts(self.store.locate(namespace,
