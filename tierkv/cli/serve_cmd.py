@@ -141,7 +141,10 @@ def _remove_stale_socket(path: Path) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Serve until SIGINT or SIGTERM."""
+    from service.allocator import tune_for_bulk_messages
+
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(message)s")
+    tune_for_bulk_messages()
     config = build_config(args)
     service_config = build_service_config(args)
     asyncio.run(_serve(config, service_config, args.stats_interval_s))
