@@ -10,8 +10,9 @@ from collections.abc import Sequence
 
 from tierkv.config import Priority, Tier, WritePolicy
 from tierkv.errors import InvalidArgumentError
+from tierkv.paging import BlockExtents
 from tierkv.store import StoreStats
-from tierkv.store.leases import BlockExtents, ReadLease, WriteLease
+from tierkv.store.leases import ReadLease, WriteLease
 from tierkv.store.validation import check_lookup_hashes
 from tierkv.wire import tierkv_pb2 as pb
 

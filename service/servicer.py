@@ -8,6 +8,7 @@ loop never blocks on a lock, a copy or the disk.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -25,12 +26,14 @@ from service.auth import Authenticator, client_id_of
 from service.buffers import BufferPool
 from service.config import ServiceConfig
 from service.errors import status_of
+from service.stream_put import LeaseFiller
 from tierkv import codec
 from tierkv.codec import RawPutChunk
 from tierkv.config import Tier
 from tierkv.errors import CapacityError, InvalidArgumentError, TierKVError
 from tierkv.keys import Namespace
 from tierkv.store import TieredStore
+from tierkv.store.leases import WriteLease
 from tierkv.store.validation import check_ttl
 from tierkv.wire import tierkv_pb2 as pb
 from tierkv.wire import tierkv_pb2_grpc as pb_grpc
@@ -238,51 +241,58 @@ class TierKVServicer(pb_grpc.TierKVServicer):
             raise InvalidArgumentError("the first Put message must carry the header")
         header = first.header
         namespace, hashes = await self._run(self._blocks, header, caller)
-        layout = namespace.layout
-        total_bytes = len(hashes) * layout.bytes_per_block
+        block_bytes = namespace.layout.bytes_per_block
+        total_bytes = len(hashes) * block_bytes
         if total_bytes > self.config.max_put_bytes:
             raise CapacityError(
                 f"{total_bytes} bytes in one Put; at most {self.config.max_put_bytes} (split it)"
             )
-        buffer = self._buffers.take(total_bytes)
+        lease = await self._allocate_for_stream(namespace, hashes, header, caller)
+        committing = False
         try:
-            return await self._put_into(buffer, first, chunks, namespace, hashes, header)
-        finally:
-            self._buffers.give(buffer)
-
-    async def _put_into(
-        self, buffer: bytearray, first: RawPutChunk, chunks: AsyncIterator[RawPutChunk],
-        namespace: Namespace, hashes: Sequence[bytes], header: pb.PutHeader,
-    ) -> pb.CountResponse:
-        layout = namespace.layout
-        total_bytes = len(hashes) * layout.bytes_per_block
-        received = 0
-        chunk: RawPutChunk | None = first
-        while chunk is not None:
-            _check_parsed(chunk)
-            if chunk is not first and chunk.header is not None:
-                raise InvalidArgumentError("only the first Put message may carry a header")
-            end = received + len(chunk.data)
-            if end > total_bytes:
+            with self.store.host_slab_view() as slab:
+                filler = LeaseFiller(slab, lease, block_bytes, total_bytes)
+                chunk: RawPutChunk | None = first
+                while chunk is not None:
+                    _check_parsed(chunk)
+                    if chunk is not first and chunk.header is not None:
+                        raise InvalidArgumentError("only the first Put message may carry a header")
+                    filler.write(chunk.data)
+                    chunk = await anext(chunks, None)
+            if not filler.complete:
                 raise InvalidArgumentError(
-                    f"more bytes than {len(hashes)} blocks of {layout.bytes_per_block} B hold"
+                    f"got {filler.received_bytes} bytes for {len(hashes)} blocks of {block_bytes} B"
                 )
-            buffer[received:end] = chunk.data
-            received = end
-            chunk = await anext(chunks, None)
-        if received != total_bytes:
-            raise InvalidArgumentError(
-                f"got {received} bytes for {len(hashes)} blocks of {layout.bytes_per_block} B"
-            )
-        flat = (torch.frombuffer(buffer, dtype=torch.uint8, count=total_bytes) if total_bytes
-                else torch.empty(0, dtype=torch.uint8))
-        blocks = flat.view(layout.torch_dtype).reshape(len(hashes), *layout.block_shape)
-        count = await self._run(
-            self.store.put, namespace, hashes, blocks,
-            priority=convert.priority_from(header.priority),
-            write_policy=convert.write_policy_from(header.write_policy),
-        )
+            committing = True  # commit gives the pages back itself if it fails
+            count = await self._run(self.store.commit, lease.lease_id, caller.owner)
+        finally:
+            if not committing:
+                self._abort_quietly(lease.lease_id, caller.owner)
         return pb.CountResponse(count=count)
+
+    async def _allocate_for_stream(
+        self, namespace: Namespace, hashes: Sequence[bytes], header: pb.PutHeader, caller: Caller
+    ) -> WriteLease:
+        """A lease that never expires (its pages are written from this process, see
+        ``TieredStore.allocate``), aborted even when the call is cancelled mid-allocation."""
+        allocation = asyncio.get_running_loop().run_in_executor(self._executor, functools.partial(
+            self.store.allocate, namespace, hashes, None, caller.owner,
+            priority=convert.priority_from(header.priority),
+            write_policy=convert.write_policy_from(header.write_policy), expires=False,
+        ))
+        try:
+            return await asyncio.shield(allocation)
+        except asyncio.CancelledError:
+            def abort_granted(done: asyncio.Future[WriteLease]) -> None:
+                if not done.cancelled() and done.exception() is None:
+                    self._abort_quietly(done.result().lease_id, caller.owner)
+
+            allocation.add_done_callback(abort_granted)
+            raise
+
+    def _abort_quietly(self, lease_id: bytes, owner: str) -> None:
+        with contextlib.suppress(TierKVError):  # e.g. the store closed under a cancelled call
+            self.store.abort(lease_id, owner)
 
     async def Get(self, request: pb.BlocksRequest, context: Any) -> AsyncIterator[pb.GetChunk]:
         caller = await self._caller(context)

@@ -998,6 +998,39 @@ async def test_a_put_cancelled_half_way_stores_nothing(bench: Bench) -> None:
 
 
 @pytest.mark.asyncio
+async def test_a_put_cancelled_while_its_pages_are_found_leaks_no_lease(small: Served) -> None:
+    """The stream's write lease never expires, so a Put cancelled while the server is still
+    making room (here: waiting for a read lease on every page) must abort the lease it gets."""
+    stub = small.stub()
+    held = keys(8, salt="held")
+    await put(stub, held, payload(8, seed=95))
+    read = await stub.Acquire(pb.AcquireRequest(namespace=NS, hashes=held), metadata=ALICE)
+    assert read.num_blocks == 8  # every HOST page is being read: nothing can be evicted
+    hashes = keys(4, salt="late")
+    header_sent = asyncio.Event()
+    never = asyncio.Event()
+
+    async def header_then_hang() -> AsyncIterator[pb.PutChunk]:
+        yield put_chunks(NS, hashes, payload(4, seed=96), sizes=[BLOCK_BYTES])[0]
+        header_sent.set()
+        await never.wait()
+
+    call = stub.Put(header_then_hang(), metadata=ALICE)
+    await asyncio.wait_for(header_sent.wait(), 5)
+    await asyncio.sleep(0.3)  # the server is now waiting for room
+    call.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await call
+    await stub.Release(pb.LeaseRequest(lease_id=read.lease_id), metadata=ALICE)  # room appears
+    deadline = time.monotonic() + 10
+    while (await stats(stub)).num_leases and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    assert (await stats(stub)).num_leases == 0
+    assert (await lookup(stub, hashes)).num_cached == 0
+    assert tier(await stats(stub), "host").used_bytes <= 8 * BLOCK_BYTES
+
+
+@pytest.mark.asyncio
 async def test_a_put_that_stops_half_way_stores_nothing(bench: Bench) -> None:
     """The client half-closes after part of the bytes: INVALID_ARGUMENT, nothing visible."""
     hashes = keys(32, salt="stop")

@@ -19,6 +19,8 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 
 Location = int | tuple[int, ...]
+# (byte offset in a slab, length) runs of one block, in block byte order.
+BlockExtents = list[tuple[int, int]]
 
 _COUNT_BITS = 32
 _COUNT_MASK = (1 << _COUNT_BITS) - 1
@@ -43,6 +45,27 @@ def iter_extents(location: Location) -> Iterator[tuple[int, int]]:
     else:
         for extent in location:
             yield unpack_extent(extent)
+
+
+def copy_spans(
+    extents: Sequence[BlockExtents], block_indices: Sequence[int], block_bytes: int
+) -> list[tuple[int, int, int]]:
+    """``(slab offset, buffer offset, length)`` copies between a slab and a buffer of whole
+    blocks, where block ``block_indices[i]`` of the buffer lies at ``extents[i]`` of the slab;
+    adjacent runs are merged into one copy."""
+    spans: list[tuple[int, int, int]] = []
+    for block_extents, index in zip(extents, block_indices, strict=True):
+        buffer_offset = index * block_bytes
+        for slab_offset, length in block_extents:
+            if spans:
+                last_slab, last_buffer, last_length = spans[-1]
+                if last_slab + last_length == slab_offset and last_buffer + last_length == buffer_offset:
+                    spans[-1] = (last_slab, last_buffer, last_length + length)
+                    buffer_offset += length
+                    continue
+            spans.append((slab_offset, buffer_offset, length))
+            buffer_offset += length
+    return spans
 
 
 def location_num_pages(location: Location) -> int:

@@ -27,6 +27,7 @@ from tierkv.errors import (
     TierKVError,
 )
 from tierkv.keys import Namespace
+from tierkv.paging import BlockExtents, copy_spans
 from tierkv.store.presence import PresenceView
 from tierkv.wire import tierkv_pb2 as pb
 
@@ -54,9 +55,6 @@ _PRIORITIES: dict[Priority, pb.Priority] = {
     Priority.HIGH: pb.PRIORITY_HIGH,
     Priority.SESSION: pb.PRIORITY_SESSION,
 }
-
-# (slab offset, length) runs of one block.
-Extents = list[tuple[int, int]]
 
 
 @dataclass(frozen=True, slots=True)
@@ -149,28 +147,9 @@ def put_chunks(
         yield encode_put_chunk(None, data[start : start + CHUNK_BYTES])
 
 
-def extents_of(blocks: Sequence[pb.BlockExtents]) -> list[Extents]:
+def extents_of(blocks: Sequence[pb.BlockExtents]) -> list[BlockExtents]:
     """The leased extents of each block."""
     return [[(e.offset, e.length) for e in block.extents] for block in blocks]
-
-
-def copy_spans(
-    extents: Sequence[Extents], block_indices: Sequence[int], block_bytes: int
-) -> list[tuple[int, int, int]]:
-    """``(slab offset, buffer offset, length)`` copies, adjacent runs merged into one."""
-    spans: list[tuple[int, int, int]] = []
-    for block_extents, index in zip(extents, block_indices, strict=True):
-        buffer_offset = index * block_bytes
-        for slab_offset, length in block_extents:
-            if spans:
-                last_slab, last_buffer, last_length = spans[-1]
-                if last_slab + last_length == slab_offset and last_buffer + last_length == buffer_offset:
-                    spans[-1] = (last_slab, last_buffer, last_length + length)
-                    buffer_offset += length
-                    continue
-            spans.append((slab_offset, buffer_offset, length))
-            buffer_offset += length
-    return spans
 
 
 def local_host_id() -> str:

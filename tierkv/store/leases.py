@@ -20,6 +20,7 @@ Decisions:
 
 from __future__ import annotations
 
+import math
 import secrets
 import time
 from collections import OrderedDict
@@ -28,7 +29,7 @@ from dataclasses import dataclass, field
 
 from tierkv.config import Priority, Tier, WritePolicy
 from tierkv.errors import LeaseNotFoundError, LeaseStateError
-from tierkv.paging import Location, iter_extents
+from tierkv.paging import BlockExtents, Location, iter_extents
 from tierkv.store.core import StoreCore
 from tierkv.store.ledger import DOOMED, Entry, NamespaceState
 from tierkv.store.moves import Mover
@@ -38,9 +39,6 @@ from tierkv.store.writes import PutPlan, Writer
 DEFAULT_LEASE_TTL_S = 30.0
 MAX_LEASE_TTL_S = 600.0
 _NUM_REMEMBERED = 4096
-
-# (byte offset in the HOST slab, length) runs of one block, in block byte order.
-BlockExtents = list[tuple[int, int]]
 
 
 @dataclass(frozen=True, slots=True)
@@ -171,11 +169,12 @@ class Leases:
 
     def allocate(
         self, state: NamespaceState, keys: list[bytes], ttl_s: float | None, owner: str,
-        priority: Priority, policy: WritePolicy,
+        priority: Priority, policy: WritePolicy, *, expires: bool = True,
     ) -> WriteLease:
         """Reserve HOST pages for the blocks of ``keys`` that need bytes (see the module
-        docstring). Raises ``CapacityError`` when they do not fit; nothing is then reserved."""
-        ttl = _check_lease_ttl(ttl_s)
+        docstring; ``expires=False``: never reaped, see ``TieredStore.allocate``). Raises
+        ``CapacityError`` when they do not fit; nothing is then reserved."""
+        ttl = _check_lease_ttl(ttl_s) if expires else math.inf
         with self.core.lock:
             self._expire_locked()
         plan = self.writer.plan(state, keys, priority, policy, Tier.HOST)

@@ -248,16 +248,21 @@ class TieredStore(AsyncMethods):
     def allocate(
         self, namespace: Namespace, hashes: Sequence[bytes], ttl_s: float | None = None,
         owner: str = "", *, priority: Priority = Priority.NORMAL,
-        write_policy: WritePolicy | None = None,
+        write_policy: WritePolicy | None = None, expires: bool = True,
     ) -> WriteLease:
         """Reserve HOST pages for writing the blocks of ``hashes`` in place; ``commit`` (or
-        ``abort``) before the lease expires. Same errors as ``put``."""
+        ``abort``) before the lease expires. Same errors as ``put``.
+
+        ``expires=False`` is for a writer in this process that always ends the lease itself
+        (the server's stream Put aborts it in a ``finally``): such a lease is never reaped, so
+        its pages cannot be handed to another block while that writer is still copying."""
         state = self._state(namespace)
         keys = check_hashes(hashes)
         policy = write_policy or self.config.write_policy
         if policy is WritePolicy.WRITE_THROUGH and self._core.disk is None:
             raise ConfigError("allocate: write_through needs a disk tier (--disk-path)")
-        return self._leases.allocate(state, keys, ttl_s, owner, Priority(priority), policy)
+        return self._leases.allocate(state, keys, ttl_s, owner, Priority(priority), policy,
+                                     expires=expires)
 
     def commit(self, lease_id: bytes, owner: str = "") -> int:
         """Make a write lease's blocks visible at once; returns the blocks newly stored."""
@@ -349,6 +354,13 @@ class TieredStore(AsyncMethods):
     def host_shm_name(self) -> str:
         """Name of the HOST slab's shared-memory segment (for same-host clients)."""
         return self._host.shm_name
+
+    def host_slab_view(self) -> memoryview:
+        """The HOST slab's bytes, writable: what same-host clients map, for a writer in this
+        process that fills the extents of its own write lease. Release the view (``with``)
+        when done: the slab cannot be unmapped while views of it are alive."""
+        self._check_open()
+        return self._host.tensor.numpy().data
 
     @property
     def host_pinned(self) -> bool:
