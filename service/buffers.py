@@ -1,4 +1,4 @@
-"""Reused byte buffers for the stream paths.
+"""Reused byte buffers for the Get stream (a Put stream writes into lease pages instead).
 
 A fresh 64 MiB buffer per call page-faults on every first write (about 3x the cost of the copy
 itself on this kind of machine); reusing buffers keeps those pages mapped.
