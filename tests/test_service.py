@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import math
 import mmap
 import os
 import shutil
 import time
-from collections.abc import AsyncIterator, Awaitable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -789,6 +790,20 @@ BAD_TTLS = [-1.0, -1e-9, math.nan, math.inf, -math.inf, 1e300]
 
 
 @pytest.mark.asyncio
+async def test_a_lower_max_hashes_per_call_holds_for_every_lookup(tmp_path: Path) -> None:
+    """Short lookups are answered on the event loop; the limit holds there too."""
+    served = await serve(tmp_path / "store", max_hashes_per_call=16)
+    try:
+        stub = served.stub()
+        hashes = keys(17, salt="limit")
+        await put(stub, hashes[:4], payload(4, seed=97))  # the namespace is known from here on
+        assert (await lookup(stub, hashes[:16])).num_cached == 4
+        await expect(Code.INVALID_ARGUMENT, lookup(stub, hashes))
+    finally:
+        await served.close()
+
+
+@pytest.mark.asyncio
 @pytest.mark.parametrize("ttl", BAD_TTLS, ids=str)
 async def test_bad_ttls_are_invalid(bench: Bench, ttl: float) -> None:
     cases = [
@@ -1172,22 +1187,24 @@ async def test_undecodable_requests_are_invalid_argument(bench: Bench) -> None:
     }
     codes: dict[str, str] = {}
 
-    async def code(label: str, call: Awaitable[Any]) -> None:
+    async def code(label: str, start: Callable[[], Awaitable[Any]]) -> None:
+        # An aio call starts when it is made: make it inside, after the "before" stats.
         async with unchanged(bench, label):
             try:
-                await call
+                await start()
                 codes[label] = "OK"
             except grpc.aio.AioRpcError as exc:
                 codes[label] = exc.code().name
 
     for index, (rpc, raw) in enumerate(cases):
         label = f"{rpc}:{'bad-utf8' if index < 2 else 'corrupt'}"
-        await code(label, channel.unary_unary(f"/tierkv.v1.TierKV/{rpc}")(raw, metadata=ALICE))
+        unary_call = channel.unary_unary(f"/tierkv.v1.TierKV/{rpc}")
+        await code(label, functools.partial(unary_call, raw, metadata=ALICE))
     for label, messages in put_cases.items():
         put_call = channel.stream_unary("/tierkv.v1.TierKV/Put")
-        await code(label, put_call(aiter_of(messages), metadata=ALICE))
+        await code(label, functools.partial(put_call, aiter_of(messages), metadata=ALICE))
     get_call = channel.unary_stream("/tierkv.v1.TierKV/Get")
-    await code("Get:corrupt", drain(get_call(b"\xff\xff\xff\xff", metadata=ALICE)))
+    await code("Get:corrupt", lambda: drain(get_call(b"\xff\xff\xff\xff", metadata=ALICE)))
     wrong = {label: code for label, code in codes.items() if code != "INVALID_ARGUMENT"}
     assert not wrong, f"undecodable requests answered {wrong}"
 
