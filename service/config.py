@@ -35,6 +35,8 @@ class ServiceConfig:
     ``listen``: ``unix:///path`` or ``host:port`` addresses (port 0 picks a free one).
     ``tokens``: bearer token -> tenant; when empty, calls need no token and share the tenant
     ``default``. ``tls``: used by every TCP listener when set (Unix sockets stay plain).
+    ``put_idle_timeout_s``: a Put stream with no message for this long is dropped
+    (DEADLINE_EXCEEDED), so a stalled client cannot hold HOST pages it leased.
     """
 
     listen: tuple[str, ...] = DEFAULT_LISTEN
@@ -47,6 +49,7 @@ class ServiceConfig:
     max_put_bytes: int = 1024 * MiB
     max_namespaces: int = 4096
     grace_s: float = 10.0
+    put_idle_timeout_s: float = 30.0
     lease_reap_interval_s: float = 1.0
     num_workers: int = 8
 
@@ -57,6 +60,8 @@ class ServiceConfig:
             raise ConfigError("chunk_bytes must leave room for the message header under 4 MiB")
         if self.max_hashes_per_call < 1 or self.num_workers < 1:
             raise ConfigError("max_hashes_per_call and num_workers must be positive")
+        if not self.put_idle_timeout_s > 0:
+            raise ConfigError("put_idle_timeout_s must be positive")
         object.__setattr__(self, "listen", tuple(self.listen))
 
 

@@ -8,6 +8,7 @@ import grpc
 
 from tierkv.errors import (
     CapacityError,
+    DeadlineExceededError,
     InvalidArgumentError,
     LeaseNotFoundError,
     LeaseStateError,
@@ -29,6 +30,7 @@ _CODES: tuple[tuple[type[BaseException], grpc.StatusCode], ...] = (
     (SessionNotFoundError, grpc.StatusCode.NOT_FOUND),
     (LeaseStateError, grpc.StatusCode.FAILED_PRECONDITION),
     (StoreClosedError, grpc.StatusCode.UNAVAILABLE),
+    (DeadlineExceededError, grpc.StatusCode.DEADLINE_EXCEEDED),
     (ValueError, grpc.StatusCode.INVALID_ARGUMENT),
 )
 

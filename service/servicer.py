@@ -32,7 +32,7 @@ from service.stream_put import LeaseFiller
 from tierkv import codec
 from tierkv.codec import RawPutChunk
 from tierkv.config import Tier
-from tierkv.errors import CapacityError, InvalidArgumentError, TierKVError
+from tierkv.errors import CapacityError, DeadlineExceededError, InvalidArgumentError, TierKVError
 from tierkv.keys import Namespace
 from tierkv.store import TieredStore
 from tierkv.store.leases import WriteLease
@@ -258,13 +258,7 @@ class TierKVServicer(pb_grpc.TierKVServicer):
         try:
             with self.store.host_slab_view() as slab:
                 filler = LeaseFiller(slab, lease, block_bytes, total_bytes)
-                chunk: RawPutChunk | None = first
-                while chunk is not None:
-                    _check_parsed(chunk)
-                    if chunk is not first and chunk.header is not None:
-                        raise InvalidArgumentError("only the first Put message may carry a header")
-                    filler.write(chunk.data)
-                    chunk = await anext(chunks, None)
+                await self._fill(filler, first, chunks)
             if not filler.complete:
                 raise InvalidArgumentError(
                     f"got {filler.received_bytes} bytes for {len(hashes)} blocks of {block_bytes} B"
@@ -275,6 +269,29 @@ class TierKVServicer(pb_grpc.TierKVServicer):
             if not committing:
                 self._abort_quietly(lease.lease_id, caller.owner)
         return pb.CountResponse(count=count)
+
+    async def _fill(
+        self, filler: LeaseFiller, first: RawPutChunk, chunks: AsyncIterator[RawPutChunk]
+    ) -> None:
+        """Copy the stream's chunks into the lease as they come; a stream silent for
+        ``put_idle_timeout_s`` ends with ``DeadlineExceededError`` (its lease pages are HOST
+        room nobody else can use meanwhile)."""
+        idle_s = self.config.put_idle_timeout_s
+        loop = asyncio.get_running_loop()
+        chunk: RawPutChunk | None = first
+        try:
+            async with asyncio.timeout(idle_s) as idle:
+                while chunk is not None:
+                    _check_parsed(chunk)
+                    if chunk is not first and chunk.header is not None:
+                        raise InvalidArgumentError("only the first Put message may carry a header")
+                    filler.write(chunk.data)
+                    chunk = await anext(chunks, None)
+                    idle.reschedule(loop.time() + idle_s)
+        except TimeoutError:
+            raise DeadlineExceededError(
+                f"no Put message for {idle_s:g} s: the stream is dropped, nothing of it is stored"
+            ) from None
 
     async def _allocate_for_stream(
         self, namespace: Namespace, hashes: Sequence[bytes], header: pb.PutHeader, caller: Caller

@@ -13,7 +13,9 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from tierkv.cli.main import main
+from service.config import ServiceConfig
+from tierkv.cli.main import build_parser, main
+from tierkv.cli.serve_cmd import build_service_config
 
 
 def test_serve_opens_reports_ready_and_stops_cleanly_on_sigterm(tmp_path: Path) -> None:
@@ -49,6 +51,22 @@ def test_serve_opens_reports_ready_and_stops_cleanly_on_sigterm(tmp_path: Path) 
 def test_serve_rejects_bad_sizes_with_the_flag_name(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["serve", "--host-bytes", "lots", "--no-disk"]) == 2
     assert "--host-bytes" in capsys.readouterr().err
+
+
+def test_serve_flags_and_their_environment_variables_reach_the_service_config(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    def service_config(*flags: str) -> ServiceConfig:
+        args = build_parser().parse_args(["serve", "--listen", "127.0.0.1:0", *flags])
+        config: ServiceConfig = build_service_config(args)
+        return config
+
+    assert service_config().put_idle_timeout_s == 30
+    assert service_config("--put-idle-timeout-s", "2.5").put_idle_timeout_s == 2.5
+    monkeypatch.setenv("TIERKV_PUT_IDLE_TIMEOUT_S", "7")
+    assert service_config().put_idle_timeout_s == 7
+    assert service_config("--hash-seed", "42").hash_seed == "42"
+    assert main(["serve", "--listen", "127.0.0.1:0", "--no-disk", "--put-idle-timeout-s", "0"]) == 2
 
 
 def test_bench_store_writes_json_and_a_plot(tmp_path: Path) -> None:

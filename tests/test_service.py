@@ -1046,6 +1046,43 @@ async def test_a_put_cancelled_while_its_pages_are_found_leaks_no_lease(small: S
 
 
 @pytest.mark.asyncio
+async def test_a_put_that_stalls_is_dropped_and_gives_its_pages_back(tmp_path: Path) -> None:
+    """A client that stops sending without ending the stream must not hold leased HOST pages:
+    after ``put_idle_timeout_s`` the call ends DEADLINE_EXCEEDED and nothing is stored."""
+    served = await serve(tmp_path / "store", put_idle_timeout_s=0.5)
+    never = asyncio.Event()
+    hashes = keys(8, salt="stall")
+
+    async def half_then_stall() -> AsyncIterator[pb.PutChunk]:
+        chunks = put_chunks(NS, hashes, payload(8, seed=98), sizes=[BLOCK_BYTES * 2])
+        for chunk in chunks[:2]:
+            yield chunk
+        await never.wait()
+
+    try:
+        stub = served.stub()
+        before = await stats(stub)
+        started = time.monotonic()
+        error = await expect(Code.DEADLINE_EXCEEDED, stub.Put(half_then_stall(), metadata=ALICE))
+        assert 0.4 < time.monotonic() - started < 10, "dropped after the idle timeout"
+        assert "nothing of it is stored" in (error.details() or "")
+        assert (await lookup(stub, hashes)).num_cached == 0
+        after = await stats(stub)
+        assert after.num_leases == 0
+        assert tier(after, "host").used_bytes == tier(before, "host").used_bytes
+        # A stream that keeps sending, however slowly, is not cut off.
+        async def slow() -> AsyncIterator[pb.PutChunk]:
+            for chunk in put_chunks(NS, hashes, payload(8, seed=98), sizes=[BLOCK_BYTES]):
+                await asyncio.sleep(0.1)
+                yield chunk
+
+        assert (await stub.Put(slow(), metadata=ALICE)).count == 8
+    finally:
+        never.set()
+        await served.close()
+
+
+@pytest.mark.asyncio
 async def test_a_put_that_stops_half_way_stores_nothing(bench: Bench) -> None:
     """The client half-closes after part of the bytes: INVALID_ARGUMENT, nothing visible."""
     hashes = keys(32, salt="stop")

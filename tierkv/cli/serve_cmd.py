@@ -72,6 +72,8 @@ def register(subparsers: Any) -> None:
     add("--tokens-file", help="'<token> <tenant>' lines; every call must then carry a token")
     add("--tls-cert", help="PEM certificate chain for the TCP listeners")
     add("--tls-key", help="PEM private key for the TCP listeners")
+    add("--put-idle-timeout-s", "30", type=float,
+        help="drop a Put stream that sends nothing for this long (its leased pages come back)")
     add("--stats-interval-s", "60", type=float, help="log tier stats this often (0: never)")
     add("--log-level", "INFO")
     parser.set_defaults(func=run)
@@ -117,7 +119,8 @@ def build_service_config(args: argparse.Namespace) -> Any:
     for address in listen:
         if address.startswith("unix://"):
             _remove_stale_socket(Path(address.removeprefix("unix://")))
-    return ServiceConfig(listen=tuple(listen), tokens=tokens, tls=tls, hash_seed=args.hash_seed)
+    return ServiceConfig(listen=tuple(listen), tokens=tokens, tls=tls, hash_seed=args.hash_seed,
+                         put_idle_timeout_s=args.put_idle_timeout_s)
 
 
 def _remove_stale_socket(path: Path) -> None:
