@@ -298,7 +298,7 @@ class TierKVServicer(pb_grpc.TierKVServicer):
     ) -> WriteLease:
         """A lease that never expires (its pages are written from this process, see
         ``TieredStore.allocate``), aborted even when the call is cancelled mid-allocation."""
-        allocation = asyncio.get_running_loop().run_in_executor(self._executor, functools.partial(
+        allocation = asyncio.ensure_future(self._run(
             self.store.allocate, namespace, hashes, None, caller.owner,
             priority=convert.priority_from(header.priority),
             write_policy=convert.write_policy_from(header.write_policy), expires=False,
