@@ -20,7 +20,6 @@ from tierkv.errors import InvalidArgumentError, ServiceUnavailableError
 from tierkv.keys import Namespace
 from tierkv.store.validation import check_out
 from tierkv.wire import tierkv_pb2 as pb
-from tierkv.wire import tierkv_pb2_grpc as pb_grpc
 
 R = TypeVar("R")
 
@@ -30,18 +29,8 @@ class AsyncClient(base.ClientBase):
 
     def __init__(self, target: str = base.DEFAULT_TARGET, **settings: Any) -> None:
         super().__init__(target, settings)
-        if self.settings.root_certificates is not None:
-            credentials = grpc.ssl_channel_credentials(self.settings.root_certificates)
-            self._channel = grpc.aio.secure_channel(target, credentials,
-                                                    self.settings.channel_options)
-        else:
-            self._channel = grpc.aio.insecure_channel(target, self.settings.channel_options)
-        self._stub = pb_grpc.TierKVStub(self._channel)  # type: ignore[no-untyped-call]
-        # Put streams pre-serialized chunks (no protobuf copy of the bulk bytes).
-        self._put_stream = self._channel.stream_unary(
-            base.PUT_METHOD, request_serializer=None,
-            response_deserializer=pb.CountResponse.FromString,
-        )
+        self._channel, self._stub, self._put_stream = base.open_channel(grpc.aio, target,
+                                                                         self.settings)
 
     async def __aenter__(self) -> AsyncClient:
         return self

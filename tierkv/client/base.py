@@ -10,6 +10,7 @@ import secrets
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import grpc
 import torch
@@ -30,6 +31,7 @@ from tierkv.keys import Namespace
 from tierkv.paging import BlockExtents, copy_spans
 from tierkv.store.presence import PresenceView
 from tierkv.wire import tierkv_pb2 as pb
+from tierkv.wire import tierkv_pb2_grpc as pb_grpc
 
 DEFAULT_TARGET = "unix:///tmp/tierkv.sock"
 CHUNK_BYTES = 1024 * 1024
@@ -131,6 +133,22 @@ def block_bytes_of(blocks: torch.Tensor, namespace: Namespace) -> torch.Tensor:
 
 
 PUT_METHOD = "/tierkv.v1.TierKV/Put"
+
+
+def open_channel(channels: Any, target: str, settings: ClientSettings) -> tuple[Any, Any, Any]:
+    """``(channel, stub, put stream)`` to ``target``; ``channels`` is the ``grpc`` or the
+    ``grpc.aio`` module (the same factories). TLS when ``settings`` has root certificates."""
+    if settings.root_certificates is not None:
+        credentials = grpc.ssl_channel_credentials(settings.root_certificates)
+        channel = channels.secure_channel(target, credentials, settings.channel_options)
+    else:
+        channel = channels.insecure_channel(target, settings.channel_options)
+    stub = pb_grpc.TierKVStub(channel)  # type: ignore[no-untyped-call]
+    # Put streams pre-serialized chunks (no protobuf copy of the bulk bytes).
+    put_stream = channel.stream_unary(
+        PUT_METHOD, request_serializer=None, response_deserializer=pb.CountResponse.FromString
+    )
+    return channel, stub, put_stream
 
 
 def put_chunks(

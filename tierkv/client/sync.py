@@ -23,7 +23,6 @@ from tierkv.errors import InvalidArgumentError, ServiceUnavailableError
 from tierkv.keys import Namespace
 from tierkv.store.validation import check_out
 from tierkv.wire import tierkv_pb2 as pb
-from tierkv.wire import tierkv_pb2_grpc as pb_grpc
 
 R = TypeVar("R")
 
@@ -33,17 +32,8 @@ class Client(base.ClientBase):
 
     def __init__(self, target: str = base.DEFAULT_TARGET, **settings: Any) -> None:
         super().__init__(target, settings)
-        if self.settings.root_certificates is not None:
-            credentials = grpc.ssl_channel_credentials(self.settings.root_certificates)
-            self._channel = grpc.secure_channel(target, credentials, self.settings.channel_options)
-        else:
-            self._channel = grpc.insecure_channel(target, self.settings.channel_options)
-        self._stub = pb_grpc.TierKVStub(self._channel)  # type: ignore[no-untyped-call]
-        # Put streams pre-serialized chunks (no protobuf copy of the bulk bytes).
-        self._put_stream = self._channel.stream_unary(
-            base.PUT_METHOD, request_serializer=None,
-            response_deserializer=pb.CountResponse.FromString,
-        )
+        self._channel, self._stub, self._put_stream = base.open_channel(grpc, target,
+                                                                         self.settings)
 
     def __enter__(self) -> Client:
         return self
