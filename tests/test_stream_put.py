@@ -13,6 +13,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from service_fixtures import split
 
 from conftest import BLOCK_BYTES, StoreFactory, blocks, keys, same_bytes
 from service.stream_put import LeaseFiller
@@ -31,16 +32,12 @@ def fragment(store: TieredStore, namespace: Namespace) -> None:
 def stream(store: TieredStore, namespace: Namespace, hashes: list[bytes], data: torch.Tensor,
            chunk_sizes: list[int]) -> int:
     """Allocate, feed ``data`` in chunks of ``chunk_sizes`` (cycled), commit."""
-    raw = memoryview(data.contiguous().view(torch.uint8).reshape(-1).numpy().tobytes())
+    raw = data.contiguous().view(torch.uint8).reshape(-1).numpy().tobytes()
     lease = store.allocate(namespace, hashes, expires=False)
     with store.host_slab_view() as slab:
         filler = LeaseFiller(slab, lease, BLOCK_BYTES, len(raw))
-        start = index = 0
-        while start < len(raw):
-            size = chunk_sizes[index % len(chunk_sizes)]
-            filler.write(raw[start : start + size])
-            start += size
-            index += 1
+        for piece in split(raw, chunk_sizes):
+            filler.write(memoryview(piece))
         assert filler.complete
     return store.commit(lease.lease_id)
 
