@@ -186,6 +186,16 @@ async def serve(
     return Served(server, store, port, socket_dir)
 
 
+@contextlib.asynccontextmanager
+async def serving(root: Path, **serve_args: Any) -> AsyncIterator[Served]:
+    """``serve`` for ``async with``: the server is closed at the end."""
+    handle = await serve(root, **serve_args)
+    try:
+        yield handle
+    finally:
+        await handle.close()
+
+
 async def get_blocks(
     stub: pb_grpc.TierKVStub, namespace: pb.Namespace, hashes: list[bytes],
     metadata: Any = ALICE,

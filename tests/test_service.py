@@ -46,6 +46,7 @@ from service_fixtures import (
     put_chunks,
     request_for,
     serve,
+    serving,
     short_socket_dir,
     store_config,
     wire_namespace,
@@ -69,32 +70,23 @@ NS = wire_namespace()
 @pytest_asyncio.fixture
 async def served(tmp_path: Path) -> AsyncIterator[Served]:
     """A server with 64 tiny blocks of HOST and 1024 of disk; tokens for alice and bob."""
-    handle = await serve(tmp_path / "store")
-    try:
+    async with serving(tmp_path / "store")as handle:
         yield handle
-    finally:
-        await handle.close()
 
 
 @pytest_asyncio.fixture
 async def small(tmp_path: Path) -> AsyncIterator[Served]:
     """A server with only 8 tiny blocks of HOST (eviction to disk is easy to cause)."""
-    handle = await serve(tmp_path / "store", host_blocks=8)
-    try:
+    async with serving(tmp_path / "store", host_blocks=8)as handle:
         yield handle
-    finally:
-        await handle.close()
 
 
 @pytest_asyncio.fixture
 async def big(tmp_path: Path) -> AsyncIterator[Served]:
     """A server with 8 MiB of HOST in 64 KiB pages and 32 MiB of disk (64 KiB blocks)."""
-    handle = await serve(tmp_path / "store", host_bytes=8 * MiB, page_bytes=64 * 1024,
-                         disk_bytes=32 * MiB)
-    try:
+    async with serving(tmp_path / "store", host_bytes=8 * MiB, page_bytes=64 * 1024,
+                         disk_bytes=32 * MiB)as handle:
         yield handle
-    finally:
-        await handle.close()
 
 
 async def put(stub: pb_grpc.TierKVStub, hashes: list[bytes], data: bytes,
@@ -792,15 +784,12 @@ BAD_TTLS = [-1.0, -1e-9, math.nan, math.inf, -math.inf, 1e300]
 @pytest.mark.asyncio
 async def test_a_lower_max_hashes_per_call_holds_for_every_lookup(tmp_path: Path) -> None:
     """Short lookups are answered on the event loop; the limit holds there too."""
-    served = await serve(tmp_path / "store", max_hashes_per_call=16)
-    try:
+    async with serving(tmp_path / "store", max_hashes_per_call=16) as served:
         stub = served.stub()
         hashes = keys(17, salt="limit")
         await put(stub, hashes[:4], payload(4, seed=97))  # the namespace is known from here on
         assert (await lookup(stub, hashes[:16])).num_cached == 4
         await expect(Code.INVALID_ARGUMENT, lookup(stub, hashes))
-    finally:
-        await served.close()
 
 
 @pytest.mark.asyncio
@@ -1049,7 +1038,6 @@ async def test_a_put_cancelled_while_its_pages_are_found_leaks_no_lease(small: S
 async def test_a_put_that_stalls_is_dropped_and_gives_its_pages_back(tmp_path: Path) -> None:
     """A client that stops sending without ending the stream must not hold leased HOST pages:
     after ``put_idle_timeout_s`` the call ends DEADLINE_EXCEEDED and nothing is stored."""
-    served = await serve(tmp_path / "store", put_idle_timeout_s=0.5)
     never = asyncio.Event()
     hashes = keys(8, salt="stall")
 
@@ -1059,11 +1047,12 @@ async def test_a_put_that_stalls_is_dropped_and_gives_its_pages_back(tmp_path: P
             yield chunk
         await never.wait()
 
-    try:
+    async with serving(tmp_path / "store", put_idle_timeout_s=0.5) as served:
         stub = served.stub()
         before = await stats(stub)
         started = time.monotonic()
         error = await expect(Code.DEADLINE_EXCEEDED, stub.Put(half_then_stall(), metadata=ALICE))
+        never.set()  # the stalled request stream may end now
         assert 0.4 < time.monotonic() - started < 10, "dropped after the idle timeout"
         assert "nothing of it is stored" in (error.details() or "")
         assert (await lookup(stub, hashes)).num_cached == 0
@@ -1077,9 +1066,6 @@ async def test_a_put_that_stalls_is_dropped_and_gives_its_pages_back(tmp_path: P
                 yield chunk
 
         assert (await stub.Put(slow(), metadata=ALICE)).count == 8
-    finally:
-        never.set()
-        await served.close()
 
 
 @pytest.mark.asyncio
@@ -1252,12 +1238,9 @@ async def test_undecodable_requests_are_invalid_argument(bench: Bench) -> None:
 @pytest_asyncio.fixture
 async def roomy(tmp_path: Path) -> AsyncIterator[Served]:
     """64 MiB of HOST in 256 KiB pages and 128 MiB of disk: blocks of up to 32 MiB fit."""
-    handle = await serve(tmp_path / "store", host_bytes=64 * MiB, page_bytes=256 * 1024,
-                         disk_bytes=128 * MiB)
-    try:
+    async with serving(tmp_path / "store", host_bytes=64 * MiB, page_bytes=256 * 1024,
+                         disk_bytes=128 * MiB)as handle:
         yield handle
-    finally:
-        await handle.close()
 
 
 @pytest.mark.asyncio
@@ -1350,8 +1333,7 @@ async def test_stop_lets_an_in_flight_put_finish_then_flushes_and_closes(tmp_pat
 
 @pytest.mark.asyncio
 async def test_without_tokens_every_caller_shares_the_default_tenant(tmp_path: Path) -> None:
-    handle = await serve(tmp_path / "store", tokens={})
-    try:
+    async with serving(tmp_path / "store", tokens={}) as handle:
         stub = handle.stub()
         hashes = keys(2, salt="open")
         assert await put(stub, hashes, payload(2), metadata=()) == 2
@@ -1361,14 +1343,11 @@ async def test_without_tokens_every_caller_shares_the_default_tenant(tmp_path: P
         handle.store.register(Namespace("test-model", TINY_LAYOUT, tenant="default"))
         assert handle.store.lookup(Namespace("test-model", TINY_LAYOUT, tenant="default"),
                                    hashes) == 2
-    finally:
-        await handle.close()
 
 
 @pytest.mark.asyncio
 async def test_expired_leases_are_reaped_without_any_call(tmp_path: Path) -> None:
-    handle = await serve(tmp_path / "store", lease_reap_interval_s=0.1)
-    try:
+    async with serving(tmp_path / "store", lease_reap_interval_s=0.1) as handle:
         stub = handle.stub()
         hashes = keys(4, salt="reap")
         await stub.Allocate(pb.AllocateRequest(namespace=NS, hashes=hashes, lease_ttl_s=0.2),
@@ -1379,14 +1358,11 @@ async def test_expired_leases_are_reaped_without_any_call(tmp_path: Path) -> Non
         after = await stats(stub)  # Stats itself reaps nothing
         assert after.num_leases == 0
         assert tier(after, "host").used_bytes == 0
-    finally:
-        await handle.close()
 
 
 @pytest.mark.asyncio
 async def test_a_put_over_max_put_bytes_is_refused_before_its_bytes(tmp_path: Path) -> None:
-    handle = await serve(tmp_path / "store", max_put_bytes=16 * BLOCK_BYTES)
-    try:
+    async with serving(tmp_path / "store", max_put_bytes=16 * BLOCK_BYTES) as handle:
         stub = handle.stub()
         hashes = keys(17, salt="too-big")
         never = asyncio.Event()
@@ -1404,8 +1380,6 @@ async def test_a_put_over_max_put_bytes_is_refused_before_its_bytes(tmp_path: Pa
         )
         assert (await lookup(stub, hashes)).num_cached == 0
         assert await put(stub, hashes[:16], payload(16)) == 16
-    finally:
-        await handle.close()
 
 
 @pytest.mark.asyncio
