@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import tempfile
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 from tqdm import tqdm
 
-from tierkv.bench.report import format_table, save_json, save_plot
+from tierkv.bench.report import Row, format_table, save_json, save_plot
 
 
 def register(subparsers: Any) -> None:
@@ -47,6 +49,29 @@ def _add_common(parser: argparse.ArgumentParser, name: str, groups: list[str],
                         default=None, help="also write a PNG bar chart")
 
 
+@contextlib.contextmanager
+def _progress(total: int, desc: str) -> Iterator[Callable[[str], None]]:
+    """A progress callback: each call is one step, its message the bar's postfix."""
+    with tqdm(total=total, desc=desc, unit="step") as bar:
+        def progress(message: str) -> None:
+            bar.set_postfix_str(message)
+            bar.update(1)
+
+        yield progress
+
+
+def _report(rows: list[Row], args: argparse.Namespace, extra: dict[str, Any],
+            title: str | None) -> int:
+    """Print the table, write the JSON (and, with ``--plot``, the chart titled ``title``)."""
+    print(format_table(rows))
+    save_json(rows, args.json, extra)
+    print(f"wrote {args.json}")
+    if title is not None and args.plot is not None:
+        save_plot(rows, args.plot, title)
+        print(f"wrote {args.plot}")
+    return 0
+
+
 def run_gpu(args: argparse.Namespace) -> int:
     """Run ``bench gpu`` (needs CUDA)."""
     import torch
@@ -57,10 +82,8 @@ def run_gpu(args: argparse.Namespace) -> int:
     if not torch.cuda.is_available():
         raise ConfigError("bench gpu: CUDA is not available on this machine")
     rows = bench_gpu(args.repeats, lambda message: print(message, flush=True))
-    print(format_table(rows))
-    save_json(rows, args.json, {"repeats": args.repeats, "device": torch.cuda.get_device_name()})
-    print(f"wrote {args.json}")
-    return 0
+    return _report(rows, args, {"repeats": args.repeats, "device": torch.cuda.get_device_name()},
+                   None)
 
 
 def run_store(args: argparse.Namespace) -> int:
@@ -72,21 +95,10 @@ def run_store(args: argparse.Namespace) -> int:
         if args.quick:
             cfg = StoreBenchConfig(Path(work), num_batches=2, num_disk_batches=2,
                                    repeats=min(args.repeats, 3), index_blocks=100_000)
-        total = 4 * cfg.repeats + 9
-        with tqdm(total=total, desc="bench store", unit="step") as bar:
-            def progress(message: str) -> None:
-                bar.set_postfix_str(message)
-                bar.update(1)
-
+        with _progress(4 * cfg.repeats + 9, "bench store") as progress:
             rows = run_store_bench(cfg, args.only, progress)
-    print(format_table(rows))
     extra = {"repeats": cfg.repeats, "batch_blocks": cfg.batch_blocks, "quick": args.quick}
-    save_json(rows, args.json, extra)
-    print(f"wrote {args.json}")
-    if args.plot is not None:
-        save_plot(rows, args.plot, "tierkv bench store")
-        print(f"wrote {args.plot}")
-    return 0
+    return _report(rows, args, extra, "tierkv bench store")
 
 
 def run_service(args: argparse.Namespace) -> int:
@@ -100,18 +112,8 @@ def run_service(args: argparse.Namespace) -> int:
             cfg = ServiceBenchConfig(Path(work), num_batches=2, num_stream_batches=1,
                                      repeats=min(args.repeats, 3), lookup_calls=50,
                                      small_calls=500)
-        with tqdm(total=num_steps(cfg, args.only), desc="bench service", unit="step") as bar:
-            def progress(message: str) -> None:
-                bar.set_postfix_str(message)
-                bar.update(1)
-
+        with _progress(num_steps(cfg, args.only), "bench service") as progress:
             rows = run_service_bench(cfg, args.only, progress)
-    print(format_table(rows))
     extra = {"repeats": cfg.repeats, "batch_blocks": cfg.batch_blocks, "quick": args.quick,
              "redis_parser": redis_parser()}
-    save_json(rows, args.json, extra)
-    print(f"wrote {args.json}")
-    if args.plot is not None:
-        save_plot(rows, args.plot, "tierkv bench service")
-        print(f"wrote {args.plot}")
-    return 0
+    return _report(rows, args, extra, "tierkv bench service")
