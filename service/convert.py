@@ -67,8 +67,8 @@ def ttl_from(value: float) -> float | None:
     return None if value == 0 else value
 
 
-def lease_to(lease: ReadLease | WriteLease) -> pb.LeaseResponse:
-    """The wire form of a lease."""
+def lease_to(lease: ReadLease | WriteLease, slab_id: bytes) -> pb.LeaseResponse:
+    """The wire form of a lease in the slab ``slab_id``."""
     def blocks(items: list[BlockExtents]) -> list[pb.BlockExtents]:
         return [
             pb.BlockExtents(extents=[pb.Extent(offset=o, length=n) for o, n in extents])
@@ -78,10 +78,11 @@ def lease_to(lease: ReadLease | WriteLease) -> pb.LeaseResponse:
     if isinstance(lease, ReadLease):
         return pb.LeaseResponse(lease_id=lease.lease_id, num_blocks=len(lease.blocks),
                                 blocks=blocks(lease.blocks), expires_in_s=lease.expires_in_s,
-                                num_cached=lease.num_cached)
+                                num_cached=lease.num_cached, slab_id=slab_id,
+                                checksums=lease.checksums)
     return pb.LeaseResponse(lease_id=lease.lease_id, num_blocks=len(lease.write_indices),
                             blocks=blocks(lease.blocks), write_indices=lease.write_indices,
-                            expires_in_s=lease.expires_in_s)
+                            expires_in_s=lease.expires_in_s, slab_id=slab_id)
 
 
 def stats_to(stats: StoreStats, num_leases: int) -> pb.StatsResponse:

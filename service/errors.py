@@ -9,10 +9,12 @@ import grpc
 from tierkv.errors import (
     CapacityError,
     DeadlineExceededError,
+    IntegrityError,
     InvalidArgumentError,
     LeaseNotFoundError,
     LeaseStateError,
     SessionNotFoundError,
+    StaleSlabError,
     StoreClosedError,
     TierKVError,
 )
@@ -31,6 +33,8 @@ _CODES: tuple[tuple[type[BaseException], grpc.StatusCode], ...] = (
     (LeaseStateError, grpc.StatusCode.FAILED_PRECONDITION),
     (StoreClosedError, grpc.StatusCode.UNAVAILABLE),
     (DeadlineExceededError, grpc.StatusCode.DEADLINE_EXCEEDED),
+    (StaleSlabError, grpc.StatusCode.ABORTED),
+    (IntegrityError, grpc.StatusCode.DATA_LOSS),
     (ValueError, grpc.StatusCode.INVALID_ARGUMENT),
 )
 

@@ -56,6 +56,7 @@ class Caller:
 
     tenant: str
     owner: str
+    client_id: str = ""
 
 
 def _host_id() -> str:
@@ -90,18 +91,47 @@ def _check_parsed(message: Any) -> None:
         raise InvalidArgumentError(f"malformed request: {message.reason}")
 
 
+class CallRefusedError(Exception):
+    """A call refused before it reaches the store (credentials, recovery): its status."""
+
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+_REFUSALS = (CallRefusedError, TierKVError, ValueError)
+
+
+def _status_of_refusal(exc: BaseException) -> tuple[grpc.StatusCode, str]:
+    return (exc.code, str(exc)) if isinstance(exc, CallRefusedError) else status_of(exc)
+
+
+def _end(context: grpc.aio.ServicerContext, status: tuple[grpc.StatusCode, str]) -> None:
+    """End a refused call with ``status``.
+
+    Not ``context.abort``: grpc keeps the AbortError that abort raises in a reference cycle
+    with the handler's frame, so every refused request (a Put's chunks, 65,536 hashes) would
+    live until the cyclic collector ran (1,500 refused Puts grew a server by 390 MiB). Callers
+    take the status inside their ``except`` block and call this after it, so that no exception
+    (whose traceback holds the handler's frames) outlives the block either.
+    """
+    context.set_code(status[0])
+    context.set_details(status[1])
+
+
 def unary(fn: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[Any]]:
     """Wrap a unary (or stream-in) handler: authenticate, then map tierkv errors to codes."""
 
     @functools.wraps(fn)
     async def handler(self: TierKVServicer, request: Any, context: grpc.aio.ServicerContext) -> Any:
-        caller = await self._caller(context)
         try:
+            caller = await self._caller(context)
             _check_parsed(request)
             return await fn(self, request, context, caller)
-        except (TierKVError, ValueError) as exc:
-            code, message = status_of(exc)
-            await context.abort(code, message)
+        except _REFUSALS as exc:
+            status = _status_of_refusal(exc)
+        _end(context, status)
+        return None
 
     return handler
 
@@ -137,11 +167,11 @@ class TierKVServicer(pb_grpc.TierKVServicer):
         metadata = context.invocation_metadata()
         tenant = self._auth.tenant_of(metadata)
         if tenant is None:
-            await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or unknown bearer token")
+            raise CallRefusedError(grpc.StatusCode.UNAUTHENTICATED, "missing or unknown bearer token")
         if self._store is None:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "the store is still recovering")
-        assert tenant is not None
-        return Caller(tenant, f"{tenant}/{client_id_of(metadata)}")
+            raise CallRefusedError(grpc.StatusCode.UNAVAILABLE, "the store is still recovering")
+        client_id = client_id_of(metadata)
+        return Caller(tenant, f"{tenant}/{client_id}", client_id)
 
     async def _run(self, fn: Callable[..., R], *args: Any, **kwargs: Any) -> R:
         loop = asyncio.get_running_loop()
@@ -152,27 +182,74 @@ class TierKVServicer(pb_grpc.TierKVServicer):
         return spec.SerializeToString(deterministic=True), caller.tenant
 
     def _known_namespace(self, spec: pb.Namespace, caller: Caller) -> Namespace | None:
-        """The namespace of ``spec`` for this caller, if it was registered through here."""
-        return self._known.get(self._known_key(spec, caller))
+        """The namespace of ``spec`` for this caller, if it was registered through here and is
+        still registered."""
+        namespace = self._known.get(self._known_key(spec, caller))
+        return namespace if namespace is not None and self.store.is_registered(namespace) else None
 
-    def _namespace(self, spec: pb.Namespace, caller: Caller) -> Namespace:
+    def _remember(self, spec: pb.Namespace, caller: Caller, namespace: Namespace) -> None:
+        if len(self._known) < _MAX_KNOWN_NAMESPACES:
+            self._known[self._known_key(spec, caller)] = namespace
+
+    def _existing_namespace(self, spec: pb.Namespace, caller: Caller) -> Namespace | None:
+        """The namespace of ``spec`` for this caller if it is registered, else None: read-only
+        calls answer a miss for it and never register one (a lookup must not create state)."""
         namespace = self._known_namespace(spec, caller)
         if namespace is None:
             namespace = codec.namespace_from_wire(spec, caller.tenant)
             if not self.store.is_registered(namespace):
-                # Every namespace is stored for good: a client must not create them unbounded.
-                if self.store.stats().num_namespaces >= self.config.max_namespaces:
-                    raise CapacityError(
-                        f"the server holds {self.config.max_namespaces} namespaces already"
-                    )
-                self.store.register(namespace)
-            if len(self._known) < _MAX_KNOWN_NAMESPACES:
-                self._known[self._known_key(spec, caller)] = namespace
+                return None
+            self._remember(spec, caller, namespace)
         return namespace
+
+    def _namespace(self, spec: pb.Namespace, caller: Caller) -> Namespace:
+        """The namespace of ``spec`` for this caller, registered if it was not."""
+        namespace = self._known_namespace(spec, caller)
+        if namespace is None:
+            namespace = codec.namespace_from_wire(spec, caller.tenant)
+            if not self.store.is_registered(namespace):
+                self._make_room_for_namespace(caller.tenant)
+                self.store.register(namespace)
+            self._remember(spec, caller, namespace)
+        return namespace
+
+    def _make_room_for_namespace(self, tenant: str) -> None:
+        """Namespaces are stored until they are empty: a tenant at its share (or a server at
+        its limit) first loses its namespaces that hold nothing; ``CapacityError`` if that
+        leaves no room."""
+        store, config = self.store, self.config
+        if store.num_namespaces(tenant) >= config.max_namespaces_per_tenant:
+            self._forget(store.prune_namespaces(tenant))
+            if store.num_namespaces(tenant) >= config.max_namespaces_per_tenant:
+                raise CapacityError(
+                    f"tenant {tenant!r} holds {config.max_namespaces_per_tenant} namespaces with "
+                    "blocks or sessions already (--max-namespaces-per-tenant); delete some"
+                )
+        if store.num_namespaces() >= config.max_namespaces:
+            self._forget(store.prune_namespaces())
+            if store.num_namespaces() >= config.max_namespaces:
+                raise CapacityError(
+                    f"the server holds {config.max_namespaces} namespaces with blocks or "
+                    "sessions already"
+                )
+
+    def _forget(self, removed: Sequence[Namespace]) -> None:
+        """Drop removed namespaces from the cache of known ones."""
+        gone = {namespace.id for namespace in removed}
+        if gone:
+            for key, namespace in list(self._known.items()):  # a copy: other threads add
+                if namespace.id in gone:
+                    self._known.pop(key, None)
 
     def _blocks(self, request: Any, caller: Caller) -> tuple[Namespace, Sequence[bytes]]:
         namespace = self._namespace(request.namespace, caller)
         return namespace, convert.hashes_from(request.hashes, self.config.max_hashes_per_call)
+
+    def _read_blocks(self, request: Any, caller: Caller
+                     ) -> tuple[Namespace | None, Sequence[bytes]]:
+        """``_blocks`` for read-only calls: the namespace is None when it is not registered."""
+        hashes = convert.hashes_from(request.hashes, self.config.max_hashes_per_call)
+        return self._existing_namespace(request.namespace, caller), hashes
 
     # --- control --------------------------------------------------------------------------
 
@@ -187,6 +264,7 @@ class TierKVServicer(pb_grpc.TierKVServicer):
             max_hashes_per_call=self.config.max_hashes_per_call,
             max_chunk_bytes=self.config.chunk_bytes, hash_seed=self.config.hash_seed,
             presence_shm_name=presence_name, presence_key=presence_key,
+            slab_id=store.host_slab_id, client_lock_prefix=store.client_lock_prefix,
         )
 
     @unary
@@ -200,7 +278,7 @@ class TierKVServicer(pb_grpc.TierKVServicer):
         return await self._run(self._lookup, request, caller)
 
     def _lookup(self, request: pb.LookupRequest, caller: Caller) -> pb.LookupResponse:
-        namespace = self._namespace(request.namespace, caller)
+        namespace = self._existing_namespace(request.namespace, caller)
         # The store checks the hashes' lengths (``_blocks`` would do it twice) and takes the
         # repeated field as it is: a list of it would cost a pass.
         hashes = convert.hashes_within(request.hashes, self.config.max_hashes_per_call)
@@ -208,6 +286,8 @@ class TierKVServicer(pb_grpc.TierKVServicer):
         num_pinned = 0
         if request.pin_ttl_s:
             check_ttl(request.pin_ttl_s)  # refuse bad input before the prefetch moves anything
+        if namespace is None:
+            return pb.LookupResponse()  # nothing stored under it: a miss
         if request.prefetch:
             store.prefetch(namespace, hashes, Tier.HOST).result()
         if request.pin_ttl_s:
@@ -217,18 +297,24 @@ class TierKVServicer(pb_grpc.TierKVServicer):
 
     @unary
     async def Pin(self, request: pb.PinRequest, context: Any, caller: Caller) -> Any:
-        namespace, hashes = await self._run(self._blocks, request, caller)
-        count = await self._run(self.store.pin, namespace, hashes, convert.ttl_from(request.ttl_s))
-        return pb.CountResponse(count=count)
+        ttl_s = convert.ttl_from(request.ttl_s)
+        namespace, hashes = await self._run(self._read_blocks, request, caller)
+        if namespace is None:
+            return pb.CountResponse(count=0)
+        return pb.CountResponse(count=await self._run(self.store.pin, namespace, hashes, ttl_s))
 
     @unary
     async def Unpin(self, request: pb.BlocksRequest, context: Any, caller: Caller) -> Any:
-        namespace, hashes = await self._run(self._blocks, request, caller)
+        namespace, hashes = await self._run(self._read_blocks, request, caller)
+        if namespace is None:
+            return pb.CountResponse(count=0)
         return pb.CountResponse(count=await self._run(self.store.unpin, namespace, hashes))
 
     @unary
     async def Delete(self, request: pb.BlocksRequest, context: Any, caller: Caller) -> Any:
-        namespace, hashes = await self._run(self._blocks, request, caller)
+        namespace, hashes = await self._run(self._read_blocks, request, caller)
+        if namespace is None:
+            return pb.CountResponse(count=0)
         return pb.CountResponse(count=await self._run(self.store.delete, namespace, hashes))
 
     @unary
@@ -241,7 +327,7 @@ class TierKVServicer(pb_grpc.TierKVServicer):
     @unary
     async def Put(self, request_iterator: Any, context: Any, caller: Caller) -> Any:
         chunks = aiter(request_iterator)
-        first = await anext(chunks, None)
+        first = await self._first_message(chunks)
         _check_parsed(first)
         if first is None or first.header is None:
             raise InvalidArgumentError("the first Put message must carry the header")
@@ -269,6 +355,18 @@ class TierKVServicer(pb_grpc.TierKVServicer):
             if not committing:
                 self._abort_quietly(lease.lease_id, caller.owner)
         return pb.CountResponse(count=count)
+
+    async def _first_message(self, chunks: AsyncIterator[RawPutChunk]) -> RawPutChunk | None:
+        """The stream's first message, under the same idle timeout as the rest: a stream that
+        never sends anything must not hold a call (and its task) for good."""
+        idle_s = self.config.put_idle_timeout_s
+        try:
+            async with asyncio.timeout(idle_s):
+                return await anext(chunks, None)
+        except TimeoutError:
+            raise DeadlineExceededError(
+                f"no Put message for {idle_s:g} s: the stream is dropped, nothing of it is stored"
+            ) from None
 
     async def _fill(
         self, filler: LeaseFiller, first: RawPutChunk, chunks: AsyncIterator[RawPutChunk]
@@ -312,45 +410,65 @@ class TierKVServicer(pb_grpc.TierKVServicer):
 
             allocation.add_done_callback(abort_granted)
             raise
+        finally:
+            # A refused allocation's future holds its exception, whose traceback holds this
+            # frame, which holds the future: a cycle that kept every refused Put's chunks.
+            del allocation
 
     def _abort_quietly(self, lease_id: bytes, owner: str) -> None:
         with contextlib.suppress(TierKVError):  # e.g. the store closed under a cancelled call
             self.store.abort(lease_id, owner)
 
     async def Get(self, request: pb.BlocksRequest, context: Any) -> AsyncIterator[pb.GetChunk]:
-        caller = await self._caller(context)
-        buffer: bytearray | None = None
+        status: tuple[grpc.StatusCode, str] | None = None
         try:
+            caller = await self._caller(context)
             _check_parsed(request)
-            namespace, hashes = await self._run(self._blocks, request, caller)
-            layout = namespace.layout
-            # Sized by the cached run, never by the hashes asked for (65,536 hashes of 32 MiB
-            # blocks would be 2 TiB); a run longer than max_put_bytes is cut: a prefix of it is
-            # a valid answer.
-            num_cached = await self._run(self.store.lookup, namespace, hashes)
-            num_cached = min(num_cached, max(1, self.config.max_put_bytes // layout.bytes_per_block))
-            hashes = hashes[:num_cached]
-            total_bytes = num_cached * layout.bytes_per_block
-            buffer = self._buffers.take(total_bytes)
-            flat = (torch.frombuffer(buffer, dtype=torch.uint8, count=total_bytes) if total_bytes
-                    else torch.empty(0, dtype=torch.uint8))
-            out = flat.view(layout.torch_dtype).reshape(len(hashes), *layout.block_shape)
-            num_blocks = await self._run(self.store.get_into, namespace, hashes, out)
-        except (TierKVError, ValueError) as exc:
-            if buffer is not None:
-                self._buffers.give(buffer)
-            code, message = status_of(exc)
-            await context.abort(code, message)
+            num_bytes, num_blocks, buffer = await self._read(request, caller)
+        except _REFUSALS as exc:
+            status = _status_of_refusal(exc)
+        if status is not None:
+            _end(context, status)
             return
         try:
-            data = memoryview(buffer)[: num_blocks * layout.bytes_per_block]
+            data = memoryview(buffer or b"")[:num_bytes]
             step = self.config.chunk_bytes
             yield pb.GetChunk(num_blocks=num_blocks, data=bytes(data[:step]))
             for start in range(step, len(data), step):
                 yield pb.GetChunk(data=bytes(data[start : start + step]))
         finally:
-            del out, flat, data  # the tensor views pin the buffer's export
+            del data  # a view exports the buffer
+            if buffer is not None:
+                self._buffers.give(buffer)
+
+    async def _read(self, request: pb.BlocksRequest, caller: Caller
+                    ) -> tuple[int, int, bytearray | None]:
+        """``(bytes, blocks, buffer)``: the leading stored blocks of the request, read into a
+        buffer of the pool (the caller gives it back; None when nothing was read)."""
+        namespace, hashes = await self._run(self._read_blocks, request, caller)
+        if namespace is None:
+            return 0, 0, None
+        layout = namespace.layout
+        # Sized by the cached run, never by the hashes asked for (65,536 hashes of 32 MiB
+        # blocks would be 2 TiB); a run longer than max_put_bytes is cut: a prefix of it is
+        # a valid answer.
+        num_cached = await self._run(self.store.lookup, namespace, hashes)
+        num_cached = min(num_cached, max(1, self.config.max_put_bytes // layout.bytes_per_block))
+        hashes = hashes[:num_cached]
+        total_bytes = num_cached * layout.bytes_per_block
+        buffer = self._buffers.take(total_bytes)
+        try:
+            flat = (torch.frombuffer(buffer, dtype=torch.uint8, count=total_bytes) if total_bytes
+                    else torch.empty(0, dtype=torch.uint8))
+            out = flat.view(layout.torch_dtype).reshape(len(hashes), *layout.block_shape)
+            num_blocks = await self._run(self.store.get_into, namespace, hashes, out)
+            del out, flat  # the tensor views pin the buffer's export
+        except (TierKVError, ValueError):
+            # Only then: a cancelled call's copy may still be running in the worker thread, so
+            # its buffer must never be handed to another call (it is left to the collector).
             self._buffers.give(buffer)
+            raise
+        return num_blocks * layout.bytes_per_block, num_blocks, buffer
 
     # --- shared-memory data path ----------------------------------------------------------
 
@@ -361,13 +479,18 @@ class TierKVServicer(pb_grpc.TierKVServicer):
     def _acquire(self, request: pb.AcquireRequest, caller: Caller) -> pb.LeaseResponse:
         namespace, hashes = self._blocks(request, caller)
         return convert.lease_to(self.store.acquire(
-            namespace, hashes, convert.ttl_from(request.lease_ttl_s), caller.owner
-        ))
+            namespace, hashes, convert.ttl_from(request.lease_ttl_s), caller.owner,
+            slab_id=request.slab_id, client_id=caller.client_id,
+        ), self.store.host_slab_id)
 
     @unary
     async def Release(self, request: pb.LeaseRequest, context: Any, caller: Caller) -> Any:
         # A few dict operations under the store lock: cheaper here than a thread hop.
-        self.store.release(request.lease_id, caller.owner)
+        if request.corrupt_indices:  # rare: the suspects' pages are hashed, off the loop
+            await self._run(self.store.release, request.lease_id, caller.owner,
+                            request.corrupt_indices)
+        else:
+            self.store.release(request.lease_id, caller.owner)
         return pb.LeaseDoneResponse()
 
     @unary
@@ -380,12 +503,13 @@ class TierKVServicer(pb_grpc.TierKVServicer):
             namespace, hashes, convert.ttl_from(request.lease_ttl_s), caller.owner,
             priority=convert.priority_from(request.priority),
             write_policy=convert.write_policy_from(request.write_policy),
-        ))
+            slab_id=request.slab_id, client_id=caller.client_id,
+        ), self.store.host_slab_id)
 
     @unary
     async def Commit(self, request: pb.LeaseRequest, context: Any, caller: Caller) -> Any:
         return pb.CountResponse(count=await self._run(self.store.commit, request.lease_id,
-                                                      caller.owner))
+                                                      caller.owner, request.checksums))
 
     @unary
     async def Abort(self, request: pb.LeaseRequest, context: Any, caller: Caller) -> Any:

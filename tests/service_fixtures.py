@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import mmap
+import os
 import shutil
 import tempfile
 import threading
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -24,6 +26,7 @@ from conftest import BLOCK_BYTES, PAGE_BYTES, TINY_LAYOUT, blocks
 from service.config import ServiceConfig
 from service.server import TierKVServer, create_server
 from tierkv import DiskTierConfig, HostTierConfig, KVLayout, StoreConfig, TieredStore
+from tierkv.checksums import checksum
 from tierkv.wire import tierkv_pb2 as pb
 from tierkv.wire import tierkv_pb2_grpc as pb_grpc
 
@@ -79,6 +82,15 @@ def wire_namespace(
 def payload(n: int, seed: int = 0, layout: KVLayout = TINY_LAYOUT) -> bytes:
     """The raw bytes of ``n`` random blocks (every bit pattern, NaNs included)."""
     return bytes(blocks(n, seed, layout).contiguous().view(torch.uint8).reshape(-1).numpy())
+
+
+def commit_request(lease: pb.LeaseResponse, data: bytes, block_bytes: int = BLOCK_BYTES
+                   ) -> pb.LeaseRequest:
+    """The Commit of a write lease whose blocks were written from ``data`` (every block of the
+    request, back to back): with the checksum of each block written, as the SDK sends it."""
+    return pb.LeaseRequest(lease_id=lease.lease_id, checksums=[
+        checksum(data[i * block_bytes : (i + 1) * block_bytes]) for i in lease.write_indices
+    ])
 
 
 def split(data: bytes, sizes: Iterable[int]) -> list[bytes]:
@@ -309,3 +321,32 @@ async def code_of(stub: pb_grpc.TierKVStub, rpc: str, request: Any, metadata: An
     except grpc.aio.AioRpcError as exc:
         return exc.code()
     return grpc.StatusCode.OK
+
+
+# --- the shared-memory slab, as a same-host client maps it ------------------------------------
+
+
+@contextlib.contextmanager
+def mapped_slab(shm_name: str) -> Iterator[mmap.mmap]:
+    """The server's HOST slab, mapped by name the way a same-host client does."""
+    fd = os.open(f"/dev/shm/{shm_name}", os.O_RDWR)
+    try:
+        mapping = mmap.mmap(fd, 0)
+    finally:
+        os.close(fd)
+    try:
+        yield mapping
+    finally:
+        mapping.close()
+
+
+def read_extents(slab: mmap.mmap, block: pb.BlockExtents) -> bytes:
+    return b"".join(slab[e.offset : e.offset + e.length] for e in block.extents)
+
+
+def write_extents(slab: mmap.mmap, block: pb.BlockExtents, data: bytes) -> None:
+    start = 0
+    for extent in block.extents:
+        slab[extent.offset : extent.offset + extent.length] = data[start : start + extent.length]
+        start += extent.length
+    assert start == len(data), "a block's extents cover exactly its bytes"

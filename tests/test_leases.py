@@ -22,6 +22,7 @@ from tierkv import (
     TieredStore,
     WritePolicy,
 )
+from tierkv.checksums import block_checksums
 
 
 class FakeClock:
@@ -54,6 +55,12 @@ def slab_of() -> Iterator[object]:
 
 def read_block(slab: np.ndarray, extents: list[tuple[int, int]]) -> bytes:
     return b"".join(slab[offset : offset + length].tobytes() for offset, length in extents)
+
+
+def checksums_of(data: torch.Tensor, indices: list[int]) -> list[int]:
+    """What a client sends with Commit: the checksum of each block it wrote."""
+    flat = data.contiguous().view(torch.uint8).reshape(-1)
+    return block_checksums(flat, flat.numel() // data.shape[0], indices)
 
 
 def write_block(slab: np.ndarray, extents: list[tuple[int, int]], data: torch.Tensor) -> None:
@@ -113,11 +120,12 @@ def test_allocate_write_commit_makes_the_blocks_visible_at_once(
     for index, extents in zip(lease.write_indices, lease.blocks, strict=True):
         write_block(slab, extents, data[index])
     assert store.lookup(namespace, keys(4)) == 1  # nothing new is visible before the commit
-    assert store.commit(lease.lease_id, owner="w") == 3
+    sums = checksums_of(data, lease.write_indices)
+    assert store.commit(lease.lease_id, owner="w", checksums=sums) == 3
     assert same_bytes(store.get(namespace, keys(4)), data)
     assert store.stats().tiers[Tier.DISK].num_blocks == 4
     with pytest.raises(LeaseStateError, match="already committed"):
-        store.commit(lease.lease_id, owner="w")
+        store.commit(lease.lease_id, owner="w", checksums=sums)
 
 
 def test_abort_stores_nothing_and_gives_the_pages_back(

@@ -12,11 +12,10 @@ import asyncio
 import contextlib
 import functools
 import math
-import mmap
 import os
 import shutil
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -40,16 +39,20 @@ from service_fixtures import (
     aiter_of,
     bearer,
     code_of,
+    commit_request,
     get_blocks,
     invoke,
+    mapped_slab,
     payload,
     put_chunks,
+    read_extents,
     request_for,
     serve,
     serving,
     short_socket_dir,
     store_config,
     wire_namespace,
+    write_extents,
 )
 
 from conftest import BLOCK_BYTES, TINY_LAYOUT, keys
@@ -121,32 +124,6 @@ async def expect(code: Code | set[Code], call: Awaitable[Any]) -> grpc.aio.AioRp
 
 async def drain(call: Any) -> list[Any]:
     return [message async for message in call]
-
-
-@contextlib.contextmanager
-def mapped_slab(shm_name: str) -> Iterator[mmap.mmap]:
-    """The server's HOST slab, mapped by name the way a same-host client does."""
-    fd = os.open(f"/dev/shm/{shm_name}", os.O_RDWR)
-    try:
-        mapping = mmap.mmap(fd, 0)
-    finally:
-        os.close(fd)
-    try:
-        yield mapping
-    finally:
-        mapping.close()
-
-
-def read_extents(slab: mmap.mmap, block: pb.BlockExtents) -> bytes:
-    return b"".join(slab[e.offset : e.offset + e.length] for e in block.extents)
-
-
-def write_extents(slab: mmap.mmap, block: pb.BlockExtents, data: bytes) -> None:
-    start = 0
-    for extent in block.extents:
-        slab[extent.offset : extent.offset + extent.length] = data[start : start + extent.length]
-        start += extent.length
-    assert start == len(data), "a block's extents cover exactly its bytes"
 
 
 def test_the_helpers_cover_every_rpc() -> None:
@@ -374,7 +351,7 @@ async def test_allocate_write_commit_then_get(served: Served) -> None:
     with mapped_slab(describe.shm_name) as slab:
         for index, extents in zip(lease.write_indices, lease.blocks, strict=True):
             write_extents(slab, extents, block[index])
-    committed = await stub.Commit(pb.LeaseRequest(lease_id=lease.lease_id), metadata=ALICE)
+    committed = await stub.Commit(commit_request(lease, data), metadata=ALICE)
     assert committed.count == 4
     assert (await stats(stub)).num_leases == 0
     assert await get_blocks(stub, NS, hashes) == (6, data, [len(data)])
@@ -402,7 +379,7 @@ async def test_allocate_write_through_commit_is_on_disk(served: Served) -> None:
     with mapped_slab(describe.shm_name) as slab:
         for index, extents in zip(lease.write_indices, lease.blocks, strict=True):
             write_extents(slab, extents, data[index * BLOCK_BYTES : (index + 1) * BLOCK_BYTES])
-    await stub.Commit(pb.LeaseRequest(lease_id=lease.lease_id), metadata=ALICE)
+    await stub.Commit(commit_request(lease, data), metadata=ALICE)
     assert tier(await stats(stub), "disk").num_blocks == 3
     assert (await get_blocks(stub, NS, hashes))[1] == data
 
@@ -543,8 +520,7 @@ async def test_another_tenants_lease_id_is_not_found(served: Served) -> None:
     with mapped_slab(describe.shm_name) as slab:
         for index, extents in zip(write.write_indices, write.blocks, strict=True):
             write_extents(slab, extents, data[index * BLOCK_BYTES : (index + 1) * BLOCK_BYTES])
-    assert (await stub.Commit(pb.LeaseRequest(lease_id=write.lease_id),
-                              metadata=ALICE)).count == 3
+    assert (await stub.Commit(commit_request(write, data), metadata=ALICE)).count == 3
 
     read = await stub.Acquire(pb.AcquireRequest(namespace=NS, hashes=hashes), metadata=ALICE)
     assert read.num_blocks == 3
@@ -1123,13 +1099,24 @@ HUGE_GEOMETRIES = {
 
 
 @pytest.mark.asyncio
-@pytest.mark.parametrize("rpc", NAMESPACE_RPCS)
+@pytest.mark.parametrize("rpc", ("Put", "Acquire", "Allocate", "SaveSession"))
 @pytest.mark.parametrize("geometry", HUGE_GEOMETRIES.values(), ids=HUGE_GEOMETRIES.keys())
 async def test_a_block_that_does_not_fit_host_is_refused(
     bench: Bench, rpc: str, geometry: pb.Namespace
 ) -> None:
     request = request_for(rpc, geometry, bench.fresh[:2], block_bytes=0)
     await expect_code(bench, {Code.INVALID_ARGUMENT, Code.RESOURCE_EXHAUSTED}, rpc, request)
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("rpc", ("Lookup", "Pin", "Unpin", "Delete", "Get"))
+@pytest.mark.parametrize("geometry", HUGE_GEOMETRIES.values(), ids=HUGE_GEOMETRIES.keys())
+async def test_reads_of_a_namespace_that_cannot_hold_blocks_are_misses(
+    bench: Bench, rpc: str, geometry: pb.Namespace
+) -> None:
+    # Read-only calls never register a namespace: one nobody stored into holds nothing.
+    request = request_for(rpc, geometry, bench.fresh[:2], block_bytes=0)
+    await expect_code(bench, {Code.OK}, rpc, request)
 
 
 @pytest.mark.asyncio

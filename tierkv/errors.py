@@ -54,6 +54,15 @@ class LeaseStateError(TierKVError):
     """The lease exists no more: it was committed, aborted, released or it expired."""
 
 
+class IntegrityError(TierKVError):
+    """Bytes failed their checksum on the way from a writer to the store: nothing was stored."""
+
+
+class StaleSlabError(TierKVError):
+    """A shared-memory lease call named a slab this server does not have (the client's mapping
+    is of an earlier server): describe the server again, remap, retry."""
+
+
 class AuthenticationError(TierKVError):
     """The server rejected the call's credentials (missing or unknown bearer token)."""
 

@@ -68,6 +68,11 @@ def copy_spans(
     return spans
 
 
+def first_page(location: Location) -> int:
+    """The page a location starts at (its block's bytes begin there)."""
+    return unpack_extent(location if isinstance(location, int) else location[0])[0]
+
+
 def location_num_pages(location: Location) -> int:
     """How many pages a location holds."""
     return sum(count for _, count in iter_extents(location))

@@ -7,6 +7,8 @@ never blocks the caller's event loop.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, TypeVar
 
@@ -16,7 +18,7 @@ import torch
 from tierkv.client import base
 from tierkv.codec import namespace_from_wire
 from tierkv.config import Priority, WritePolicy
-from tierkv.errors import InvalidArgumentError, ServiceUnavailableError
+from tierkv.errors import InvalidArgumentError, ServiceUnavailableError, TierKVError
 from tierkv.keys import Namespace
 from tierkv.store.validation import check_out
 from tierkv.wire import tierkv_pb2 as pb
@@ -69,7 +71,9 @@ class AsyncClient(base.ClientBase):
         )
 
     async def describe(self) -> pb.DescribeResponse:
-        """The server's facts (slab, host, limits); fetched once."""
+        """The server's facts (slab, host, limits); fetched once, and again when the server's
+        slab went away (it restarted)."""
+        self._check_mapping()
         if self._info is None:
             self._info = await self._call("Describe", pb.DescribeRequest())
             self._adopt(self._info)
@@ -89,25 +93,41 @@ class AsyncClient(base.ClientBase):
         flat = base.block_bytes_of(blocks, namespace)
         if len(hashes) != blocks.shape[0]:
             raise InvalidArgumentError(f"got {len(hashes)} hashes but {blocks.shape[0]} blocks")
-        await self.describe()
+        for attempt in range(2):
+            await self.describe()
+            if self._slab is None:
+                break
+            try:
+                return await self._put_shared(namespace, hashes, flat, priority, write_policy,
+                                              timeout_s)
+            except base.REMAP_ERRORS:
+                if attempt:
+                    raise
+                self._forget_server()  # a restarted server: map its new slab and write again
+        response = await self._retrying(lambda: self._put_stream(
+            base.put_chunks(namespace, hashes, flat, write_policy, priority),
+            timeout=timeout_s or self.settings.timeout_s, metadata=self._metadata,
+        ))
+        return int(response.count)
+
+    async def _put_shared(
+        self, namespace: Namespace, hashes: Sequence[bytes], flat: torch.Tensor,
+        priority: Priority, write_policy: WritePolicy | None, timeout_s: float | None,
+    ) -> int:
         slab = self._slab
-        if slab is None:
-            response = await self._retrying(lambda: self._put_stream(
-                base.put_chunks(namespace, hashes, flat, write_policy, priority),
-                timeout=timeout_s or self.settings.timeout_s, metadata=self._metadata,
-            ))
-            return int(response.count)
+        assert slab is not None
         lease = await self._call(
             "Allocate", self._allocate_request(namespace, hashes, priority, write_policy), timeout_s
         )
+        granted_s = time.monotonic()
         try:
-            spans = self._write_spans(lease, namespace)
-            await asyncio.to_thread(slab.write, spans, flat)
+            commit = await asyncio.to_thread(self._fill_lease, slab, lease, namespace, flat,
+                                             granted_s)
         except BaseException:
-            await self._call("Abort", pb.LeaseRequest(lease_id=lease.lease_id), retry=False)
+            with contextlib.suppress(TierKVError):  # the lease may be gone with its server
+                await self._call("Abort", pb.LeaseRequest(lease_id=lease.lease_id), retry=False)
             raise
-        response = await self._call("Commit", pb.LeaseRequest(lease_id=lease.lease_id),
-                                    timeout_s, retry=False)
+        response = await self._call("Commit", commit, timeout_s, retry=False)
         return int(response.count)
 
     async def lookup_detail(
@@ -141,11 +161,20 @@ class AsyncClient(base.ClientBase):
         """Copy the leading cached blocks into ``out[:k]``; returns ``k``."""
         flat = check_out(namespace.layout, out, len(hashes))
         target = flat if flat.device.type == "cpu" else torch.empty(flat.numel(), dtype=torch.uint8)
-        await self.describe()
         block_bytes = namespace.layout.bytes_per_block
-        if self._slab is not None:
-            num_blocks = await self._get_shared(namespace, hashes, target, timeout_s)
-        else:
+        num_blocks: int | None = None
+        for attempt in range(2):
+            await self.describe()
+            if self._slab is None:
+                break
+            try:
+                num_blocks = await self._get_shared(namespace, hashes, target, timeout_s)
+                break
+            except base.REMAP_ERRORS:
+                if attempt:
+                    raise
+                self._forget_server()
+        if num_blocks is None:
             num_blocks = await self._get_streamed(namespace, hashes, target, timeout_s)
         if target is not flat:
             flat[: num_blocks * block_bytes].copy_(target[: num_blocks * block_bytes])
@@ -157,14 +186,20 @@ class AsyncClient(base.ClientBase):
         assert slab is not None
         done = 0
         while done < len(hashes):
-            lease = await self._call("Acquire", pb.AcquireRequest(
-                namespace=self._wire(namespace), hashes=list(hashes[done:])), timeout_s)
+            lease = await self._call("Acquire", self._acquire_request(namespace, hashes[done:]),
+                                     timeout_s)
+            bad: int | None = None
+            release = pb.LeaseRequest(lease_id=lease.lease_id)
             try:
-                count = len(lease.blocks)
-                spans = self._read_spans(lease, namespace, done)
-                await asyncio.to_thread(slab.read, spans, flat)
+                bad = await asyncio.to_thread(self._read_lease, slab, lease, namespace, flat, done)
             finally:
-                await self._call("Release", pb.LeaseRequest(lease_id=lease.lease_id), retry=False)
+                if bad is not None:
+                    release.corrupt_indices.append(bad)
+                with contextlib.suppress(TierKVError):  # an expired lease: the copy is checked
+                    await self._call("Release", release, retry=False)
+            if bad is not None:
+                return done + bad  # a damaged block ends the run: a miss, never its bytes
+            count = len(lease.blocks)
             done += count
             if count == 0 or count >= lease.num_cached:
                 break

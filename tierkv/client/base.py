@@ -7,6 +7,7 @@ import contextlib
 import mmap
 import os
 import secrets
+import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -15,20 +16,24 @@ from typing import Any
 import grpc
 import torch
 
+from tierkv.checksums import block_checksums, checksum
 from tierkv.codec import encode_put_chunk, namespace_to_wire
 from tierkv.config import Priority, WritePolicy
 from tierkv.errors import (
     AuthenticationError,
     CapacityError,
     DeadlineExceededError,
+    IntegrityError,
     InvalidArgumentError,
     LeaseStateError,
     NotFoundError,
     ServiceUnavailableError,
+    StaleSlabError,
     TierKVError,
 )
 from tierkv.keys import Namespace
 from tierkv.paging import BlockExtents, copy_spans
+from tierkv.store.liveness import ClientLock
 from tierkv.store.presence import PresenceView
 from tierkv.wire import tierkv_pb2 as pb
 from tierkv.wire import tierkv_pb2_grpc as pb_grpc
@@ -45,7 +50,15 @@ _ERRORS: dict[grpc.StatusCode, type[TierKVError]] = {
     grpc.StatusCode.UNAUTHENTICATED: AuthenticationError,
     grpc.StatusCode.UNAVAILABLE: ServiceUnavailableError,
     grpc.StatusCode.DEADLINE_EXCEEDED: DeadlineExceededError,
+    grpc.StatusCode.ABORTED: StaleSlabError,
+    grpc.StatusCode.DATA_LOSS: IntegrityError,
 }
+# A write lease is not written into once this share of its TTL has passed (the copy itself
+# takes time; a lease that expires under the copy is refused at commit anyway).
+_LEASE_MARGIN = 0.8
+# What the shared-memory path retries once after describing the server again: its slab was
+# replaced (a restart), or what the client wrote did not arrive intact.
+REMAP_ERRORS = (StaleSlabError, IntegrityError)
 _POLICIES: dict[WritePolicy | None, pb.WritePolicy] = {
     None: pb.WRITE_POLICY_UNSPECIFIED,
     WritePolicy.WRITE_BACK: pb.WRITE_POLICY_WRITE_BACK,
@@ -87,10 +100,15 @@ class ClientSettings:
 
     @property
     def channel_options(self) -> list[tuple[str, int]]:
-        """Message limits matching the server's."""
+        """Message limits matching the server's, and reconnects soon after a server restart
+        (gRPC's default waits 1 s, then longer, before it tries again: a sidecar restarted
+        under a live client would cost it more than its retries)."""
         return [
             ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
             ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+            ("grpc.initial_reconnect_backoff_ms", 100),
+            ("grpc.min_reconnect_backoff_ms", 100),
+            ("grpc.max_reconnect_backoff_ms", 2000),
         ]
 
 
@@ -185,16 +203,24 @@ class SlabMapping:
     tracker would unlink the server's segment when this process exits.
     """
 
-    def __init__(self, name: str, size_bytes: int) -> None:
+    def __init__(self, name: str, size_bytes: int, slab_id: bytes) -> None:
         path = f"/dev/shm/{name}"
-        fd = os.open(path, os.O_RDWR)
+        self.slab_id = slab_id
+        # Kept open: its link count says whether the server still has this segment.
+        self._fd: int | None = os.open(path, os.O_RDWR | os.O_CLOEXEC)
         try:
-            if os.fstat(fd).st_size != size_bytes:
+            if os.fstat(self._fd).st_size != size_bytes:
                 raise ServiceUnavailableError(f"{path} is not the server's slab (size differs)")
-            self._map = mmap.mmap(fd, size_bytes)
-        finally:
-            os.close(fd)
+            self._map = mmap.mmap(self._fd, size_bytes)
+        except BaseException:
+            os.close(self._fd)
+            raise
         self.tensor = torch.frombuffer(self._map, dtype=torch.uint8)
+
+    def is_current(self) -> bool:
+        """False once the server removed the segment (it stopped, or a restarted server swept
+        it): the mapping is then of a slab nobody serves."""
+        return self._fd is not None and os.fstat(self._fd).st_nlink > 0
 
     def read(self, spans: Sequence[tuple[int, int, int]], out: torch.Tensor) -> None:
         """Copy slab spans into the flat uint8 ``out``."""
@@ -215,6 +241,9 @@ class SlabMapping:
         del self.tensor
         with contextlib.suppress(BufferError):  # a view is still alive: it goes with that view
             self._map.close()
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
 
 
 def presence_view_for(info: pb.DescribeResponse, slab: SlabMapping | None) -> PresenceView | None:
@@ -239,7 +268,7 @@ def shm_mapping_for(info: pb.DescribeResponse, use_shm: bool | None) -> SlabMapp
     same_host = bool(info.host_id) and info.host_id == local_host_id()
     if same_host and info.shm_name and Path(f"/dev/shm/{info.shm_name}").exists():
         try:
-            return SlabMapping(info.shm_name, info.shm_size_bytes)
+            return SlabMapping(info.shm_name, info.shm_size_bytes, info.slab_id)
         except (OSError, ServiceUnavailableError):
             if use_shm:
                 raise
@@ -256,6 +285,7 @@ class ClientBase:
         self.settings = ClientSettings(target=target, **settings)  # type: ignore[arg-type]
         self._info: pb.DescribeResponse | None = None
         self._slab: SlabMapping | None = None
+        self._lock: ClientLock | None = None
         self._presence: PresenceView | None = None
         self._core_ids: dict[Namespace, bytes] = {}
         self._wire_namespaces: dict[Namespace, pb.Namespace] = {}
@@ -263,19 +293,39 @@ class ClientBase:
         self._closed = False
 
     def _adopt(self, info: pb.DescribeResponse) -> None:
-        """Take the server's facts: map its slab and presence table when on the same host."""
+        """Take the server's facts: map its slab and presence table when on the same host, and
+        hold this client's lock file while the slab is mapped (``tierkv.store.liveness``)."""
         self._info = info
         self._slab = shm_mapping_for(info, self.settings.use_shm)
         self._presence = presence_view_for(info, self._slab)
+        if self._slab is not None and info.client_lock_prefix:
+            try:
+                self._lock = ClientLock(info.client_lock_prefix, self.settings.client_id)
+            except (OSError, ValueError):
+                self._lock = None  # the server then goes by lease TTLs alone
 
-    def _unmap(self) -> None:
-        self._closed = True
+    def _check_mapping(self) -> None:
+        """Forget the server's facts when its slab is gone (it stopped or restarted): the next
+        call describes it again and maps the new slab."""
+        if self._slab is not None and not self._slab.is_current():
+            self._forget_server()
+
+    def _forget_server(self) -> None:
+        """Drop the slab mapping and what was learned with it."""
+        self._info = None
         if self._slab is not None:
             self._slab.close()
             self._slab = None
         if self._presence is not None:
             self._presence.close()
             self._presence = None
+        if self._lock is not None:  # after the unmap: the server may reuse our pages now
+            self._lock.close()
+            self._lock = None
+
+    def _unmap(self) -> None:
+        self._closed = True
+        self._forget_server()
 
     def _wire(self, namespace: Namespace) -> pb.Namespace:
         wire = self._wire_namespaces.get(namespace)
@@ -301,10 +351,48 @@ class ClientBase:
         self, namespace: Namespace, hashes: Sequence[bytes], priority: Priority,
         write_policy: WritePolicy | None,
     ) -> pb.AllocateRequest:
+        assert self._slab is not None
         return pb.AllocateRequest(
             namespace=self._wire(namespace), hashes=list(hashes),
             write_policy=policy_wire(write_policy), priority=priority_wire(priority),
+            slab_id=self._slab.slab_id,
         )
+
+    def _acquire_request(self, namespace: Namespace, hashes: Sequence[bytes]
+                         ) -> pb.AcquireRequest:
+        assert self._slab is not None
+        return pb.AcquireRequest(namespace=self._wire(namespace), hashes=list(hashes),
+                                 slab_id=self._slab.slab_id)
+
+    def _fill_lease(self, slab: SlabMapping, lease: pb.LeaseResponse, namespace: Namespace,
+                    flat: torch.Tensor, granted_s: float) -> pb.LeaseRequest:
+        """Copy the blocks a write lease asks for into the slab; returns the Commit request,
+        which carries the checksum of every block written (the server checks its pages
+        against them). Runs on a worker thread in ``AsyncClient``."""
+        _check_slab(slab, lease)
+        if time.monotonic() - granted_s > _LEASE_MARGIN * lease.expires_in_s:
+            raise LeaseStateError("the write lease is about to expire; nothing was written")
+        slab.write(self._write_spans(lease, namespace), flat)
+        checksums = block_checksums(flat, namespace.layout.bytes_per_block,
+                                    list(lease.write_indices))
+        return pb.LeaseRequest(lease_id=lease.lease_id, checksums=checksums)
+
+    def _read_lease(self, slab: SlabMapping, lease: pb.LeaseResponse, namespace: Namespace,
+                    flat: torch.Tensor, done: int) -> int | None:
+        """Copy a read lease's blocks into ``flat`` from block ``done`` on and check each
+        against its checksum; returns the index (in the lease) of the first bad one, or None.
+        Runs on a worker thread in ``AsyncClient``."""
+        _check_slab(slab, lease)
+        slab.read(self._read_spans(lease, namespace, done), flat)
+        block_bytes = namespace.layout.bytes_per_block
+        array = flat.numpy()
+        for index, expected in enumerate(lease.checksums):
+            start = (done + index) * block_bytes
+            if checksum(array[start : start + block_bytes]) != expected:
+                return index
+        if len(lease.checksums) != len(lease.blocks):
+            return len(lease.checksums)  # a server that gave no checksums: verify nothing blind
+        return None
 
     def _lookup_request(self, namespace: Namespace, hashes: Sequence[bytes], prefetch: bool,
                         pin_ttl_s: float) -> pb.LookupRequest:
@@ -321,3 +409,9 @@ class ClientBase:
         count = len(lease.blocks)
         return copy_spans(extents_of(lease.blocks), range(done, done + count),
                           namespace.layout.bytes_per_block)
+
+
+def _check_slab(slab: SlabMapping, lease: pb.LeaseResponse) -> None:
+    """A lease of another slab than the mapped one is never copied through."""
+    if lease.slab_id != slab.slab_id:
+        raise StaleSlabError("the lease is of another slab than this client's mapping")

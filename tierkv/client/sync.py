@@ -9,6 +9,7 @@ tierkv exception of their status code.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, TypeVar
@@ -19,7 +20,7 @@ import torch
 from tierkv.client import base
 from tierkv.codec import namespace_from_wire
 from tierkv.config import Priority, WritePolicy
-from tierkv.errors import InvalidArgumentError, ServiceUnavailableError
+from tierkv.errors import InvalidArgumentError, ServiceUnavailableError, TierKVError
 from tierkv.keys import Namespace
 from tierkv.store.validation import check_out
 from tierkv.wire import tierkv_pb2 as pb
@@ -74,7 +75,9 @@ class Client(base.ClientBase):
         raise AssertionError("unreachable")
 
     def describe(self) -> pb.DescribeResponse:
-        """The server's facts (slab, host, limits); fetched once."""
+        """The server's facts (slab, host, limits); fetched once, and again when the server's
+        slab went away (it restarted)."""
+        self._check_mapping()
         if self._info is None:
             self._info = self._call("Describe", pb.DescribeRequest())
             self._adopt(self._info)
@@ -97,9 +100,16 @@ class Client(base.ClientBase):
         flat = base.block_bytes_of(blocks, namespace)
         if len(hashes) != blocks.shape[0]:
             raise InvalidArgumentError(f"got {len(hashes)} hashes but {blocks.shape[0]} blocks")
-        self.describe()
-        if self._slab is not None:
-            return self._put_shared(namespace, hashes, flat, priority, write_policy, timeout_s)
+        for attempt in range(2):
+            self.describe()
+            if self._slab is None:
+                break
+            try:
+                return self._put_shared(namespace, hashes, flat, priority, write_policy, timeout_s)
+            except base.REMAP_ERRORS:
+                if attempt:
+                    raise
+                self._forget_server()  # a restarted server: map its new slab and write again
         return int(self._retrying(lambda: self._put_stream(
             base.put_chunks(namespace, hashes, flat, write_policy, priority),
             timeout=timeout_s or self.settings.timeout_s, metadata=self._metadata,
@@ -109,24 +119,25 @@ class Client(base.ClientBase):
         self, namespace: Namespace, hashes: Sequence[bytes], flat: torch.Tensor,
         priority: Priority, write_policy: WritePolicy | None, timeout_s: float | None,
     ) -> int:
-        assert self._slab is not None
+        slab = self._slab
+        assert slab is not None
         lease = self._call(
             "Allocate", self._allocate_request(namespace, hashes, priority, write_policy), timeout_s
         )
+        granted_s = time.monotonic()
         try:
-            spans = self._write_spans(lease, namespace)
-            self._slab.write(spans, flat)
+            commit = self._fill_lease(slab, lease, namespace, flat, granted_s)
         except BaseException:
-            self._call("Abort", pb.LeaseRequest(lease_id=lease.lease_id), retry=False)
+            with contextlib.suppress(TierKVError):  # the lease may be gone with its server
+                self._call("Abort", pb.LeaseRequest(lease_id=lease.lease_id), retry=False)
             raise
-        return int(self._call("Commit", pb.LeaseRequest(lease_id=lease.lease_id), timeout_s,
-                              retry=False).count)
+        return int(self._call("Commit", commit, timeout_s, retry=False).count)
 
     def lookup(self, namespace: Namespace, hashes: Sequence[bytes], *,
                timeout_s: float | None = None) -> int:
         """How many leading ``hashes`` are cached (short chains, on the same host, from the
         shared presence table without a call)."""
-        self.describe()
+        self.describe()  # (a stale slab and its presence table are dropped first)
         local = self._lookup_locally(namespace, hashes)
         if local is not None:
             return local
@@ -153,10 +164,19 @@ class Client(base.ClientBase):
         """Copy the leading cached blocks into ``out[:k]``; returns ``k``."""
         flat = check_out(namespace.layout, out, len(hashes))
         target = flat if flat.device.type == "cpu" else torch.empty(flat.numel(), dtype=torch.uint8)
-        self.describe()
-        if self._slab is not None:
-            num_blocks = self._get_shared(namespace, hashes, target, timeout_s)
-        else:
+        num_blocks: int | None = None
+        for attempt in range(2):
+            self.describe()
+            if self._slab is None:
+                break
+            try:
+                num_blocks = self._get_shared(namespace, hashes, target, timeout_s)
+                break
+            except base.REMAP_ERRORS:
+                if attempt:
+                    raise
+                self._forget_server()
+        if num_blocks is None:
             num_blocks = self._get_streamed(namespace, hashes, target, timeout_s)
         if target is not flat:
             size = num_blocks * namespace.layout.bytes_per_block
@@ -165,17 +185,24 @@ class Client(base.ClientBase):
 
     def _get_shared(self, namespace: Namespace, hashes: Sequence[bytes], flat: torch.Tensor,
                     timeout_s: float | None) -> int:
-        assert self._slab is not None
+        slab = self._slab
+        assert slab is not None
         done = 0
         while done < len(hashes):
-            lease = self._call("Acquire", pb.AcquireRequest(
-                namespace=self._wire(namespace), hashes=list(hashes[done:])), timeout_s)
+            lease = self._call("Acquire", self._acquire_request(namespace, hashes[done:]),
+                               timeout_s)
+            bad: int | None = None
+            release = pb.LeaseRequest(lease_id=lease.lease_id)
             try:
-                count = len(lease.blocks)
-                spans = self._read_spans(lease, namespace, done)
-                self._slab.read(spans, flat)
+                bad = self._read_lease(slab, lease, namespace, flat, done)
             finally:
-                self._call("Release", pb.LeaseRequest(lease_id=lease.lease_id), retry=False)
+                if bad is not None:
+                    release.corrupt_indices.append(bad)
+                with contextlib.suppress(TierKVError):  # an expired lease: the copy is checked
+                    self._call("Release", release, retry=False)
+            if bad is not None:
+                return done + bad  # a damaged block ends the run: a miss, never its bytes
+            count = len(lease.blocks)
             done += count
             if count == 0 or count >= lease.num_cached:
                 break  # a miss ends the run (or HOST could lease none: stop, never spin)

@@ -81,8 +81,14 @@ class StoreCore:
                 return lower
         return None
 
-    def link_locked(self, entry: Entry, tier: Tier, location: Location) -> None:
-        """Give ``entry`` a (complete) copy in ``tier`` at ``location``."""
+    def link_locked(
+        self, entry: Entry, tier: Tier, location: Location, checksum: int | None = None
+    ) -> None:
+        """Give ``entry`` a (complete) copy in ``tier`` at ``location``; a HOST copy comes with
+        the checksum of its bytes (computed by the caller, outside the lock)."""
+        if tier is Tier.HOST:
+            assert checksum is not None, "a HOST copy needs its checksum"
+            self.paged[Tier.HOST].set_checksum(location, checksum)
         node: Residency[Entry] = Residency(entry, location)
         entry.set_residency(tier, node)
         ledger = self.ledgers[tier]
@@ -148,6 +154,14 @@ class StoreCore:
             self.drop_locked(entry, Tier.DISK)
         if entry.readers == 0:
             self._drop_all_locked(entry)
+
+    def damaged_locked(self, entry: Entry, tier: Tier) -> None:
+        """``entry``'s bytes in ``tier`` failed their checksum: count it and delete the block
+        (when its last reader is done), so that it is a miss from now on."""
+        self.counters.checksum_failures += 1
+        log.warning("block %s failed its checksum in %s; deleted", entry.raw_key.hex(), tier.label)
+        if entry.priority != DOOMED:
+            self.doom_locked(entry)
 
     def release_reader_locked(self, entry: Entry) -> None:
         """One read of ``entry`` is done."""

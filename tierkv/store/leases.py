@@ -10,12 +10,24 @@ A client on the same host maps the HOST slab (shared memory) and copies blocks i
   write-through records are durable), or ``abort`` gives the pages back.
 
 Decisions:
-1. A lease expires ``ttl_s`` after it was granted: a client that dies never leaks pages. Any
-   lease call, and ``expire``, reaps expired leases.
+1. A lease expires ``ttl_s`` after it was granted (at least ``MIN_LEASE_TTL_S``: a lease is
+   never born expired): a client that dies never leaks pages. Any lease call, and ``expire``,
+   reaps expired leases.
 2. A lease belongs to its ``owner`` (the server passes tenant and client id); another owner's
    lease id is unknown to it (``LeaseNotFoundError``), so a lease only ever covers its own pages.
 3. Finished leases are remembered for a while, so that a double commit or a commit after expiry
    is reported as such (``LeaseStateError``) instead of as an unknown id.
+4. Nothing a client wrote is acknowledged unverified: ``commit`` takes the checksum of every
+   block the client copied and checks the pages against it (``IntegrityError``, nothing
+   stored, when they differ: the client wrote through a stale mapping, or something else
+   wrote there). The checksum is kept with the block and handed to readers with a read lease.
+5. A write lease's pages may still be written by its client after the lease expired (a stalled
+   writer). The server watches same-host clients through their lock files
+   (``tierkv.store.liveness``): an expired lease of a live client keeps its pages out of the
+   free pool (quarantined) until the client is gone, for at most ``QUARANTINE_S``; every lease
+   of a client that is gone is ended at once. Whatever still slips through (a client the server
+   cannot watch) is caught by the checksums: a late write turns a hit into a miss, never into
+   another block's wrong bytes.
 """
 
 from __future__ import annotations
@@ -24,20 +36,24 @@ import math
 import secrets
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from tierkv.config import Priority, Tier, WritePolicy
-from tierkv.errors import LeaseNotFoundError, LeaseStateError
-from tierkv.paging import BlockExtents, Location, iter_extents
+from tierkv.errors import IntegrityError, InvalidArgumentError, LeaseNotFoundError, LeaseStateError
+from tierkv.paging import BlockExtents, Location, iter_extents, location_num_pages
 from tierkv.store.core import StoreCore
 from tierkv.store.ledger import DOOMED, Entry, NamespaceState
+from tierkv.store.liveness import ClientWatch, Liveness
 from tierkv.store.moves import Mover
 from tierkv.store.validation import check_ttl
 from tierkv.store.writes import PutPlan, Writer
 
 DEFAULT_LEASE_TTL_S = 30.0
+MIN_LEASE_TTL_S = 0.1
 MAX_LEASE_TTL_S = 600.0
+# How long the pages of an expired write lease of a live client stay out of the free pool.
+QUARANTINE_S = MAX_LEASE_TTL_S
 _NUM_REMEMBERED = 4096
 
 
@@ -53,6 +69,7 @@ class ReadLease:
     blocks: list[BlockExtents]
     num_cached: int
     expires_in_s: float
+    checksums: list[int]
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,6 +86,7 @@ class WriteLease:
 @dataclass(eq=False)
 class _Read:
     owner: str
+    client_id: str
     deadline_s: float
     entries: list[Entry]
 
@@ -76,34 +94,55 @@ class _Read:
 @dataclass(eq=False)
 class _Write:
     owner: str
+    client_id: str
     deadline_s: float
     state: NamespaceState
     keys: list[bytes]
     priority: Priority
     plan: PutPlan
     locations: dict[int, Location] = field(default_factory=dict)
+    # False for a lease written by this process itself (the stream Put): it has no client
+    # checksums to check, and the pages are hashed at commit instead.
+    verify: bool = True
+
+
+@dataclass(eq=False)
+class _Quarantined:
+    client_id: str
+    until_s: float
+    locations: list[Location]
 
 
 class Leases:
     """The lease table of one store (guarded by the store lock)."""
 
     def __init__(
-        self, core: StoreCore, mover: Mover, writer: Writer, clock: Callable[[], float] = time.monotonic
+        self, core: StoreCore, mover: Mover, writer: Writer, watch: ClientWatch,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.core = core
         self.mover = mover
         self.writer = writer
+        self.watch = watch
         self._clock = clock
         self._active: dict[bytes, _Read | _Write] = {}
         self._finished: OrderedDict[bytes, tuple[str, str]] = OrderedDict()
+        self._quarantine: list[_Quarantined] = []
 
     def __len__(self) -> int:
         return len(self._active)
 
+    @property
+    def num_quarantined_pages(self) -> int:
+        """HOST pages held back from expired write leases of live clients."""
+        with self.core.lock:
+            return sum(location_num_pages(loc) for q in self._quarantine for loc in q.locations)
+
     # --- reads --------------------------------------------------------------------------------
 
     def acquire(
-        self, state: NamespaceState, keys: list[bytes], ttl_s: float | None, owner: str
+        self, state: NamespaceState, keys: list[bytes], ttl_s: float | None, owner: str,
+        client_id: str = "",
     ) -> ReadLease:
         """Lease the leading stored blocks of ``keys`` in HOST (see the module docstring)."""
         ttl = _check_lease_ttl(ttl_s)
@@ -116,10 +155,13 @@ class Leases:
         num_cached = 0
         with core.lock:
             self._expire_locked()
+            core.counters.gets += 1
             for key in keys:
                 entry = state.blocks.get(key)
-                if entry is None or entry.top_tier() is None:
+                top = entry.top_tier() if entry is not None else None
+                if entry is None or top is None:
                     break
+                core.ledgers[top].counters.hits += 1
                 num_cached += 1
                 if len(planned) < max_blocks:
                     entry.readers += 1
@@ -127,6 +169,7 @@ class Leases:
         self._bring_into_host(planned)
         leased: list[Entry] = []
         blocks: list[BlockExtents] = []
+        checksums: list[int] = []
         with core.lock:
             for entry in planned:
                 node = entry.host
@@ -136,9 +179,10 @@ class Leases:
                     continue
                 leased.append(entry)
                 blocks.append(self._extents(node.location, entry.ns.block_bytes))
+                checksums.append(host.checksum_of(node.location))
             lease_id = self._new_id()
-            self._active[lease_id] = _Read(owner, self._clock() + ttl, leased)
-        return ReadLease(lease_id, blocks[: len(leased)], num_cached, ttl)
+            self._active[lease_id] = _Read(owner, client_id, self._clock() + ttl, leased)
+        return ReadLease(lease_id, blocks[: len(leased)], num_cached, ttl, checksums)
 
     def _bring_into_host(self, entries: list[Entry]) -> None:
         by_source: dict[Tier, list[Entry]] = {}
@@ -157,19 +201,27 @@ class Leases:
                 if not self.mover.copy_between([entry], source, Tier.HOST, wait=False):
                     break  # HOST is full: the leased run ends here
 
-    def release(self, lease_id: bytes, owner: str) -> None:
-        """End a read lease: its blocks may be evicted again."""
+    def release(self, lease_id: bytes, owner: str, corrupt_indices: Sequence[int] = ()) -> None:
+        """End a read lease: its blocks may be evicted again. ``corrupt_indices``: leased blocks
+        whose copy failed its checksum at the client; each is checked here (the client's word
+        alone deletes nothing) and deleted if its pages really are damaged."""
         with self.core.lock:
             lease = self._take_locked(lease_id, owner, "released")
             assert isinstance(lease, _Read)
-            for entry in lease.entries:
-                self.core.release_reader_locked(entry)
+        try:
+            suspects = [lease.entries[i] for i in sorted(set(corrupt_indices))
+                        if 0 <= i < len(lease.entries)]
+            self.mover.intact(suspects, Tier.HOST)  # still busy-marked: the pages stay put
+        finally:
+            with self.core.lock:
+                for entry in lease.entries:
+                    self.core.release_reader_locked(entry)
 
     # --- writes -------------------------------------------------------------------------------
 
     def allocate(
         self, state: NamespaceState, keys: list[bytes], ttl_s: float | None, owner: str,
-        priority: Priority, policy: WritePolicy, *, expires: bool = True,
+        priority: Priority, policy: WritePolicy, *, expires: bool = True, client_id: str = "",
     ) -> WriteLease:
         """Reserve HOST pages for the blocks of ``keys`` that need bytes (see the module
         docstring; ``expires=False``: never reaped, see ``TieredStore.allocate``). Raises
@@ -182,22 +234,25 @@ class Leases:
         locations = self.mover.reserve_pages(
             Tier.HOST, [state.block_bytes] * len(write_indices), plan.own
         )
-        lease = _Write(owner, self._clock() + ttl, state, keys, priority, plan,
-                       dict(zip(write_indices, locations, strict=True)))
+        lease = _Write(owner, client_id, self._clock() + ttl, state, keys, priority, plan,
+                       dict(zip(write_indices, locations, strict=True)), verify=expires)
         with self.core.lock:
             lease_id = self._new_id()
             self._active[lease_id] = lease
         blocks = [self._extents(location, state.block_bytes) for location in locations]
         return WriteLease(lease_id, write_indices, blocks, ttl)
 
-    def commit(self, lease_id: bytes, owner: str) -> int:
+    def commit(self, lease_id: bytes, owner: str, checksums: Sequence[int] | None = None) -> int:
         """Make a write lease's blocks visible (write-through records first); returns the blocks
-        newly stored. On failure the pages are given back and nothing becomes visible."""
+        newly stored. ``checksums``: one per written block, in ``write_indices`` order, of the
+        bytes the client copied (required for an expiring lease; see decision 4). On failure
+        the pages are given back and nothing becomes visible."""
         with self.core.lock:
             lease = self._take_locked(lease_id, owner, "committed")
             assert isinstance(lease, _Write)
         state, slab = lease.state, self.core.paged[Tier.HOST].slab
         try:
+            verified = self._verified_checksums(lease, checksums)
             if lease.plan.disk_indices:
                 self.writer.write_records(
                     state, lease.keys, lease.plan,
@@ -207,7 +262,33 @@ class Leases:
             self._give_back(lease)
             raise
         return self.writer.publish(state, lease.keys, lease.priority, Tier.HOST, lease.plan,
-                                   lease.locations)
+                                   lease.locations, verified)
+
+    def _verified_checksums(
+        self, lease: _Write, checksums: Sequence[int] | None
+    ) -> dict[int, int]:
+        """The checksum of each written block, by block index: the pages', which must equal
+        the client's (raises ``IntegrityError`` or ``InvalidArgumentError`` otherwise)."""
+        slab = self.core.paged[Tier.HOST].slab
+        block_bytes = lease.state.block_bytes
+        actual = {i: slab.checksum(location, block_bytes) for i, location in lease.locations.items()}
+        if not lease.verify and checksums is None:
+            return actual
+        if checksums is None or len(checksums) != len(actual):
+            raise InvalidArgumentError(
+                f"commit needs one checksum per written block ({len(actual)}), got "
+                f"{0 if checksums is None else len(checksums)}"
+            )
+        bad = [i for i, claimed in zip(sorted(actual), checksums, strict=True) if actual[i] != claimed]
+        if bad:
+            with self.core.lock:
+                self.core.counters.checksum_failures += len(bad)
+            raise IntegrityError(
+                f"{len(bad)} of {len(actual)} blocks in the slab differ from what the client "
+                f"wrote (first: block {bad[0]}); nothing is stored. A client mapping of an "
+                "earlier server, or a write after the lease expired, does this"
+            )
+        return actual
 
     def abort(self, lease_id: bytes, owner: str) -> None:
         """Give a write lease's pages back; none of its blocks becomes visible."""
@@ -229,17 +310,39 @@ class Leases:
             return self._expire_locked()
 
     def _expire_locked(self) -> int:
+        """End leases past their deadline and every lease of a client that is gone; free
+        quarantined pages whose client is gone or whose time is up."""
         now = self._clock()
-        expired = [lid for lid, lease in self._active.items() if lease.deadline_s <= now]
+        liveness: dict[str, Liveness] = {}
+
+        def state_of(client_id: str) -> Liveness:
+            if client_id not in liveness:
+                liveness[client_id] = self.watch.state(client_id)
+            return liveness[client_id]
+
+        expired = [lid for lid, lease in self._active.items()
+                   if lease.deadline_s <= now or state_of(lease.client_id) is Liveness.GONE]
         for lease_id in expired:
             lease = self._active.pop(lease_id)
             self._remember_locked(lease_id, lease.owner, "expired")
             if isinstance(lease, _Read):
                 for entry in lease.entries:
                     self.core.release_reader_locked(entry)
+            elif lease.verify and state_of(lease.client_id) is Liveness.ALIVE:
+                self._quarantine.append(_Quarantined(lease.client_id, now + QUARANTINE_S,
+                                                     list(lease.locations.values())))
             else:
                 for location in lease.locations.values():
                     self.core.release_pages_locked(Tier.HOST, location)
+        if self._quarantine:
+            kept: list[_Quarantined] = []
+            for held in self._quarantine:
+                if held.until_s > now and state_of(held.client_id) is Liveness.ALIVE:
+                    kept.append(held)
+                    continue
+                for location in held.locations:
+                    self.core.release_pages_locked(Tier.HOST, location)
+            self._quarantine = kept
         return len(expired)
 
     def _take_locked(self, lease_id: bytes, owner: str, outcome: str) -> _Read | _Write:
@@ -280,4 +383,8 @@ def _check_lease_ttl(ttl_s: float | None) -> float:
         return DEFAULT_LEASE_TTL_S
     checked = check_ttl(ttl_s, MAX_LEASE_TTL_S, "lease_ttl_s")
     assert checked is not None
+    if checked < MIN_LEASE_TTL_S:  # such a lease would expire before the client could use it
+        raise InvalidArgumentError(
+            f"lease_ttl_s must be in [{MIN_LEASE_TTL_S}, {MAX_LEASE_TTL_S:.0f}] seconds, got {ttl_s}"
+        )
     return checked

@@ -17,10 +17,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from functools import cached_property
 
+import numpy as np
+
 from tierkv.config import Tier
 from tierkv.eviction import PriorityLru, Residency
 from tierkv.keys import Namespace, NamespaceId
-from tierkv.paging import Location, PageAllocator
+from tierkv.paging import Location, PageAllocator, first_page
 from tierkv.tiers.paged import PagedSlab
 
 DOOMED = -1
@@ -137,6 +139,10 @@ class PagedLedger(Ledger):
         super().__init__(tier, slab.capacity_bytes)
         self.slab = slab
         self.allocator = PageAllocator(slab.num_pages)
+        # HOST: the checksum of the block stored at each first page (``tierkv.checksums``), set
+        # when the block is published there and checked whenever its bytes leave the tier. An
+        # array, not a field of ``Entry``: 8 bytes a page instead of an int object a block.
+        self.checksums = np.zeros(slab.num_pages, np.uint64)
 
     @property
     def used_bytes(self) -> int:
@@ -162,6 +168,18 @@ class PagedLedger(Ledger):
     def release(self, location: Location) -> None:
         """Give pages back."""
         self.allocator.free(location)
+
+    def set_checksum(self, location: Location, value: int) -> None:
+        """Record the checksum of the block published at ``location``."""
+        self.checksums[first_page(location)] = value
+
+    def checksum_of(self, location: Location) -> int:
+        """The checksum recorded for the block at ``location``."""
+        return int(self.checksums[first_page(location)])
+
+    def is_intact(self, location: Location, block_bytes: int) -> bool:
+        """Whether the block's bytes at ``location`` still match its recorded checksum."""
+        return self.slab.checksum(location, block_bytes) == self.checksum_of(location)
 
 
 class DiskLedger(Ledger):

@@ -188,6 +188,8 @@ class Mover:
         self, entries: list[Entry], source: Tier, destination: Tier, wait: bool,
         exclude: frozenset[Entry],
     ) -> set[Entry]:
+        if source is Tier.HOST:
+            entries = self.intact(entries, Tier.HOST)
         sizes = [entry.ns.block_bytes for entry in entries]
         locations = self.reserve_pages(destination, sizes, exclude, wait)
         if source is Tier.DISK:
@@ -195,7 +197,33 @@ class Mover:
         else:
             self._copy_pages(entries, locations, source, destination)
             readable = list(entries)
-        return self._publish(entries, readable, locations, destination)
+        checksums: dict[Entry, int] = {}
+        if destination is Tier.HOST:
+            slab = self.core.paged[Tier.HOST].slab
+            checksums = {entry: slab.checksum(location, entry.ns.block_bytes)
+                         for entry, location in zip(entries, locations, strict=True)}
+        return self._publish(entries, readable, locations, destination, checksums)
+
+    def intact(self, entries: list[Entry], tier: Tier) -> list[Entry]:
+        """The busy-marked ``entries`` whose copy in paged ``tier`` still matches its checksum
+        (HOST: the only tier other processes write into); the others are counted and deleted."""
+        if tier is not Tier.HOST:
+            return entries
+        ledger = self.core.paged[tier]
+        good: list[Entry] = []
+        damaged: list[Entry] = []
+        for entry in entries:
+            node = entry.residency(tier)
+            assert node is not None
+            if ledger.is_intact(node.location, entry.ns.block_bytes):
+                good.append(entry)
+            else:
+                damaged.append(entry)
+        if damaged:
+            with self.core.lock:
+                for entry in damaged:
+                    self.core.damaged_locked(entry, tier)
+        return good
 
     def _copy_pages(
         self, entries: list[Entry], locations: list[Location], source: Tier, destination: Tier
@@ -325,6 +353,7 @@ class Mover:
         self, entries: list[Entry], source: Tier, exclude: frozenset[Entry]
     ) -> set[Entry]:
         assert self.core.disk is not None
+        entries = self.intact(entries, source)
         records = [
             (entry.raw_key, encode_record(
                 entry.raw_key, entry.ns.fingerprint, self.host_bytes(entry, source)
@@ -353,7 +382,7 @@ class Mover:
                 for entry in entries:
                     self.core.disk_ledger.release_bytes(entry.ns.record_bytes)  # type: ignore[union-attr]
             return set()
-        return self._publish(entries, entries, [0] * len(entries), Tier.DISK)
+        return self._publish(entries, entries, [0] * len(entries), Tier.DISK, {})
 
     def _publish(
         self,
@@ -361,14 +390,16 @@ class Mover:
         complete: list[Entry],
         locations: Sequence[Location],
         tier: Tier,
+        checksums: dict[Entry, int],
     ) -> set[Entry]:
-        """Make finished copies visible in ``tier``; give back the room of the others."""
+        """Make finished copies visible in ``tier`` (HOST copies with their ``checksums``); give
+        back the room of the others."""
         done: set[Entry] = set()
         complete_set = set(complete)
         with self.core.lock:
             for entry, location in zip(entries, locations, strict=True):
                 if entry in complete_set and entry.priority != DOOMED and entry.residency(tier) is None:
-                    self.core.link_locked(entry, tier, location)
+                    self.core.link_locked(entry, tier, location, checksums.get(entry))
                     done.add(entry)
                 else:
                     self.core.release_room_locked(tier, entry, location)

@@ -17,6 +17,7 @@ from concurrent.futures import Future, ThreadPoolExecutor, wait
 
 import torch
 
+from tierkv.checksums import checksum
 from tierkv.config import Tier
 from tierkv.store.core import StoreCore
 from tierkv.store.ledger import DOOMED, Entry, NamespaceState, PagedLedger
@@ -76,11 +77,33 @@ class Reader:
 
     def _copy_out(self, plan: list[Planned], block_bytes: int, flat: torch.Tensor) -> int:
         core = self.core
+        num_ok = len(plan)
         for tier, ledger in core.paged.items():
             batch = [(index, entry) for index, entry, t in plan if t is tier]
             if batch:
                 self._copy_from_pages(ledger, batch, block_bytes, flat)
-        return self._copy_from_disk(plan, block_bytes, flat)
+                if tier is Tier.HOST and flat.device.type == "cpu":
+                    num_ok = min(num_ok, self._check_copied(ledger, batch, block_bytes, flat))
+        return min(num_ok, self._copy_from_disk(plan, block_bytes, flat))
+
+    def _check_copied(
+        self, ledger: PagedLedger, batch: list[tuple[int, Entry]], block_bytes: int,
+        flat: torch.Tensor,
+    ) -> int:
+        """Check the copied HOST blocks against their checksums (in the caller's buffer: what
+        it gets is what was verified); returns the index of the first bad one, or past the
+        end. Bad blocks are counted and deleted."""
+        first_bad = len(flat)
+        array = flat.numpy()
+        for index, entry in batch:
+            node = entry.residency(Tier.HOST)
+            assert node is not None
+            copied = array[index * block_bytes : (index + 1) * block_bytes]
+            if checksum(copied) != ledger.checksum_of(node.location):
+                first_bad = min(first_bad, index)
+                with self.core.lock:
+                    self.core.damaged_locked(entry, Tier.HOST)
+        return first_bad
 
     def _copy_from_disk(self, plan: list[Planned], block_bytes: int, flat: torch.Tensor) -> int:
         """Disk reads of ``plan``; returns the length of the leading run that is intact."""

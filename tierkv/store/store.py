@@ -19,14 +19,22 @@ from typing import ParamSpec, TypeVar
 import torch
 
 from tierkv.config import Priority, StoreConfig, Tier, WritePolicy
-from tierkv.errors import ConfigError, InvalidArgumentError, StoreClosedError, UnknownNamespaceError
+from tierkv.errors import (
+    ConfigError,
+    InvalidArgumentError,
+    StaleSlabError,
+    StoreClosedError,
+    TierKVError,
+    UnknownNamespaceError,
+)
 from tierkv.hashing import DEFAULT_SEED, block_hashes
 from tierkv.keys import Namespace
-from tierkv.store import recovery
+from tierkv.store import namespaces, recovery
 from tierkv.store.async_api import AsyncMethods
 from tierkv.store.core import StoreCore
 from tierkv.store.leases import Leases, ReadLease, WriteLease
 from tierkv.store.ledger import NamespaceState, PagedLedger
+from tierkv.store.liveness import ClientWatch
 from tierkv.store.moves import Mover
 from tierkv.store.presence import PresenceTable
 from tierkv.store.reads import Reader
@@ -84,7 +92,9 @@ class TieredStore(AsyncMethods):
         mover = Mover(self._core)
         self._reader = Reader(self._core, mover, self._executor)
         self._writer = Writer(self._core, mover)
-        self._leases = Leases(self._core, mover, self._writer, clock)
+        self._retired = namespaces.RetiredNamespaces()
+        self._leases = Leases(self._core, mover, self._writer,
+                              ClientWatch(self.client_lock_prefix, clock), clock)
 
     # --- namespaces -----------------------------------------------------------------------
 
@@ -104,6 +114,8 @@ class TieredStore(AsyncMethods):
         with self._core.lock:
             if namespace.id in self._core.namespaces:
                 return
+            # A removed namespace whose state a write lease still holds gets that state back.
+            state = self._retired.revive(namespace.id) or state
             self._core.namespaces[namespace.id] = state
             job = None
             if self._core.disk is not None:
@@ -115,6 +127,37 @@ class TieredStore(AsyncMethods):
     def is_registered(self, namespace: Namespace) -> bool:
         """Whether ``namespace`` is usable (registered now, or recovered from disk)."""
         return namespace.id in self._core.namespaces
+
+    def num_namespaces(self, tenant: str | None = None) -> int:
+        """How many namespaces are registered (of ``tenant`` only, when given)."""
+        with self._core.lock:
+            states = list(self._core.namespaces.values())
+        return len(states) if tenant is None else sum(
+            1 for state in states if state.namespace.tenant == tenant
+        )
+
+    def prune_namespaces(self, tenant: str | None = None) -> list[Namespace]:
+        """Unregister the namespaces (of ``tenant``, or of everyone) that hold no block and no
+        session, and delete their disk descriptors (durably, unless the disk fails: then they
+        come back at the next start). Returns the namespaces removed; using one of them needs
+        ``register`` again (which keeps the blocks of write leases granted before)."""
+        self._check_open()
+        with self._core.lock:
+            empty = namespaces.empty_namespaces_locked(self._core, tenant)
+        with_sessions = {
+            (name, session.model_id)
+            for name in {namespace.tenant for namespace in empty}
+            for session in self.list_sessions(name)
+        }
+        candidates = [ns for ns in empty if (ns.tenant, ns.model_id) not in with_sessions]
+        with self._core.lock:
+            removed, job = namespaces.remove_locked(self._core, self._retired, candidates)
+        if job is not None:
+            try:
+                job.future.result()
+            except TierKVError as exc:  # kept on disk: they are registered again at restart
+                log.warning("could not delete %d namespace descriptors: %s", len(removed), exc)
+        return removed
 
     def _state(self, namespace: Namespace) -> NamespaceState:
         self._check_open()
@@ -233,41 +276,64 @@ class TieredStore(AsyncMethods):
 
     def acquire(
         self, namespace: Namespace, hashes: Sequence[bytes], ttl_s: float | None = None,
-        owner: str = "",
+        owner: str = "", *, slab_id: bytes = b"", client_id: str = "",
     ) -> ReadLease:
         """Lease the leading stored blocks of ``hashes`` in the HOST slab for reading in place;
-        ``release`` it when done (it expires after ``ttl_s``, default 30 s)."""
-        state = self._state(namespace)
-        return self._leases.acquire(state, check_hashes(hashes), ttl_s, owner)
+        ``release`` it when done (it expires after ``ttl_s``, default 30 s). The lease gives
+        each block's checksum: verify the bytes copied out against it.
 
-    def release(self, lease_id: bytes, owner: str = "") -> None:
-        """End a read lease (``LeaseNotFoundError`` / ``LeaseStateError`` if it is not live)."""
+        ``slab_id``: the slab the caller has mapped (``host_slab_id``); another one raises
+        ``StaleSlabError``. ``client_id``: names the caller's lock file (see
+        ``tierkv.store.liveness``), so that its leases end at once when it dies."""
+        state = self._state(namespace)
+        self._check_slab(slab_id)
+        return self._leases.acquire(state, check_hashes(hashes), ttl_s, owner, client_id)
+
+    def release(self, lease_id: bytes, owner: str = "", corrupt_indices: Sequence[int] = ()
+                ) -> None:
+        """End a read lease (``LeaseNotFoundError`` / ``LeaseStateError`` if it is not live);
+        ``corrupt_indices``: leased blocks whose copy failed its checksum (checked again here,
+        deleted if damaged)."""
         self._check_open()
-        self._leases.release(lease_id, owner)
+        self._leases.release(lease_id, owner, corrupt_indices)
 
     def allocate(
         self, namespace: Namespace, hashes: Sequence[bytes], ttl_s: float | None = None,
         owner: str = "", *, priority: Priority = Priority.NORMAL,
-        write_policy: WritePolicy | None = None, expires: bool = True,
+        write_policy: WritePolicy | None = None, expires: bool = True, slab_id: bytes = b"",
+        client_id: str = "",
     ) -> WriteLease:
-        """Reserve HOST pages for writing the blocks of ``hashes`` in place; ``commit`` (or
-        ``abort``) before the lease expires. Same errors as ``put``.
+        """Reserve HOST pages for writing the blocks of ``hashes`` in place; ``commit`` (with
+        the checksum of each block written) or ``abort`` before the lease expires. Same errors
+        as ``put``; ``slab_id`` and ``client_id`` as for ``acquire``.
 
         ``expires=False`` is for a writer in this process that always ends the lease itself
         (the server's stream Put aborts it in a ``finally``): such a lease is never reaped, so
-        its pages cannot be handed to another block while that writer is still copying."""
+        its pages cannot be handed to another block while that writer is still copying, and
+        its commit needs no checksums (the pages are hashed instead)."""
         state = self._state(namespace)
         keys = check_hashes(hashes)
+        self._check_slab(slab_id)
         policy = write_policy or self.config.write_policy
         if policy is WritePolicy.WRITE_THROUGH and self._core.disk is None:
             raise ConfigError("allocate: write_through needs a disk tier (--disk-path)")
         return self._leases.allocate(state, keys, ttl_s, owner, Priority(priority), policy,
-                                     expires=expires)
+                                     expires=expires, client_id=client_id)
 
-    def commit(self, lease_id: bytes, owner: str = "") -> int:
-        """Make a write lease's blocks visible at once; returns the blocks newly stored."""
+    def commit(self, lease_id: bytes, owner: str = "", checksums: Sequence[int] | None = None
+               ) -> int:
+        """Make a write lease's blocks visible at once; returns the blocks newly stored.
+        ``checksums``: one per written block, in ``write_indices`` order (``tierkv.checksums``
+        of the bytes written); ``IntegrityError`` and nothing stored when the pages differ."""
         self._check_open()
-        return self._leases.commit(lease_id, owner)
+        return self._leases.commit(lease_id, owner, checksums)
+
+    def _check_slab(self, slab_id: bytes) -> None:
+        if slab_id and slab_id != self._host.slab_id:
+            raise StaleSlabError(
+                "the lease names a slab this server does not have: the client's mapping is of "
+                "an earlier server; describe the server again and remap"
+            )
 
     def abort(self, lease_id: bytes, owner: str = "") -> None:
         """Drop a write lease: none of its blocks becomes visible."""
@@ -293,6 +359,7 @@ class TieredStore(AsyncMethods):
         core = self._core
         num_pinned = 0
         with core.lock:
+            core.expire_pins_locked()  # expired pins go now, not only under eviction
             for key in keys:
                 entry = state.blocks.get(key)
                 if entry is None:
@@ -309,6 +376,7 @@ class TieredStore(AsyncMethods):
         core = self._core
         num_unpinned = 0
         with core.lock:
+            core.expire_pins_locked()
             for key in keys:
                 entry = state.blocks.get(key)
                 if entry is None or entry not in core.pins:
@@ -346,9 +414,28 @@ class TieredStore(AsyncMethods):
         return self._reader.wait_for_background(timeout_s)
 
     def stats(self) -> StoreStats:
-        """A consistent snapshot of every tier's bytes, blocks and counters."""
+        """A consistent snapshot of every tier's bytes, blocks and counters (``num_pinned``
+        counts only pins that have not expired)."""
         self._check_open()
+        with self._core.lock:
+            self._core.expire_pins_locked()
         return snapshot(self._core)
+
+    @property
+    def host_slab_id(self) -> bytes:
+        """The HOST slab's identity: new for every store (leases name it)."""
+        return self._host.slab_id
+
+    @property
+    def client_lock_prefix(self) -> str:
+        """Same-host clients hold ``/dev/shm/<this><client id>`` locked while they map the slab
+        (``tierkv.store.liveness``)."""
+        return f"{self._host.shm_name}-client-"
+
+    @property
+    def num_quarantined_pages(self) -> int:
+        """HOST pages held back from expired write leases of clients that are still alive."""
+        return self._leases.num_quarantined_pages
 
     @property
     def host_shm_name(self) -> str:

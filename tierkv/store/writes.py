@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from tierkv.checksums import block_checksums
 from tierkv.config import Priority, Tier, WritePolicy
 from tierkv.errors import TierKVError
 from tierkv.paging import Location
@@ -63,6 +64,7 @@ class Writer:
         block_bytes = state.block_bytes
         plan = self.plan(state, keys, priority, policy, target)
         locations: list[Location] = []
+        checksums: dict[int, int] = {}
         if plan.new_indices:
             locations = self.mover.reserve_pages(
                 target, [block_bytes] * len(plan.new_indices), plan.own
@@ -72,6 +74,8 @@ class Writer:
                 slab = core.paged[target].slab
                 spans = slab.plan(locations, block_bytes, plan.new_indices)
                 core.engine.copy(lambda nb: slab.write(spans, flat, nb), slab.device, flat.device)
+                if target is Tier.HOST:
+                    checksums = self._host_checksums(flat, block_bytes, plan.new_indices, locations)
             if plan.disk_indices:
                 array = (flat if flat.device.type == "cpu" else flat.cpu()).numpy()
                 self.write_records(
@@ -83,7 +87,19 @@ class Writer:
                     core.release_pages_locked(target, location)
             raise
         return self.publish(state, keys, priority, target, plan,
-                            dict(zip(plan.new_indices, locations, strict=True)))
+                            dict(zip(plan.new_indices, locations, strict=True)), checksums)
+
+    def _host_checksums(
+        self, flat: torch.Tensor, block_bytes: int, indices: list[int], locations: list[Location]
+    ) -> dict[int, int]:
+        """The checksums of the blocks just copied into HOST: of the caller's bytes when they
+        are on the CPU (the writer's bytes), else of the pages."""
+        if flat.device.type == "cpu":
+            values = block_checksums(flat, block_bytes, indices)
+        else:
+            slab = self.core.paged[Tier.HOST].slab
+            values = [slab.checksum(location, block_bytes) for location in locations]
+        return dict(zip(indices, values, strict=True))
 
     def plan(
         self, state: NamespaceState, keys: list[bytes], priority: Priority,
@@ -152,11 +168,12 @@ class Writer:
 
     def publish(
         self, state: NamespaceState, keys: list[bytes], priority: Priority, target: Tier,
-        plan: PutPlan, locations: dict[int, Location],
+        plan: PutPlan, locations: dict[int, Location], checksums: dict[int, int],
     ) -> int:
-        """Make a put visible: link the copies in ``target`` (``locations`` by block index; room
-        reserved for blocks another put stored meanwhile is given back) and, when the plan wrote
-        records, on disk. Returns the blocks newly stored in ``target``."""
+        """Make a put visible: link the copies in ``target`` (``locations`` by block index, with
+        their ``checksums`` in HOST; room reserved for blocks another put stored meanwhile is
+        given back) and, when the plan wrote records, on disk. Returns the blocks newly stored
+        in ``target``."""
         core = self.core
         with core.lock:
             core.counters.puts += 1
@@ -164,7 +181,8 @@ class Writer:
             for index, location in locations.items():
                 existing = state.blocks.get(keys[index])
                 if index in plan.new_set and (existing is None or existing.residency(target) is None):
-                    core.link_locked(self._entry_locked(state, keys[index], priority), target, location)
+                    core.link_locked(self._entry_locked(state, keys[index], priority), target,
+                                     location, checksums.get(index))
                     num_stored += 1
                 else:  # a concurrent put of the same key won, or only its record was wanted
                     core.release_pages_locked(target, location)

@@ -11,6 +11,7 @@ from collections.abc import Sequence
 
 import torch
 
+from tierkv.checksums import checksum, checksum_of_parts
 from tierkv.paging import Location, iter_extents
 
 # (slab byte offset, buffer byte offset, length)
@@ -89,6 +90,18 @@ class PagedSlab:
         ((start, _),) = iter_extents(location)
         offset = start * self.page_bytes
         return self.tensor[offset : offset + block_bytes]
+
+    def checksum(self, location: Location, block_bytes: int) -> int:
+        """The checksum (``tierkv.checksums``) of the block at ``location`` (CPU slabs only)."""
+        array = self.tensor.numpy()
+        parts = []
+        remaining = block_bytes
+        for start, count in iter_extents(location):
+            length = min(remaining, count * self.page_bytes)
+            offset = start * self.page_bytes
+            parts.append(array[offset : offset + length])
+            remaining -= length
+        return checksum(parts[0]) if len(parts) == 1 else checksum_of_parts(parts)
 
     def close(self) -> None:
         """Release the slab's memory (subclasses release what they mapped)."""

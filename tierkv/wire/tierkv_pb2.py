@@ -24,19 +24,19 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16tierkv/v1/tierkv.proto\x12\ttierkv.v1\"\x9e\x01\n\tNamespace\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x12\n\nnum_layers\x18\x02 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x03 \x01(\r\x12\x10\n\x08head_dim\x18\x04 \x01(\r\x12\x12\n\nblock_size\x18\x05 \x01(\r\x12\r\n\x05\x64type\x18\x06 \x01(\t\x12\x0f\n\x07tp_rank\x18\x07 \x01(\r\x12\x0f\n\x07tp_size\x18\x08 \x01(\r\"H\n\rBlocksRequest\x12\'\n\tnamespace\x18\x01 \x01(\x0b\x32\x14.tierkv.v1.Namespace\x12\x0e\n\x06hashes\x18\x02 \x03(\x0c\"\x1e\n\rCountResponse\x12\r\n\x05\x63ount\x18\x01 \x01(\r\"m\n\rLookupRequest\x12\'\n\tnamespace\x18\x01 \x01(\x0b\x32\x14.tierkv.v1.Namespace\x12\x0e\n\x06hashes\x18\x02 \x03(\x0c\x12\x10\n\x08prefetch\x18\x03 \x01(\x08\x12\x11\n\tpin_ttl_s\x18\x04 \x01(\x01\"m\n\x0eLookupResponse\x12\x12\n\nnum_cached\x18\x01 \x01(\r\x12\x0f\n\x07num_gpu\x18\x02 \x01(\r\x12\x10\n\x08num_host\x18\x03 \x01(\r\x12\x10\n\x08num_disk\x18\x04 \x01(\r\x12\x12\n\nnum_pinned\x18\x05 \x01(\r\"T\n\nPinRequest\x12\'\n\tnamespace\x18\x01 \x01(\x0b\x32\x14.tierkv.v1.Namespace\x12\x0e\n\x06hashes\x18\x02 \x03(\x0c\x12\r\n\x05ttl_s\x18\x03 \x01(\x01\"\x99\x01\n\tPutHeader\x12\'\n\tnamespace\x18\x01 \x01(\x0b\x32\x14.tierkv.v1.Namespace\x12\x0e\n\x06hashes\x18\x02 \x03(\x0c\x12,\n\x0cwrite_policy\x18\x03 \x01(\x0e\x32\x16.tierkv.v1.WritePolicy\x12%\n\x08priority\x18\x04 \x01(\x0e\x32\x13.tierkv.v1.Priority\">\n\x08PutChunk\x12$\n\x06header\x18\x01 \x01(\x0b\x32\x14.tierkv.v1.PutHeader\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\",\n\x08GetChunk\x12\x12\n\nnum_blocks\x18\x01 \x01(\r\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\"(\n\x06\x45xtent\x12\x0e\n\x06offset\x18\x01 \x01(\x04\x12\x0e\n\x06length\x18\x02 \x01(\x04\"2\n\x0c\x42lockExtents\x12\"\n\x07\x65xtents\x18\x01 \x03(\x0b\x32\x11.tierkv.v1.Extent\"^\n\x0e\x41\x63quireRequest\x12\'\n\tnamespace\x18\x01 \x01(\x0b\x32\x14.tierkv.v1.Namespace\x12\x0e\n\x06hashes\x18\x02 \x03(\x0c\x12\x13\n\x0blease_ttl_s\x18\x03 \x01(\x01\"\xb4\x01\n\x0f\x41llocateRequest\x12\'\n\tnamespace\x18\x01 \x01(\x0b\x32\x14.tierkv.v1.Namespace\x12\x0e\n\x06hashes\x18\x02 \x03(\x0c\x12,\n\x0cwrite_policy\x18\x03 \x01(\x0e\x32\x16.tierkv.v1.WritePolicy\x12%\n\x08priority\x18\x04 \x01(\x0e\x32\x13.tierkv.v1.Priority\x12\x13\n\x0blease_ttl_s\x18\x05 \x01(\x01\"\x9f\x01\n\rLeaseResponse\x12\x10\n\x08lease_id\x18\x01 \x01(\x0c\x12\x12\n\nnum_blocks\x18\x02 \x01(\r\x12\'\n\x06\x62locks\x18\x03 \x03(\x0b\x32\x17.tierkv.v1.BlockExtents\x12\x15\n\rwrite_indices\x18\x04 \x03(\r\x12\x14\n\x0c\x65xpires_in_s\x18\x05 \x01(\x01\x12\x12\n\nnum_cached\x18\x06 \x01(\r\" \n\x0cLeaseRequest\x12\x10\n\x08lease_id\x18\x01 \x01(\x0c\"\x13\n\x11LeaseDoneResponse\"\x0e\n\x0cStatsRequest\"\xb7\x01\n\tTierStats\x12\x0c\n\x04tier\x18\x01 \x01(\t\x12\x16\n\x0e\x63\x61pacity_bytes\x18\x02 \x01(\x04\x12\x12\n\nused_bytes\x18\x03 \x01(\x04\x12\x12\n\nnum_blocks\x18\x04 \x01(\x04\x12\x0c\n\x04hits\x18\x05 \x01(\x04\x12\x0e\n\x06misses\x18\x06 \x01(\x04\x12\x11\n\tevictions\x18\x07 \x01(\x04\x12\x15\n\rpromotions_in\x18\x08 \x01(\x04\x12\x14\n\x0c\x64\x65motions_in\x18\t \x01(\x04\"\xec\x01\n\rStatsResponse\x12#\n\x05tiers\x18\x01 \x03(\x0b\x32\x14.tierkv.v1.TierStats\x12\x16\n\x0enum_namespaces\x18\x02 \x01(\x04\x12\x12\n\nnum_pinned\x18\x03 \x01(\x04\x12\x12\n\npromotions\x18\x04 \x01(\x04\x12\x11\n\tdemotions\x18\x05 \x01(\x04\x12\x18\n\x10\x66\x61iled_demotions\x18\x06 \x01(\x04\x12\x19\n\x11\x63hecksum_failures\x18\x07 \x01(\x04\x12\x0c\n\x04puts\x18\x08 \x01(\x04\x12\x0c\n\x04gets\x18\t \x01(\x04\x12\x12\n\nnum_leases\x18\n \x01(\x04\"\x11\n\x0f\x44\x65scribeRequest\"\xec\x01\n\x10\x44\x65scribeResponse\x12\x0f\n\x07version\x18\x01 \x01(\t\x12\x10\n\x08shm_name\x18\x02 \x01(\t\x12\x16\n\x0eshm_size_bytes\x18\x03 \x01(\x04\x12\x12\n\npage_bytes\x18\x04 \x01(\x04\x12\x0f\n\x07host_id\x18\x05 \x01(\t\x12\x1b\n\x13max_hashes_per_call\x18\x06 \x01(\r\x12\x17\n\x0fmax_chunk_bytes\x18\x07 \x01(\r\x12\x11\n\thash_seed\x18\x08 \x01(\t\x12\x19\n\x11presence_shm_name\x18\t \x01(\t\x12\x14\n\x0cpresence_key\x18\n \x01(\x0c\"s\n\x12SaveSessionRequest\x12\'\n\tnamespace\x18\x01 \x01(\x0b\x32\x14.tierkv.v1.Namespace\x12\x12\n\nsession_id\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12\r\n\x05ttl_s\x18\x04 \x01(\x01\")\n\x13SaveSessionResponse\x12\x12\n\nnum_tokens\x18\x01 \x01(\r\"$\n\x0eSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"n\n\x15ResumeSessionResponse\x12\'\n\tnamespace\x18\x01 \x01(\x0b\x32\x14.tierkv.v1.Namespace\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x19\n\x11num_cached_tokens\x18\x03 \x01(\r\"(\n\x15\x44\x65leteSessionResponse\x12\x0f\n\x07\x64\x65leted\x18\x01 \x01(\x08\"\x15\n\x13ListSessionsRequest\"`\n\x0bSessionInfo\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x10\n\x08model_id\x18\x02 \x01(\t\x12\x12\n\nnum_tokens\x18\x03 \x01(\r\x12\x17\n\x0flast_use_unix_s\x18\x04 \x01(\x01\"@\n\x14ListSessionsResponse\x12(\n\x08sessions\x18\x01 \x03(\x0b\x32\x16.tierkv.v1.SessionInfo*H\n\x04Tier\x12\x14\n\x10TIER_UNSPECIFIED\x10\x00\x12\x0c\n\x08TIER_GPU\x10\x01\x12\r\n\tTIER_HOST\x10\x02\x12\r\n\tTIER_DISK\x10\x03*h\n\x0bWritePolicy\x12\x1c\n\x18WRITE_POLICY_UNSPECIFIED\x10\x00\x12\x1b\n\x17WRITE_POLICY_WRITE_BACK\x10\x01\x12\x1e\n\x1aWRITE_POLICY_WRITE_THROUGH\x10\x02*t\n\x08Priority\x12\x18\n\x14PRIORITY_UNSPECIFIED\x10\x00\x12\x10\n\x0cPRIORITY_LOW\x10\x01\x12\x13\n\x0fPRIORITY_NORMAL\x10\x02\x12\x11\n\rPRIORITY_HIGH\x10\x03\x12\x14\n\x10PRIORITY_SESSION\x10\x04\x32\xe7\x08\n\x06TierKV\x12\x43\n\x08\x44\x65scribe\x12\x1a.tierkv.v1.DescribeRequest\x1a\x1b.tierkv.v1.DescribeResponse\x12=\n\x06Lookup\x12\x18.tierkv.v1.LookupRequest\x1a\x19.tierkv.v1.LookupResponse\x12\x36\n\x03Pin\x12\x15.tierkv.v1.PinRequest\x1a\x18.tierkv.v1.CountResponse\x12;\n\x05Unpin\x12\x18.tierkv.v1.BlocksRequest\x1a\x18.tierkv.v1.CountResponse\x12<\n\x06\x44\x65lete\x12\x18.tierkv.v1.BlocksRequest\x1a\x18.tierkv.v1.CountResponse\x12:\n\x05Stats\x12\x17.tierkv.v1.StatsRequest\x1a\x18.tierkv.v1.StatsResponse\x12\x36\n\x03Put\x12\x13.tierkv.v1.PutChunk\x1a\x18.tierkv.v1.CountResponse(\x01\x12\x36\n\x03Get\x12\x18.tierkv.v1.BlocksRequest\x1a\x13.tierkv.v1.GetChunk0\x01\x12>\n\x07\x41\x63quire\x12\x19.tierkv.v1.AcquireRequest\x1a\x18.tierkv.v1.LeaseResponse\x12@\n\x07Release\x12\x17.tierkv.v1.LeaseRequest\x1a\x1c.tierkv.v1.LeaseDoneResponse\x12@\n\x08\x41llocate\x12\x1a.tierkv.v1.AllocateRequest\x1a\x18.tierkv.v1.LeaseResponse\x12;\n\x06\x43ommit\x12\x17.tierkv.v1.LeaseRequest\x1a\x18.tierkv.v1.CountResponse\x12>\n\x05\x41\x62ort\x12\x17.tierkv.v1.LeaseRequest\x1a\x1c.tierkv.v1.LeaseDoneResponse\x12L\n\x0bSaveSession\x12\x1d.tierkv.v1.SaveSessionRequest\x1a\x1e.tierkv.v1.SaveSessionResponse\x12L\n\rResumeSession\x12\x19.tierkv.v1.SessionRequest\x1a .tierkv.v1.ResumeSessionResponse\x12L\n\rDeleteSession\x12\x19.tierkv.v1.SessionRequest\x1a .tierkv.v1.DeleteSessionResponse\x12O\n\x0cListSessions\x12\x1e.tierkv.v1.ListSessionsRequest\x1a\x1f.tierkv.v1.ListSessionsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16tierkv/v1/tierkv.proto\x12\ttierkv.v1\"\x9e\x01\n\tNamespace\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x12\n\nnum_layers\x18\x02 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x03 \x01(\r\x12\x10\n\x08head_dim\x18\x04 \x01(\r\x12\x12\n\nblock_size\x18\x05 \x01(\r\x12\r\n\x05\x64type\x18\x06 \x01(\t\x12\x0f\n\x07tp_rank\x18\x07 \x01(\r\x12\x0f\n\x07tp_size\x18\x08 \x01(\r\"H\n\rBlocksRequest\x12\'\n\tnamespace\x18\x01 \x01(\x0b\x32\x14.tierkv.v1.Namespace\x12\x0e\n\x06hashes\x18\x02 \x03(\x0c\"\x1e\n\rCountResponse\x12\r\n\x05\x63ount\x18\x01 \x01(\r\"m\n\rLookupRequest\x12\'\n\tnamespace\x18\x01 \x01(\x0b\x32\x14.tierkv.v1.Namespace\x12\x0e\n\x06hashes\x18\x02 \x03(\x0c\x12\x10\n\x08prefetch\x18\x03 \x01(\x08\x12\x11\n\tpin_ttl_s\x18\x04 \x01(\x01\"m\n\x0eLookupResponse\x12\x12\n\nnum_cached\x18\x01 \x01(\r\x12\x0f\n\x07num_gpu\x18\x02 \x01(\r\x12\x10\n\x08num_host\x18\x03 \x01(\r\x12\x10\n\x08num_disk\x18\x04 \x01(\r\x12\x12\n\nnum_pinned\x18\x05 \x01(\r\"T\n\nPinRequest\x12\'\n\tnamespace\x18\x01 \x01(\x0b\x32\x14.tierkv.v1.Namespace\x12\x0e\n\x06hashes\x18\x02 \x03(\x0c\x12\r\n\x05ttl_s\x18\x03 \x01(\x01\"\x99\x01\n\tPutHeader\x12\'\n\tnamespace\x18\x01 \x01(\x0b\x32\x14.tierkv.v1.Namespace\x12\x0e\n\x06hashes\x18\x02 \x03(\x0c\x12,\n\x0cwrite_policy\x18\x03 \x01(\x0e\x32\x16.tierkv.v1.WritePolicy\x12%\n\x08priority\x18\x04 \x01(\x0e\x32\x13.tierkv.v1.Priority\">\n\x08PutChunk\x12$\n\x06header\x18\x01 \x01(\x0b\x32\x14.tierkv.v1.PutHeader\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\",\n\x08GetChunk\x12\x12\n\nnum_blocks\x18\x01 \x01(\r\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\"(\n\x06\x45xtent\x12\x0e\n\x06offset\x18\x01 \x01(\x04\x12\x0e\n\x06length\x18\x02 \x01(\x04\"2\n\x0c\x42lockExtents\x12\"\n\x07\x65xtents\x18\x01 \x03(\x0b\x32\x11.tierkv.v1.Extent\"o\n\x0e\x41\x63quireRequest\x12\'\n\tnamespace\x18\x01 \x01(\x0b\x32\x14.tierkv.v1.Namespace\x12\x0e\n\x06hashes\x18\x02 \x03(\x0c\x12\x13\n\x0blease_ttl_s\x18\x03 \x01(\x01\x12\x0f\n\x07slab_id\x18\x04 \x01(\x0c\"\xc5\x01\n\x0f\x41llocateRequest\x12\'\n\tnamespace\x18\x01 \x01(\x0b\x32\x14.tierkv.v1.Namespace\x12\x0e\n\x06hashes\x18\x02 \x03(\x0c\x12,\n\x0cwrite_policy\x18\x03 \x01(\x0e\x32\x16.tierkv.v1.WritePolicy\x12%\n\x08priority\x18\x04 \x01(\x0e\x32\x13.tierkv.v1.Priority\x12\x13\n\x0blease_ttl_s\x18\x05 \x01(\x01\x12\x0f\n\x07slab_id\x18\x06 \x01(\x0c\"\xc3\x01\n\rLeaseResponse\x12\x10\n\x08lease_id\x18\x01 \x01(\x0c\x12\x12\n\nnum_blocks\x18\x02 \x01(\r\x12\'\n\x06\x62locks\x18\x03 \x03(\x0b\x32\x17.tierkv.v1.BlockExtents\x12\x15\n\rwrite_indices\x18\x04 \x03(\r\x12\x14\n\x0c\x65xpires_in_s\x18\x05 \x01(\x01\x12\x12\n\nnum_cached\x18\x06 \x01(\r\x12\x0f\n\x07slab_id\x18\x07 \x01(\x0c\x12\x11\n\tchecksums\x18\x08 \x03(\x06\"L\n\x0cLeaseRequest\x12\x10\n\x08lease_id\x18\x01 \x01(\x0c\x12\x11\n\tchecksums\x18\x02 \x03(\x06\x12\x17\n\x0f\x63orrupt_indices\x18\x03 \x03(\r\"\x13\n\x11LeaseDoneResponse\"\x0e\n\x0cStatsRequest\"\xb7\x01\n\tTierStats\x12\x0c\n\x04tier\x18\x01 \x01(\t\x12\x16\n\x0e\x63\x61pacity_bytes\x18\x02 \x01(\x04\x12\x12\n\nused_bytes\x18\x03 \x01(\x04\x12\x12\n\nnum_blocks\x18\x04 \x01(\x04\x12\x0c\n\x04hits\x18\x05 \x01(\x04\x12\x0e\n\x06misses\x18\x06 \x01(\x04\x12\x11\n\tevictions\x18\x07 \x01(\x04\x12\x15\n\rpromotions_in\x18\x08 \x01(\x04\x12\x14\n\x0c\x64\x65motions_in\x18\t \x01(\x04\"\xec\x01\n\rStatsResponse\x12#\n\x05tiers\x18\x01 \x03(\x0b\x32\x14.tierkv.v1.TierStats\x12\x16\n\x0enum_namespaces\x18\x02 \x01(\x04\x12\x12\n\nnum_pinned\x18\x03 \x01(\x04\x12\x12\n\npromotions\x18\x04 \x01(\x04\x12\x11\n\tdemotions\x18\x05 \x01(\x04\x12\x18\n\x10\x66\x61iled_demotions\x18\x06 \x01(\x04\x12\x19\n\x11\x63hecksum_failures\x18\x07 \x01(\x04\x12\x0c\n\x04puts\x18\x08 \x01(\x04\x12\x0c\n\x04gets\x18\t \x01(\x04\x12\x12\n\nnum_leases\x18\n \x01(\x04\"\x11\n\x0f\x44\x65scribeRequest\"\x99\x02\n\x10\x44\x65scribeResponse\x12\x0f\n\x07version\x18\x01 \x01(\t\x12\x10\n\x08shm_name\x18\x02 \x01(\t\x12\x16\n\x0eshm_size_bytes\x18\x03 \x01(\x04\x12\x12\n\npage_bytes\x18\x04 \x01(\x04\x12\x0f\n\x07host_id\x18\x05 \x01(\t\x12\x1b\n\x13max_hashes_per_call\x18\x06 \x01(\r\x12\x17\n\x0fmax_chunk_bytes\x18\x07 \x01(\r\x12\x11\n\thash_seed\x18\x08 \x01(\t\x12\x19\n\x11presence_shm_name\x18\t \x01(\t\x12\x14\n\x0cpresence_key\x18\n \x01(\x0c\x12\x0f\n\x07slab_id\x18\x0b \x01(\x0c\x12\x1a\n\x12\x63lient_lock_prefix\x18\x0c \x01(\t\"s\n\x12SaveSessionRequest\x12\'\n\tnamespace\x18\x01 \x01(\x0b\x32\x14.tierkv.v1.Namespace\x12\x12\n\nsession_id\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12\r\n\x05ttl_s\x18\x04 \x01(\x01\")\n\x13SaveSessionResponse\x12\x12\n\nnum_tokens\x18\x01 \x01(\r\"$\n\x0eSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"n\n\x15ResumeSessionResponse\x12\'\n\tnamespace\x18\x01 \x01(\x0b\x32\x14.tierkv.v1.Namespace\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x19\n\x11num_cached_tokens\x18\x03 \x01(\r\"(\n\x15\x44\x65leteSessionResponse\x12\x0f\n\x07\x64\x65leted\x18\x01 \x01(\x08\"\x15\n\x13ListSessionsRequest\"`\n\x0bSessionInfo\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x10\n\x08model_id\x18\x02 \x01(\t\x12\x12\n\nnum_tokens\x18\x03 \x01(\r\x12\x17\n\x0flast_use_unix_s\x18\x04 \x01(\x01\"@\n\x14ListSessionsResponse\x12(\n\x08sessions\x18\x01 \x03(\x0b\x32\x16.tierkv.v1.SessionInfo*H\n\x04Tier\x12\x14\n\x10TIER_UNSPECIFIED\x10\x00\x12\x0c\n\x08TIER_GPU\x10\x01\x12\r\n\tTIER_HOST\x10\x02\x12\r\n\tTIER_DISK\x10\x03*h\n\x0bWritePolicy\x12\x1c\n\x18WRITE_POLICY_UNSPECIFIED\x10\x00\x12\x1b\n\x17WRITE_POLICY_WRITE_BACK\x10\x01\x12\x1e\n\x1aWRITE_POLICY_WRITE_THROUGH\x10\x02*t\n\x08Priority\x12\x18\n\x14PRIORITY_UNSPECIFIED\x10\x00\x12\x10\n\x0cPRIORITY_LOW\x10\x01\x12\x13\n\x0fPRIORITY_NORMAL\x10\x02\x12\x11\n\rPRIORITY_HIGH\x10\x03\x12\x14\n\x10PRIORITY_SESSION\x10\x04\x32\xe7\x08\n\x06TierKV\x12\x43\n\x08\x44\x65scribe\x12\x1a.tierkv.v1.DescribeRequest\x1a\x1b.tierkv.v1.DescribeResponse\x12=\n\x06Lookup\x12\x18.tierkv.v1.LookupRequest\x1a\x19.tierkv.v1.LookupResponse\x12\x36\n\x03Pin\x12\x15.tierkv.v1.PinRequest\x1a\x18.tierkv.v1.CountResponse\x12;\n\x05Unpin\x12\x18.tierkv.v1.BlocksRequest\x1a\x18.tierkv.v1.CountResponse\x12<\n\x06\x44\x65lete\x12\x18.tierkv.v1.BlocksRequest\x1a\x18.tierkv.v1.CountResponse\x12:\n\x05Stats\x12\x17.tierkv.v1.StatsRequest\x1a\x18.tierkv.v1.StatsResponse\x12\x36\n\x03Put\x12\x13.tierkv.v1.PutChunk\x1a\x18.tierkv.v1.CountResponse(\x01\x12\x36\n\x03Get\x12\x18.tierkv.v1.BlocksRequest\x1a\x13.tierkv.v1.GetChunk0\x01\x12>\n\x07\x41\x63quire\x12\x19.tierkv.v1.AcquireRequest\x1a\x18.tierkv.v1.LeaseResponse\x12@\n\x07Release\x12\x17.tierkv.v1.LeaseRequest\x1a\x1c.tierkv.v1.LeaseDoneResponse\x12@\n\x08\x41llocate\x12\x1a.tierkv.v1.AllocateRequest\x1a\x18.tierkv.v1.LeaseResponse\x12;\n\x06\x43ommit\x12\x17.tierkv.v1.LeaseRequest\x1a\x18.tierkv.v1.CountResponse\x12>\n\x05\x41\x62ort\x12\x17.tierkv.v1.LeaseRequest\x1a\x1c.tierkv.v1.LeaseDoneResponse\x12L\n\x0bSaveSession\x12\x1d.tierkv.v1.SaveSessionRequest\x1a\x1e.tierkv.v1.SaveSessionResponse\x12L\n\rResumeSession\x12\x19.tierkv.v1.SessionRequest\x1a .tierkv.v1.ResumeSessionResponse\x12L\n\rDeleteSession\x12\x19.tierkv.v1.SessionRequest\x1a .tierkv.v1.DeleteSessionResponse\x12O\n\x0cListSessions\x12\x1e.tierkv.v1.ListSessionsRequest\x1a\x1f.tierkv.v1.ListSessionsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'tierkv.v1.tierkv_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_TIER']._serialized_start=2706
-  _globals['_TIER']._serialized_end=2778
-  _globals['_WRITEPOLICY']._serialized_start=2780
-  _globals['_WRITEPOLICY']._serialized_end=2884
-  _globals['_PRIORITY']._serialized_start=2886
-  _globals['_PRIORITY']._serialized_end=3002
+  _globals['_TIER']._serialized_start=2865
+  _globals['_TIER']._serialized_end=2937
+  _globals['_WRITEPOLICY']._serialized_start=2939
+  _globals['_WRITEPOLICY']._serialized_end=3043
+  _globals['_PRIORITY']._serialized_start=3045
+  _globals['_PRIORITY']._serialized_end=3161
   _globals['_NAMESPACE']._serialized_start=38
   _globals['_NAMESPACE']._serialized_end=196
   _globals['_BLOCKSREQUEST']._serialized_start=198
@@ -60,41 +60,41 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_BLOCKEXTENTS']._serialized_start=920
   _globals['_BLOCKEXTENTS']._serialized_end=970
   _globals['_ACQUIREREQUEST']._serialized_start=972
-  _globals['_ACQUIREREQUEST']._serialized_end=1066
-  _globals['_ALLOCATEREQUEST']._serialized_start=1069
-  _globals['_ALLOCATEREQUEST']._serialized_end=1249
-  _globals['_LEASERESPONSE']._serialized_start=1252
-  _globals['_LEASERESPONSE']._serialized_end=1411
-  _globals['_LEASEREQUEST']._serialized_start=1413
-  _globals['_LEASEREQUEST']._serialized_end=1445
-  _globals['_LEASEDONERESPONSE']._serialized_start=1447
-  _globals['_LEASEDONERESPONSE']._serialized_end=1466
-  _globals['_STATSREQUEST']._serialized_start=1468
-  _globals['_STATSREQUEST']._serialized_end=1482
-  _globals['_TIERSTATS']._serialized_start=1485
-  _globals['_TIERSTATS']._serialized_end=1668
-  _globals['_STATSRESPONSE']._serialized_start=1671
-  _globals['_STATSRESPONSE']._serialized_end=1907
-  _globals['_DESCRIBEREQUEST']._serialized_start=1909
-  _globals['_DESCRIBEREQUEST']._serialized_end=1926
-  _globals['_DESCRIBERESPONSE']._serialized_start=1929
-  _globals['_DESCRIBERESPONSE']._serialized_end=2165
-  _globals['_SAVESESSIONREQUEST']._serialized_start=2167
-  _globals['_SAVESESSIONREQUEST']._serialized_end=2282
-  _globals['_SAVESESSIONRESPONSE']._serialized_start=2284
-  _globals['_SAVESESSIONRESPONSE']._serialized_end=2325
-  _globals['_SESSIONREQUEST']._serialized_start=2327
-  _globals['_SESSIONREQUEST']._serialized_end=2363
-  _globals['_RESUMESESSIONRESPONSE']._serialized_start=2365
-  _globals['_RESUMESESSIONRESPONSE']._serialized_end=2475
-  _globals['_DELETESESSIONRESPONSE']._serialized_start=2477
-  _globals['_DELETESESSIONRESPONSE']._serialized_end=2517
-  _globals['_LISTSESSIONSREQUEST']._serialized_start=2519
-  _globals['_LISTSESSIONSREQUEST']._serialized_end=2540
-  _globals['_SESSIONINFO']._serialized_start=2542
-  _globals['_SESSIONINFO']._serialized_end=2638
-  _globals['_LISTSESSIONSRESPONSE']._serialized_start=2640
-  _globals['_LISTSESSIONSRESPONSE']._serialized_end=2704
-  _globals['_TIERKV']._serialized_start=3005
-  _globals['_TIERKV']._serialized_end=4132
+  _globals['_ACQUIREREQUEST']._serialized_end=1083
+  _globals['_ALLOCATEREQUEST']._serialized_start=1086
+  _globals['_ALLOCATEREQUEST']._serialized_end=1283
+  _globals['_LEASERESPONSE']._serialized_start=1286
+  _globals['_LEASERESPONSE']._serialized_end=1481
+  _globals['_LEASEREQUEST']._serialized_start=1483
+  _globals['_LEASEREQUEST']._serialized_end=1559
+  _globals['_LEASEDONERESPONSE']._serialized_start=1561
+  _globals['_LEASEDONERESPONSE']._serialized_end=1580
+  _globals['_STATSREQUEST']._serialized_start=1582
+  _globals['_STATSREQUEST']._serialized_end=1596
+  _globals['_TIERSTATS']._serialized_start=1599
+  _globals['_TIERSTATS']._serialized_end=1782
+  _globals['_STATSRESPONSE']._serialized_start=1785
+  _globals['_STATSRESPONSE']._serialized_end=2021
+  _globals['_DESCRIBEREQUEST']._serialized_start=2023
+  _globals['_DESCRIBEREQUEST']._serialized_end=2040
+  _globals['_DESCRIBERESPONSE']._serialized_start=2043
+  _globals['_DESCRIBERESPONSE']._serialized_end=2324
+  _globals['_SAVESESSIONREQUEST']._serialized_start=2326
+  _globals['_SAVESESSIONREQUEST']._serialized_end=2441
+  _globals['_SAVESESSIONRESPONSE']._serialized_start=2443
+  _globals['_SAVESESSIONRESPONSE']._serialized_end=2484
+  _globals['_SESSIONREQUEST']._serialized_start=2486
+  _globals['_SESSIONREQUEST']._serialized_end=2522
+  _globals['_RESUMESESSIONRESPONSE']._serialized_start=2524
+  _globals['_RESUMESESSIONRESPONSE']._serialized_end=2634
+  _globals['_DELETESESSIONRESPONSE']._serialized_start=2636
+  _globals['_DELETESESSIONRESPONSE']._serialized_end=2676
+  _globals['_LISTSESSIONSREQUEST']._serialized_start=2678
+  _globals['_LISTSESSIONSREQUEST']._serialized_end=2699
+  _globals['_SESSIONINFO']._serialized_start=2701
+  _globals['_SESSIONINFO']._serialized_end=2797
+  _globals['_LISTSESSIONSRESPONSE']._serialized_start=2799
+  _globals['_LISTSESSIONSRESPONSE']._serialized_end=2863
+  _globals['_TIERKV']._serialized_start=3164
+  _globals['_TIERKV']._serialized_end=4291
 # @@protoc_insertion_point(module_scope)

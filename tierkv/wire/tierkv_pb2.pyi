@@ -153,50 +153,62 @@ class BlockExtents(_message.Message):
     def __init__(self, extents: _Optional[_Iterable[_Union[Extent, _Mapping]]] = ...) -> None: ...
 
 class AcquireRequest(_message.Message):
-    __slots__ = ("namespace", "hashes", "lease_ttl_s")
+    __slots__ = ("namespace", "hashes", "lease_ttl_s", "slab_id")
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     HASHES_FIELD_NUMBER: _ClassVar[int]
     LEASE_TTL_S_FIELD_NUMBER: _ClassVar[int]
+    SLAB_ID_FIELD_NUMBER: _ClassVar[int]
     namespace: Namespace
     hashes: _containers.RepeatedScalarFieldContainer[bytes]
     lease_ttl_s: float
-    def __init__(self, namespace: _Optional[_Union[Namespace, _Mapping]] = ..., hashes: _Optional[_Iterable[bytes]] = ..., lease_ttl_s: _Optional[float] = ...) -> None: ...
+    slab_id: bytes
+    def __init__(self, namespace: _Optional[_Union[Namespace, _Mapping]] = ..., hashes: _Optional[_Iterable[bytes]] = ..., lease_ttl_s: _Optional[float] = ..., slab_id: _Optional[bytes] = ...) -> None: ...
 
 class AllocateRequest(_message.Message):
-    __slots__ = ("namespace", "hashes", "write_policy", "priority", "lease_ttl_s")
+    __slots__ = ("namespace", "hashes", "write_policy", "priority", "lease_ttl_s", "slab_id")
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     HASHES_FIELD_NUMBER: _ClassVar[int]
     WRITE_POLICY_FIELD_NUMBER: _ClassVar[int]
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
     LEASE_TTL_S_FIELD_NUMBER: _ClassVar[int]
+    SLAB_ID_FIELD_NUMBER: _ClassVar[int]
     namespace: Namespace
     hashes: _containers.RepeatedScalarFieldContainer[bytes]
     write_policy: WritePolicy
     priority: Priority
     lease_ttl_s: float
-    def __init__(self, namespace: _Optional[_Union[Namespace, _Mapping]] = ..., hashes: _Optional[_Iterable[bytes]] = ..., write_policy: _Optional[_Union[WritePolicy, str]] = ..., priority: _Optional[_Union[Priority, str]] = ..., lease_ttl_s: _Optional[float] = ...) -> None: ...
+    slab_id: bytes
+    def __init__(self, namespace: _Optional[_Union[Namespace, _Mapping]] = ..., hashes: _Optional[_Iterable[bytes]] = ..., write_policy: _Optional[_Union[WritePolicy, str]] = ..., priority: _Optional[_Union[Priority, str]] = ..., lease_ttl_s: _Optional[float] = ..., slab_id: _Optional[bytes] = ...) -> None: ...
 
 class LeaseResponse(_message.Message):
-    __slots__ = ("lease_id", "num_blocks", "blocks", "write_indices", "expires_in_s", "num_cached")
+    __slots__ = ("lease_id", "num_blocks", "blocks", "write_indices", "expires_in_s", "num_cached", "slab_id", "checksums")
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     BLOCKS_FIELD_NUMBER: _ClassVar[int]
     WRITE_INDICES_FIELD_NUMBER: _ClassVar[int]
     EXPIRES_IN_S_FIELD_NUMBER: _ClassVar[int]
     NUM_CACHED_FIELD_NUMBER: _ClassVar[int]
+    SLAB_ID_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUMS_FIELD_NUMBER: _ClassVar[int]
     lease_id: bytes
     num_blocks: int
     blocks: _containers.RepeatedCompositeFieldContainer[BlockExtents]
     write_indices: _containers.RepeatedScalarFieldContainer[int]
     expires_in_s: float
     num_cached: int
-    def __init__(self, lease_id: _Optional[bytes] = ..., num_blocks: _Optional[int] = ..., blocks: _Optional[_Iterable[_Union[BlockExtents, _Mapping]]] = ..., write_indices: _Optional[_Iterable[int]] = ..., expires_in_s: _Optional[float] = ..., num_cached: _Optional[int] = ...) -> None: ...
+    slab_id: bytes
+    checksums: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, lease_id: _Optional[bytes] = ..., num_blocks: _Optional[int] = ..., blocks: _Optional[_Iterable[_Union[BlockExtents, _Mapping]]] = ..., write_indices: _Optional[_Iterable[int]] = ..., expires_in_s: _Optional[float] = ..., num_cached: _Optional[int] = ..., slab_id: _Optional[bytes] = ..., checksums: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class LeaseRequest(_message.Message):
-    __slots__ = ("lease_id",)
+    __slots__ = ("lease_id", "checksums", "corrupt_indices")
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUMS_FIELD_NUMBER: _ClassVar[int]
+    CORRUPT_INDICES_FIELD_NUMBER: _ClassVar[int]
     lease_id: bytes
-    def __init__(self, lease_id: _Optional[bytes] = ...) -> None: ...
+    checksums: _containers.RepeatedScalarFieldContainer[int]
+    corrupt_indices: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, lease_id: _Optional[bytes] = ..., checksums: _Optional[_Iterable[int]] = ..., corrupt_indices: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class LeaseDoneResponse(_message.Message):
     __slots__ = ()
@@ -257,7 +269,7 @@ class DescribeRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class DescribeResponse(_message.Message):
-    __slots__ = ("version", "shm_name", "shm_size_bytes", "page_bytes", "host_id", "max_hashes_per_call", "max_chunk_bytes", "hash_seed", "presence_shm_name", "presence_key")
+    __slots__ = ("version", "shm_name", "shm_size_bytes", "page_bytes", "host_id", "max_hashes_per_call", "max_chunk_bytes", "hash_seed", "presence_shm_name", "presence_key", "slab_id", "client_lock_prefix")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     SHM_NAME_FIELD_NUMBER: _ClassVar[int]
     SHM_SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -268,6 +280,8 @@ class DescribeResponse(_message.Message):
     HASH_SEED_FIELD_NUMBER: _ClassVar[int]
     PRESENCE_SHM_NAME_FIELD_NUMBER: _ClassVar[int]
     PRESENCE_KEY_FIELD_NUMBER: _ClassVar[int]
+    SLAB_ID_FIELD_NUMBER: _ClassVar[int]
+    CLIENT_LOCK_PREFIX_FIELD_NUMBER: _ClassVar[int]
     version: str
     shm_name: str
     shm_size_bytes: int
@@ -278,7 +292,9 @@ class DescribeResponse(_message.Message):
     hash_seed: str
     presence_shm_name: str
     presence_key: bytes
-    def __init__(self, version: _Optional[str] = ..., shm_name: _Optional[str] = ..., shm_size_bytes: _Optional[int] = ..., page_bytes: _Optional[int] = ..., host_id: _Optional[str] = ..., max_hashes_per_call: _Optional[int] = ..., max_chunk_bytes: _Optional[int] = ..., hash_seed: _Optional[str] = ..., presence_shm_name: _Optional[str] = ..., presence_key: _Optional[bytes] = ...) -> None: ...
+    slab_id: bytes
+    client_lock_prefix: str
+    def __init__(self, version: _Optional[str] = ..., shm_name: _Optional[str] = ..., shm_size_bytes: _Optional[int] = ..., page_bytes: _Optional[int] = ..., host_id: _Optional[str] = ..., max_hashes_per_call: _Optional[int] = ..., max_chunk_bytes: _Optional[int] = ..., hash_seed: _Optional[str] = ..., presence_shm_name: _Optional[str] = ..., presence_key: _Optional[bytes] = ..., slab_id: _Optional[bytes] = ..., client_lock_prefix: _Optional[str] = ...) -> None: ...
 
 class SaveSessionRequest(_message.Message):
     __slots__ = ("namespace", "session_id", "token_ids", "ttl_s")

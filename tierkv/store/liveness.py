@@ -1,0 +1,127 @@
+"""Whether a same-host client is still alive: the flock it holds on its lock file.
+
+A same-host client writes into the HOST slab through its own memory mapping, so the server
+cannot take pages back from it: it can only know when the client can no longer touch them. The
+kernel says so. While a client has the slab mapped it holds an exclusive ``flock`` on
+``/dev/shm/<prefix><client id>``; the lock goes when the process dies, however it dies (SIGKILL
+included), and only then (or when the client closes). The server probes it with a
+non-blocking ``flock`` of its own:
+
+- the lock is held: ``ALIVE`` (its expired write leases' pages stay quarantined: the client
+  may still be copying into them);
+- the lock is free: ``GONE`` (its leases are reclaimed at once; the file is removed);
+- no file, or a client id that is not a plain name: ``UNKNOWN`` (lease TTLs alone decide, and
+  the checksums catch a late write).
+
+This works wherever the shared-memory path does (it needs the same ``/dev/shm``), over a Unix
+socket or TCP, unlike ``SO_PEERCRED``, which grpcio does not expose to Python servers. A client
+lies about nothing it could gain from: a client id is a name for its own leases only.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+import fcntl
+import os
+import re
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+SHM_DIR = Path("/dev/shm")
+_CLIENT_ID = re.compile(r"[0-9A-Za-z_-]{1,64}")
+# A live client is probed again after this long (a probe is three system calls).
+_PROBE_INTERVAL_S = 0.25
+_MAX_KNOWN = 65536
+
+
+class Liveness(enum.Enum):
+    """What a client's lock file says."""
+
+    ALIVE = "alive"
+    GONE = "gone"
+    UNKNOWN = "unknown"
+
+
+def client_lock_path(prefix: str, client_id: str) -> Path | None:
+    """The lock file of ``client_id`` (None for an id that cannot name a file safely)."""
+    if not prefix or not _CLIENT_ID.fullmatch(client_id):
+        return None
+    return SHM_DIR / f"{prefix}{client_id}"
+
+
+def try_lock(fd: int) -> bool:
+    """Take an exclusive flock on ``fd`` without waiting; False if someone else holds one."""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False
+    return True
+
+
+class ClientWatch:
+    """Probes the lock files of lease holders (an answer other than ``GONE`` is kept for
+    ``_PROBE_INTERVAL_S``: the probe runs under the store's lock)."""
+
+    def __init__(self, prefix: str, clock: Callable[[], float] = time.monotonic) -> None:
+        self.prefix = prefix
+        self._clock = clock
+        self._known: dict[str, tuple[float, Liveness]] = {}
+
+    def state(self, client_id: str) -> Liveness:
+        """``client_id``'s liveness now."""
+        path = client_lock_path(self.prefix, client_id)
+        if path is None:
+            return Liveness.UNKNOWN
+        now = self._clock()
+        known = self._known.get(client_id)
+        if known is not None and known[0] > now:
+            return known[1]
+        state = _probe(path)
+        if state is Liveness.GONE:
+            self._known.pop(client_id, None)
+        else:
+            if len(self._known) > _MAX_KNOWN:
+                self._known.clear()
+            self._known[client_id] = (now + _PROBE_INTERVAL_S, state)
+        return state
+
+
+def _probe(path: Path) -> Liveness:
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return Liveness.UNKNOWN
+    try:
+        if not try_lock(fd):
+            return Liveness.ALIVE
+        with contextlib.suppress(OSError):
+            path.unlink()  # under our lock: a new holder would have made a new file
+    finally:
+        os.close(fd)
+    return Liveness.GONE
+
+
+class ClientLock:
+    """The client side: hold the lock file of ``client_id`` until ``close``."""
+
+    def __init__(self, prefix: str, client_id: str) -> None:
+        path = client_lock_path(prefix, client_id)
+        if path is None:
+            raise ValueError(f"client id {client_id!r} cannot name a lock file")
+        self.path = path
+        self._fd: int | None = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        if not try_lock(self._fd):
+            os.close(self._fd)
+            self._fd = None
+            raise ValueError(f"{path} is locked by another client with the same id")
+
+    def close(self) -> None:
+        """Remove the file and let the lock go (after the slab is unmapped). Idempotent."""
+        if self._fd is None:
+            return
+        with contextlib.suppress(OSError):
+            self.path.unlink()
+        os.close(self._fd)
+        self._fd = None
