@@ -19,6 +19,9 @@ from tierkv import (
     TieredStore,
 )
 
+# The `tierkv serve` subprocess harness and its `sidecar_factory` fixture.
+pytest_plugins = ["sidecar"]
+
 # 2 layers x 2 (K,V) x 4 tokens x 2 heads x 8 dims x fp16 = 512 bytes a block.
 TINY_LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=8, block_size=4)
 BLOCK_BYTES = TINY_LAYOUT.bytes_per_block

@@ -15,14 +15,10 @@ from __future__ import annotations
 import json
 import os
 import random
-import select
-import shutil
-import signal
 import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -31,128 +27,16 @@ import pytest
 import torch
 from client_worker import BLOCK_BYTES as WORKER_BLOCK_BYTES
 from client_worker import block_content as worker_block_content
-from service_fixtures import short_socket_dir
+from sidecar import Sidecar, SidecarFactory, shm_client, stream_client
 
 from conftest import TINY_LAYOUT, block_for, key, same_bytes
-from tierkv import CapacityError, Client, Namespace, Priority, WritePolicy, block_hashes
+from tierkv import CapacityError, Namespace, Priority, WritePolicy, block_hashes
 from tierkv.errors import ServiceUnavailableError, TierKVError
 
 TESTS = Path(__file__).parent
-READY_TIMEOUT_S = 120.0
 E2E_SECONDS = float(os.environ.get("TIERKV_E2E_SECONDS", "30"))
 NAMESPACE = Namespace("e2e-model", TINY_LAYOUT)
 WRITE_THROUGH = WritePolicy.WRITE_THROUGH
-
-
-# --- a `tierkv serve` subprocess ---------------------------------------------------------------
-
-
-@dataclass
-class Sidecar:
-    """One ``tierkv serve`` process on a Unix socket (in ``socket_dir``) and ``127.0.0.1:0``."""
-
-    disk_path: Path
-    socket_dir: Path
-    log_path: Path
-    flags: list[str]
-    process: subprocess.Popen[str] | None = None
-    ready: dict[str, Any] = field(default_factory=dict)
-
-    @property
-    def unix_target(self) -> str:
-        return f"unix://{self.socket_dir}/tierkv.sock"
-
-    @property
-    def tcp_target(self) -> str:
-        return f"127.0.0.1:{self.ready['port']}"
-
-    def start(self) -> Sidecar:
-        command = [
-            sys.executable, "-m", "tierkv", "serve", "--gpu-bytes", "0", "--stats-interval-s", "0",
-            "--disk-path", str(self.disk_path), "--listen", self.unix_target,
-            "--listen", "127.0.0.1:0", *self.flags,
-        ]
-        env = {**os.environ, "TQDM_DISABLE": "1"}
-        with self.log_path.open("a") as log:
-            self.process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=log, text=True,
-                                            env=env)
-        assert self.process.stdout is not None
-        readable, _, _ = select.select([self.process.stdout], [], [], READY_TIMEOUT_S)
-        line = self.process.stdout.readline() if readable else ""
-        if not line:
-            self.process.kill()
-            self.process.wait()
-            raise AssertionError(f"tierkv serve did not get ready:\n{self.log_path.read_text()}")
-        self.ready = json.loads(line)
-        assert self.ready["ready"] is True and self.ready["port"] > 0
-        return self
-
-    @property
-    def alive(self) -> bool:
-        return self.process is not None and self.process.poll() is None
-
-    def kill(self) -> None:
-        """SIGKILL: no draining, no flush; the shared-memory slab is left behind (removed here)."""
-        assert self.process is not None
-        self.process.send_signal(signal.SIGKILL)
-        assert self.process.wait(timeout=30) == -signal.SIGKILL
-        self._remove_slab()
-
-    def stop(self) -> None:
-        """SIGTERM (graceful), or SIGKILL when that takes too long."""
-        if self.process is None:
-            return
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-            try:
-                self.process.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
-        if self.process.stdout is not None:
-            self.process.stdout.close()
-        self._remove_slab()
-
-    def _remove_slab(self) -> None:
-        name = self.ready.get("host_shm_name")
-        if name:
-            Path(f"/dev/shm/{name}").unlink(missing_ok=True)
-
-
-SidecarFactory = Callable[..., Sidecar]
-
-
-@pytest.fixture
-def sidecar_factory(tmp_path: Path) -> Iterator[SidecarFactory]:
-    """``start(disk_path=None, socket_dir=None, *flags)``: a started ``tierkv serve``; every one
-    is stopped at the end of the test."""
-    started: list[Sidecar] = []
-    socket_dirs: list[Path] = []
-
-    def start(*flags: str, disk_path: Path | None = None, socket_dir: Path | None = None) -> Sidecar:
-        if socket_dir is None:
-            socket_dir = short_socket_dir()
-            socket_dirs.append(socket_dir)
-        sidecar = Sidecar(disk_path or tmp_path / "disk", socket_dir,
-                          tmp_path / f"serve-{len(started)}.log", list(flags))
-        started.append(sidecar)
-        return sidecar.start()
-
-    yield start
-    for sidecar in started:
-        sidecar.stop()
-    for socket_dir in socket_dirs:
-        shutil.rmtree(socket_dir, ignore_errors=True)
-
-
-def stream_client(sidecar: Sidecar, **settings: Any) -> Client:
-    return Client(sidecar.tcp_target, use_shm=False, **settings)
-
-
-def shm_client(sidecar: Sidecar, **settings: Any) -> Client:
-    client = Client(sidecar.unix_target, **settings)
-    assert client.uses_shared_memory
-    return client
 
 
 # --- 1. two client processes share blocks ------------------------------------------------------
