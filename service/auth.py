@@ -1,4 +1,10 @@
-"""Who is calling: the tenant of a call comes from its bearer token, never from the request."""
+"""Who is calling: the tenant of a call comes from its bearer token, never from the request.
+
+Tokens are compared as bytes: ``hmac.compare_digest`` raises ``TypeError`` on a ``str`` that is
+not ASCII, and a raise there would answer a client's bad token with UNKNOWN instead of
+UNAUTHENTICATED. Every string encodes to UTF-8 (lone surrogates included, with
+``surrogatepass``), so no metadata a client can send makes the comparison raise.
+"""
 
 from __future__ import annotations
 
@@ -8,13 +14,18 @@ import grpc
 
 DEFAULT_TENANT = "default"
 CLIENT_ID_KEY = "x-tierkv-client"
+_BEARER = b"Bearer "
+
+
+def _as_bytes(value: str | bytes) -> bytes:
+    return value if isinstance(value, bytes) else value.encode("utf-8", "surrogatepass")
 
 
 class Authenticator:
     """Maps ``authorization: Bearer <token>`` metadata to a tenant (or rejects the call)."""
 
     def __init__(self, tokens: dict[str, str]) -> None:
-        self._tokens = dict(tokens)
+        self._tokens = {_as_bytes(token): tenant for token, tenant in tokens.items()}
 
     @property
     def required(self) -> bool:
@@ -22,15 +33,20 @@ class Authenticator:
         return bool(self._tokens)
 
     def tenant_of(self, metadata: tuple[tuple[str, str | bytes], ...] | None) -> str | None:
-        """The caller's tenant, or None when the credentials are missing or wrong."""
+        """The caller's tenant, or None when the credentials are missing or wrong. Never
+        raises, whatever the metadata holds."""
         if not self._tokens:
             return DEFAULT_TENANT
         for key, value in metadata or ():
-            if key == "authorization" and isinstance(value, str) and value.startswith("Bearer "):
-                offered = value.removeprefix("Bearer ").strip()
-                for token, tenant in self._tokens.items():  # constant time per token
-                    if hmac.compare_digest(token, offered):
-                        return tenant
+            if key != "authorization" or not isinstance(value, str | bytes):
+                continue
+            raw = _as_bytes(value)
+            if not raw.startswith(_BEARER):
+                continue
+            offered = raw.removeprefix(_BEARER).strip()
+            for token, tenant in self._tokens.items():  # constant time per token
+                if hmac.compare_digest(token, offered):
+                    return tenant
         return None
 
 

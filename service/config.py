@@ -36,7 +36,12 @@ class ServiceConfig:
     ``tokens``: bearer token -> tenant; when empty, calls need no token and share the tenant
     ``default``. ``tls``: used by every TCP listener when set (Unix sockets stay plain).
     ``put_idle_timeout_s``: a Put stream with no message for this long is dropped
-    (DEADLINE_EXCEEDED), so a stalled client cannot hold HOST pages it leased.
+    (DEADLINE_EXCEEDED), so a stalled client cannot hold HOST pages it leased; it runs from
+    the start of the stream, so a stream that sends nothing at all is dropped too.
+    ``max_namespaces`` / ``max_namespaces_per_tenant``: namespaces registered in all / by one
+    tenant. Only writes (Put, Allocate, SaveSession) and Acquire register one; when a limit is
+    reached, the namespaces (of that tenant) that hold no block and no session are removed
+    first, so that one tenant can neither fill another's share nor lock itself out for good.
     """
 
     listen: tuple[str, ...] = DEFAULT_LISTEN
@@ -48,6 +53,7 @@ class ServiceConfig:
     max_message_bytes: int = 4 * MiB
     max_put_bytes: int = 1024 * MiB
     max_namespaces: int = 4096
+    max_namespaces_per_tenant: int = 1024
     grace_s: float = 10.0
     put_idle_timeout_s: float = 30.0
     lease_reap_interval_s: float = 1.0
@@ -62,25 +68,44 @@ class ServiceConfig:
             raise ConfigError("max_hashes_per_call and num_workers must be positive")
         if not self.put_idle_timeout_s > 0:
             raise ConfigError("put_idle_timeout_s must be positive")
+        if not 1 <= self.max_namespaces_per_tenant <= self.max_namespaces:
+            raise ConfigError(
+                f"--max-namespaces-per-tenant must be in [1, {self.max_namespaces}] (the "
+                f"server-wide limit), got {self.max_namespaces_per_tenant}"
+            )
+        for token in self.tokens:
+            if not _is_token(token):
+                raise ConfigError(
+                    "tokens: every bearer token is at least 16 printable ASCII characters"
+                )
         object.__setattr__(self, "listen", tuple(self.listen))
 
 
+def _is_token(text: str) -> bool:
+    # What a gRPC metadata value can carry (printable ASCII), so every valid token can be sent.
+    return len(text) >= 16 and text.isascii() and text.isprintable()
+
+
 def load_tokens(path: Path) -> dict[str, str]:
-    """Read a tokens file: one ``<token> <tenant>`` per line; ``#`` starts a comment."""
+    """Read a tokens file: one ``<token> <tenant>`` per line; ``#`` starts a comment.
+
+    A token is at least 16 printable ASCII characters. Raises ``ConfigError`` naming the file
+    and the line for anything else (a non-ASCII token would never match a request's metadata).
+    """
     tokens: dict[str, str] = {}
     try:
-        lines = Path(path).read_text().splitlines()
-    except OSError as exc:
+        lines = Path(path).read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError) as exc:
         raise ConfigError(f"--tokens-file: cannot read {path}: {exc}") from exc
     for number, line in enumerate(lines, 1):
         text = line.split("#", 1)[0].strip()
         if not text:
             continue
         parts = text.split()
-        if len(parts) != 2 or len(parts[0]) < 16:
+        if len(parts) != 2 or not _is_token(parts[0]):
             raise ConfigError(
                 f"--tokens-file {path}:{number}: expected '<token> <tenant>' with a token of "
-                "at least 16 characters"
+                "at least 16 printable ASCII characters"
             )
         tokens[parts[0]] = parts[1]
     if not tokens:

@@ -74,6 +74,9 @@ def register(subparsers: Any) -> None:
     add("--tls-key", help="PEM private key for the TCP listeners")
     add("--put-idle-timeout-s", "30", type=float,
         help="drop a Put stream that sends nothing for this long (its leased pages come back)")
+    add("--max-namespaces-per-tenant", "1024", type=int,
+        help="namespaces (model x layout x TP shard) one tenant may hold; empty ones are "
+        "removed when it is reached")
     add("--stats-interval-s", "60", type=float, help="log tier stats this often (0: never)")
     add("--log-level", "INFO")
     parser.set_defaults(func=run)
@@ -120,7 +123,8 @@ def build_service_config(args: argparse.Namespace) -> Any:
         if address.startswith("unix://"):
             _remove_stale_socket(Path(address.removeprefix("unix://")))
     return ServiceConfig(listen=tuple(listen), tokens=tokens, tls=tls, hash_seed=args.hash_seed,
-                         put_idle_timeout_s=args.put_idle_timeout_s)
+                         put_idle_timeout_s=args.put_idle_timeout_s,
+                         max_namespaces_per_tenant=args.max_namespaces_per_tenant)
 
 
 def _remove_stale_socket(path: Path) -> None:

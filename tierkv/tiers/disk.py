@@ -54,6 +54,7 @@ class DiskWrite:
     namespace_puts: Sequence[tuple[bytes, bytes]] = ()
     session_puts: Sequence[tuple[bytes, bytes]] = ()
     session_deletes: Sequence[bytes] = ()
+    namespace_deletes: Sequence[bytes] = ()
     future: Future[None] = field(default_factory=Future)
 
     @property
@@ -221,6 +222,8 @@ class DiskTier:
                     txn.delete(key, db=self._blocks)
                 for key, value in job.block_puts:
                     txn.put(key, value, db=self._blocks)
+                for key in job.namespace_deletes:
+                    txn.delete(key, db=self._namespaces)
                 for key, value in job.namespace_puts:
                     txn.put(key, value, db=self._namespaces)
                 for key in job.session_deletes:
