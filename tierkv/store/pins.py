@@ -2,6 +2,15 @@
 
 A pinned entry is unlinked from every tier's LRU list (so eviction never walks past it) and
 linked back when its last pin goes. Guarded by the store's lock.
+
+Decisions:
+1. Deadlines live in a heap with lazy deletion: a re-pin that moves a deadline later pushes a
+   new item and leaves the old one stale. A re-pin that does not move it pushes nothing, and
+   the heap is rebuilt from the live pins whenever it holds more than twice as many items as
+   there are pins (plus a small constant), so it never holds more than O(live pins) items,
+   however often the same blocks are pinned (3,000 pinned lookups grew a server by 400 MiB).
+2. The store drops expired pins (``pop_expired``) on every pin call and before it reports
+   them, not only under eviction pressure: an expired pin is neither counted nor kept.
 """
 
 from __future__ import annotations
@@ -13,6 +22,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from tierkv.store.ledger import Entry
+
+# Heap items tolerated beyond twice the live pins before a rebuild (keeps small tables cheap).
+_HEAP_SLACK = 64
 
 
 @dataclass(slots=True)
@@ -36,19 +48,35 @@ class PinTable:
     def __len__(self) -> int:
         return len(self._pins)
 
+    @property
+    def num_heap_items(self) -> int:
+        """Deadline items held, stale ones included (at most about twice the pins)."""
+        return len(self._deadlines)
+
     def pin(self, entry: Entry, ttl_s: float | None) -> bool:
         """Add one pin; the entry stays pinned until ``unpin`` or ``ttl_s`` seconds from now
         (the later deadline wins when pinned again). Returns True if it was not pinned before."""
         deadline = math.inf if ttl_s is None else self._clock() + ttl_s
         pin = self._pins.get(entry)
-        if pin is not None:
-            pin.count += 1
-            pin.deadline_s = max(pin.deadline_s, deadline)
-        else:
+        if pin is None:
             self._pins[entry] = pin = _Pin(1, deadline)
+        else:
+            pin.count += 1
+            if deadline <= pin.deadline_s:
+                return False  # its heap item (if any) already stands for the later deadline
+            pin.deadline_s = deadline
         if deadline != math.inf:
-            heapq.heappush(self._deadlines, (pin.deadline_s, next(self._sequence), entry))
+            heapq.heappush(self._deadlines, (deadline, next(self._sequence), entry))
+            if len(self._deadlines) > 2 * len(self._pins) + _HEAP_SLACK:
+                self._rebuild()
         return pin.count == 1
+
+    def _rebuild(self) -> None:
+        self._deadlines = [
+            (pin.deadline_s, next(self._sequence), entry)
+            for entry, pin in self._pins.items() if pin.deadline_s != math.inf
+        ]
+        heapq.heapify(self._deadlines)
 
     def unpin(self, entry: Entry) -> bool:
         """Drop one pin; returns True if the entry is no longer pinned."""
@@ -70,7 +98,7 @@ class PinTable:
         self._pins.pop(entry, None)
 
     def pop_expired(self) -> list[Entry]:
-        """Entries whose pins all ran out; they are no longer pinned."""
+        """Entries whose pins all ran out; they are no longer pinned (link them back)."""
         now = self._clock()
         expired: list[Entry] = []
         while self._deadlines and self._deadlines[0][0] <= now:
@@ -79,4 +107,6 @@ class PinTable:
             if pin is not None and pin.deadline_s <= now:
                 del self._pins[entry]
                 expired.append(entry)
+        if len(self._deadlines) > 2 * len(self._pins) + _HEAP_SLACK:
+            self._rebuild()  # unpinned and forgotten entries leave stale items behind
         return expired
