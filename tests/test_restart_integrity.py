@@ -63,39 +63,43 @@ async def aput_then_get(client: AsyncClient, salt: str) -> torch.Tensor:
     return await client.get(NAMESPACE, hashes)
 
 
-def through_one_client(first: Sidecar, restarted: object, flavour: str) -> dict[str, torch.Tensor]:
+def through_one_client(first: Sidecar, restarted: object, flavour: str, kind: str
+                       ) -> dict[str, torch.Tensor]:
     """Put and get batch "before" on ``first``, call ``restarted()``, then put and get batch
     "after" and get "before" again, all through one client; what each read gave."""
     got: dict[str, torch.Tensor] = {}
+    shm = kind == "shm"
+    settings = {"timeout_s": 20, "retries": 6, "use_shm": shm}
     if flavour == "sync":
-        with Client(first.unix_target, timeout_s=20) as client:
-            assert client.uses_shared_memory
+        with Client(first.unix_target, **settings) as client:
+            assert client.uses_shared_memory == shm
             got["before"] = put_then_get(client, "before")
             restarted()  # type: ignore[operator]
             got["after"] = put_then_get(client, "after")
             got["before again"] = client.get(NAMESPACE, batch("before")[0])
-            assert client.uses_shared_memory  # remapped, not fallen back to streams
+            assert client.uses_shared_memory == shm  # remapped, not fallen back to streams
         return got
 
     async def run() -> None:
-        async with AsyncClient(first.unix_target, timeout_s=20) as client:
-            assert await client.uses_shared_memory()
+        async with AsyncClient(first.unix_target, **settings) as client:
+            assert await client.uses_shared_memory() == shm
             got["before"] = await aput_then_get(client, "before")
             await asyncio.to_thread(restarted)  # type: ignore[arg-type]
             got["after"] = await aput_then_get(client, "after")
             got["before again"] = await client.get(NAMESPACE, batch("before")[0])
-            assert await client.uses_shared_memory()
+            assert await client.uses_shared_memory() == shm
 
     asyncio.run(run())
     return got
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("flavour", "how"), [
-    ("sync", "sigkill"), ("async", "sigkill"), ("sync", "sigterm"), ("async", "sigterm"),
+@pytest.mark.parametrize(("kind", "flavour", "how"), [
+    ("shm", "sync", "sigkill"), ("shm", "async", "sigkill"), ("shm", "sync", "sigterm"),
+    ("shm", "async", "sigterm"), ("stream", "sync", "sigkill"), ("stream", "async", "sigterm"),
 ])
 def test_a_client_kept_across_a_server_restart_reads_and_writes_exact_bytes(
-    sidecar_factory: SidecarFactory, flavour: str, how: str
+    sidecar_factory: SidecarFactory, kind: str, flavour: str, how: str
 ) -> None:
     first = sidecar_factory(*FLAGS)
     servers = [first]
@@ -103,7 +107,7 @@ def test_a_client_kept_across_a_server_restart_reads_and_writes_exact_bytes(
     def restarted() -> None:
         servers.append(restart(sidecar_factory, first, how))
 
-    got = through_one_client(first, restarted, flavour)
+    got = through_one_client(first, restarted, flavour, kind)
     second = servers[1]
     assert same_bytes(got["before"], batch("before")[1])
     assert same_bytes(got["after"], batch("after")[1]), "wrong bytes after the restart"

@@ -137,7 +137,8 @@ class PresenceTable:
         self._words = None
         del self._slots
         self._shm.close()
-        self._shm.unlink()
+        with contextlib.suppress(FileNotFoundError):  # removed by hand, or by a sweep
+            self._shm.unlink()
 
 
 class PresenceView:

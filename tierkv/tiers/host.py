@@ -105,7 +105,8 @@ class HostSlab(PagedSlab):
         except BufferError:
             # A view is still alive somewhere; the mapping goes when it does.
             log.warning("host slab %s still has live views at close", self.shm_name)
-        self._shm.unlink()
+        with contextlib.suppress(FileNotFoundError):  # removed by hand, or by a sweep
+            self._shm.unlink()
         if self._lock_fd is not None:
             os.close(self._lock_fd)
             self._lock_fd = None
