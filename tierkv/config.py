@@ -110,13 +110,39 @@ class GpuTierConfig:
         return self.capacity_bytes > 0
 
 
+class DiskCorruptAction(enum.Enum):
+    """What opening a DISK tier does with an LMDB environment it cannot read as a whole (not an
+    LMDB file, truncated, a B-tree that cannot be walked).
+
+    ``MOVE_ASIDE`` (default): rename its files into ``<path>/corrupt-<time>-<pid>/`` (kept for
+    inspection, logged as an error) and start with a fresh, empty one.
+    ``REFUSE``: raise ``ConfigError`` and leave the files untouched (``--disk-on-corrupt``).
+    """
+
+    MOVE_ASIDE = "move_aside"
+    REFUSE = "refuse"
+
+    @classmethod
+    def parse(cls, value: object) -> DiskCorruptAction:
+        """``value`` (an action or its name) as an action; ``ConfigError`` naming the flag."""
+        try:
+            return cls(value)
+        except ValueError:
+            choices = ", ".join(repr(action.value) for action in cls)
+            raise ConfigError(
+                f"disk on_corrupt (--disk-on-corrupt) must be one of {choices}, got {value!r}"
+            ) from None
+
+
 @dataclass(frozen=True, slots=True)
 class DiskTierConfig:
     """DISK tier: LMDB at ``path`` holding at most ``capacity_bytes`` of records.
 
     LMDB's map is sized ``capacity_bytes * map_overhead_factor + map_slack_bytes`` so that the
     B-tree and free pages fit beside the records; a full map or disk is reported as
-    ``DiskFullError``, never a crash (``writemap`` is never used).
+    ``DiskFullError``, never a crash (``writemap`` is never used). ``on_corrupt`` says what
+    happens to an environment that cannot be read at open (see ``DiskCorruptAction``; a string
+    such as ``"refuse"`` is accepted).
     """
 
     path: Path
@@ -124,6 +150,7 @@ class DiskTierConfig:
     map_overhead_factor: float = 2.0
     map_slack_bytes: int = 256 * MiB
     num_reader_threads: int = 2
+    on_corrupt: DiskCorruptAction = DiskCorruptAction.MOVE_ASIDE
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "path", Path(self.path).expanduser())
@@ -131,10 +158,13 @@ class DiskTierConfig:
         _check_positive("disk num_reader_threads", self.num_reader_threads)
         if self.map_overhead_factor < 1.0:
             raise ConfigError("disk map_overhead_factor must be >= 1.0")
+        object.__setattr__(self, "on_corrupt", DiskCorruptAction.parse(self.on_corrupt))
 
     @property
     def map_size_bytes(self) -> int:
-        """The LMDB map size (virtual; the file only grows as records are written)."""
+        """The LMDB map size. ``data.mdb`` is extended to it as a sparse file (holes take no
+        disk space; see ``tierkv.tiers.lmdb_env``): its apparent size is this, its use is what
+        ``du`` reports."""
         size = int(self.capacity_bytes * self.map_overhead_factor) + self.map_slack_bytes
         page = os.sysconf("SC_PAGESIZE")
         return (size + page - 1) // page * page

@@ -1,9 +1,23 @@
 """Rebuilding the index from the DISK tier when a store opens.
 
 Only keys and record sizes are scanned (no payload is read); every record is still verified when
-it is first read. Records of unknown namespaces or of the wrong size (torn or truncated: these
-are counted as checksum failures) are deleted. If the disk
-holds more than the configured budget (it was lowered), the surplus is dropped.
+it is first read. Records of the wrong size (torn or truncated) are deleted and counted as
+checksum failures. If the disk holds more than the configured budget (it was lowered), the
+surplus is dropped.
+
+Namespace descriptors (decisions):
+1. A descriptor is stored sealed: a checksum over its namespace id and body, checked by the disk
+   tier at open (``tierkv.tiers.records.seal``), and the namespace id it describes is recomputed
+   from it and compared with its key. One that fails is counted (``checksum_failures``) and
+   logged, never used.
+2. A lost descriptor cannot be re-derived: a block record's header names the namespace only by
+   its id (a hash of model id, layout, TP rank and size, tenant) and the layout fingerprint,
+   and a hash cannot be inverted. Keeping a second copy would only move the single point (both
+   copies sit on one LMDB page for any realistic number of namespaces). So the loss is made
+   loud instead: every block record whose namespace is unknown is dropped and counted as a
+   checksum failure, with one ``log.error`` per namespace id. Blocks are never guessed into a
+   namespace, so none is ever served under a wrong one. A descriptor is always committed before
+   any block of its namespace, so an orphan block always means a lost descriptor.
 """
 
 from __future__ import annotations
@@ -60,27 +74,38 @@ def recover(core: StoreCore) -> int:
     disk, ledger = core.disk, core.disk_ledger
     if disk is None or ledger is None:
         return 0
+    with core.lock:  # counters are guarded by the store lock
+        core.counters.checksum_failures += disk.num_unreadable_records
     for ns_id, data in disk.load_namespaces().items():
         try:
             namespace = namespace_from_descriptor(data)
+            if namespace.id != ns_id:
+                raise ValueError(f"it describes namespace {bytes(namespace.id).hex()}")
         except (ValueError, KeyError, TypeError) as exc:
-            log.warning("unreadable namespace descriptor %s: %s", ns_id.hex(), exc)
+            log.error("unreadable namespace descriptor %s (its blocks are dropped): %s",
+                      ns_id.hex(), exc)
+            with core.lock:
+                core.counters.checksum_failures += 1
             continue
-        if namespace.id == ns_id:
-            core.namespaces[ns_id] = namespace_state(namespace)
+        core.namespaces[ns_id] = namespace_state(namespace)
     num_recovered = 0
     surplus: list[bytes] = []
+    orphans: dict[bytes, int] = {}  # namespace id -> blocks whose descriptor is lost
     with core.lock:
         for raw_key, size in disk.scan_blocks():
             try:
                 key = BlockKey.from_raw(raw_key)
             except InvalidArgumentError:
+                core.counters.checksum_failures += 1
                 surplus.append(raw_key)
                 continue
             state = core.namespaces.get(key.namespace_id)
             if state is None or size != state.record_bytes:
-                if state is not None:  # a torn or truncated record of a known namespace
-                    core.counters.checksum_failures += 1
+                # A torn record of a known namespace, or a block whose descriptor is lost.
+                core.counters.checksum_failures += 1
+                if state is None:
+                    ns_id = bytes(key.namespace_id)
+                    orphans[ns_id] = orphans.get(ns_id, 0) + 1
                 surplus.append(raw_key)
                 continue
             if not ledger.try_reserve_bytes(size):
@@ -91,6 +116,9 @@ def recover(core: StoreCore) -> int:
             core.index_locked(entry)
             core.link_locked(entry, Tier.DISK, 0)
             num_recovered += 1
+        for ns_id, num_orphans in orphans.items():
+            log.error("%d disk blocks of namespace %s dropped: its descriptor is lost",
+                      num_orphans, ns_id.hex())
         if surplus:
             log.warning("dropping %d disk records (unknown, wrong size or over budget)", len(surplus))
             core.queue_deletes_locked(surplus)

@@ -21,7 +21,11 @@ Decisions:
    clock does not. A new last use is written in the background (``close`` waits for it).
 6. Record: key ``tenant (UTF-8) + NUL + session_id (UTF-8)``; value msgpack of the namespace
    descriptor (as for the namespace DB), the token ids as little-endian uint32 (what the wire
-   carries), last use and TTL.
+   carries), last use and TTL. On disk the value is sealed: a checksum over key and value,
+   written and verified by the disk tier (``tierkv.tiers.records.seal``). A record whose
+   checksum fails (a flipped bit, a torn write, the unsealed layout of earlier versions) is
+   never decoded: the session is absent (``SessionNotFoundError``) and the store counts it in
+   ``checksum_failures``. A wrong token id or a wrong model is never resumed.
 """
 
 from __future__ import annotations

@@ -14,6 +14,15 @@ Decisions (each from a failure seen in LMDB users):
 3. ``reader_check()`` at open reclaims reader slots left by a process killed with SIGKILL.
 4. Read transactions are short (one batch), so that LMDB can reuse freed pages.
 5. The environment belongs to the process that opened it; use after ``fork`` is refused.
+6. Opening never crashes on what is in the files and never shares the directory with another
+   process: see ``tierkv.tiers.lmdb_env`` (directory lock, size check, full walk, move aside).
+   Recovery reads what that walk found (``scan_blocks``, ``load_namespaces``,
+   ``load_sessions``), so no LMDB error can escape it.
+7. Namespace and session records are sealed with a checksum bound to their key here, on the
+   writer thread, and opened at the walk: their owners only ever see verified bodies.
+8. A short write is reported by LMDB as EIO. When the filesystem is (nearly) out of space that
+   is a full disk: ``DiskFullError`` (RESOURCE_EXHAUSTED, not retried). Otherwise it is a
+   failing device: ``DiskIOError``, which no retry can fix, so it is not UNAVAILABLE either.
 """
 
 from __future__ import annotations
@@ -32,7 +41,8 @@ import numpy as np
 
 from tierkv.config import DiskTierConfig, MiB
 from tierkv.errors import ConfigError, DiskFullError, TierKVError
-from tierkv.tiers.records import RecordStatus, copy_with_checksum, verify_header
+from tierkv.tiers.lmdb_env import DirectoryLock, MapBounds, open_environment
+from tierkv.tiers.records import RecordStatus, copy_with_checksum, seal, verify_header
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +52,13 @@ _GROUP_COMMIT_BYTES = 256 * MiB
 _SALVAGE_DELETES = 4
 # Free map pages kept for deletes and B-tree copies (at least; 1% of the map when larger).
 _RESERVE_PAGES = 64
+# An EIO with less free space than a failed write needs plus this is a full disk (decision 8).
+_FULL_DISK_MARGIN_BYTES = 4 * MiB
+
+
+class DiskIOError(TierKVError):
+    """The disk reported an I/O error with room left on it: the device is failing. The write
+    did not happen; retrying it will not help."""
 
 
 @dataclass(slots=True)
@@ -74,26 +91,32 @@ class DiskTier:
     """An LMDB environment at ``config.path`` with its writer thread and reader threads."""
 
     def __init__(self, config: DiskTierConfig) -> None:
+        """Lock ``config.path`` and open it (see decision 6). Raises ``ConfigError`` if another
+        process holds the path, or if the store there is unreadable and ``config.on_corrupt``
+        is ``refuse``; ``moved_aside_to`` names where an unreadable one went otherwise."""
         self.config = config
         try:
             config.path.mkdir(parents=True, exist_ok=True)
-            self._env = lmdb.open(
-                str(config.path),
-                map_size=config.map_size_bytes,
-                max_dbs=4,
-                max_readers=1024,
-                writemap=False,
-                meminit=False,
-                lock=True,
-            )
-        except (OSError, lmdb.Error) as exc:
-            raise ConfigError(f"disk path: cannot open an LMDB store at {config.path}: {exc}") from exc
+        except OSError as exc:
+            raise ConfigError(f"disk path: cannot create {config.path}: {exc}") from exc
+        self._lock = DirectoryLock(config.path)
+        try:
+            opened = open_environment(config)
+        except BaseException:
+            self._lock.release()
+            raise
         self._pid = os.getpid()
-        self._env.reader_check()
+        self._env = opened.env
+        self._bounds: MapBounds = opened.bounds
+        self._found_blocks: list[tuple[bytes, int]] | None = opened.blocks
+        self._found_namespaces = opened.namespaces
+        self._found_sessions = opened.sessions
+        self.num_unreadable_records = opened.num_unreadable_records
+        """Namespace and session records found at open that failed their checksum."""
+        self.moved_aside_to = opened.moved_aside_to
+        """Where an unreadable environment found at open was moved (None: it was readable)."""
         self._page_bytes = int(self._env.stat()["psize"])
-        self._blocks = self._env.open_db(b"blocks")
-        self._namespaces = self._env.open_db(b"namespaces")
-        self._sessions = self._env.open_db(b"sessions")
+        self._blocks, self._namespaces, self._sessions = opened.dbs
         self._queue: queue.SimpleQueue[DiskWrite | None] = queue.SimpleQueue()
         self._writer = threading.Thread(target=self._write_loop, name="tierkv-disk-writer", daemon=True)
         self._writer.start()
@@ -103,23 +126,18 @@ class DiskTier:
     # --- recovery -----------------------------------------------------------------------------
 
     def scan_blocks(self) -> Iterator[tuple[bytes, int]]:
-        """Every stored block key with its record size, in key order (no payload is read)."""
-        self._check_process()
-        with self._env.begin(db=self._blocks, buffers=True) as txn:
-            for key, value in txn.cursor():
-                yield bytes(key), len(value)
+        """Every block key found at open with its record size, in key order (no payload is
+        read). Given out once: the list is dropped as it is consumed (it can be large)."""
+        found, self._found_blocks = self._found_blocks or [], None
+        yield from found
 
     def load_namespaces(self) -> dict[bytes, bytes]:
-        """Every namespace descriptor that was stored, by namespace id."""
-        self._check_process()
-        with self._env.begin(db=self._namespaces) as txn:
-            return {bytes(key): bytes(value) for key, value in txn.cursor()}
+        """Every namespace descriptor found at open whose checksum held, by namespace id."""
+        return dict(self._found_namespaces)
 
     def load_sessions(self) -> dict[bytes, bytes]:
-        """Every session record that was stored, by session key."""
-        self._check_process()
-        with self._env.begin(db=self._sessions) as txn:
-            return {bytes(key): bytes(value) for key, value in txn.cursor()}
+        """Every session record found at open whose checksum held, by session key."""
+        return dict(self._found_sessions)
 
     # --- writes -------------------------------------------------------------------------------
 
@@ -201,7 +219,7 @@ class DiskTier:
         if salvaged and not job.has_puts:
             job.future.set_result(None)
         else:
-            job.future.set_exception(_disk_error(exc))
+            job.future.set_exception(self._disk_error(exc, job.num_bytes))
 
     def _salvage_deletes(self, keys: Sequence[bytes], db: lmdb._Database) -> bool:
         for start in range(0, len(keys), _SALVAGE_DELETES):
@@ -225,11 +243,11 @@ class DiskTier:
                 for key in job.namespace_deletes:
                     txn.delete(key, db=self._namespaces)
                 for key, value in job.namespace_puts:
-                    txn.put(key, value, db=self._namespaces)
+                    txn.put(key, seal(key, value), db=self._namespaces)
                 for key in job.session_deletes:
                     txn.delete(key, db=self._sessions)
                 for key, value in job.session_puts:
-                    txn.put(key, value, db=self._sessions)
+                    txn.put(key, seal(key, value), db=self._sessions)
 
     # --- reads --------------------------------------------------------------------------------
 
@@ -251,7 +269,7 @@ class DiskTier:
             with self._env.begin(db=self._blocks, buffers=True) as txn:
                 for raw_key, destination in requests:
                     statuses.append(self._read_one(txn, raw_key, fingerprint, payload_bytes,
-                                                   destination))
+                                                   destination, self._bounds))
         except lmdb.Error as exc:
             log.error("LMDB read of a block failed: %s", exc)
             statuses.extend([RecordStatus.CORRUPT] * (len(requests) - len(statuses)))
@@ -260,12 +278,14 @@ class DiskTier:
     @staticmethod
     def _read_one(
         txn: lmdb.Transaction, raw_key: bytes, fingerprint: str, payload_bytes: int,
-        destination: np.ndarray,
+        destination: np.ndarray, bounds: MapBounds,
     ) -> RecordStatus:
         value = txn.get(raw_key)
         if value is None:
             return RecordStatus.MISSING
         value = memoryview(value)
+        if not bounds.contains(value):  # a damaged length: reading it could fault (SIGBUS)
+            return RecordStatus.CORRUPT
         verified = verify_header(value, raw_key, fingerprint, payload_bytes)
         if verified is None:
             return RecordStatus.CORRUPT
@@ -286,19 +306,37 @@ class DiskTier:
         self.readers.shutdown(wait=True)
         self._env.sync(True)
         self._env.close()
+        self._lock.release()
 
     def _check_process(self) -> None:
         if os.getpid() != self._pid:
             raise TierKVError("an LMDB environment cannot be used across fork(); open the store in the child")
 
-
-def _disk_error(exc: BaseException) -> TierKVError:
-    if isinstance(exc, TierKVError):
-        return exc
-    if isinstance(exc, lmdb.MapFullError):
-        return DiskFullError(
-            "disk: LMDB map is full; raise --disk-bytes (the map is sized from it) or free blocks"
-        )
-    if getattr(exc, "errno", None) == errno.ENOSPC or "No space left" in str(exc):
-        return DiskFullError(f"disk: no space left on the device: {exc}")
-    return TierKVError(f"disk write failed: {exc}")
+    def _disk_error(self, exc: BaseException, num_bytes: int) -> TierKVError:
+        """What a write of ``num_bytes`` that failed with ``exc`` is reported as (decision 8)."""
+        if isinstance(exc, TierKVError):
+            return exc
+        if isinstance(exc, lmdb.MapFullError):
+            return DiskFullError(
+                "disk: LMDB map is full; raise --disk-bytes (the map is sized from it) or free "
+                "blocks"
+            )
+        message = str(exc)
+        if getattr(exc, "errno", None) == errno.ENOSPC or os.strerror(errno.ENOSPC) in message:
+            return DiskFullError(f"disk: no space left on the device at {self.config.path}: {exc}")
+        if getattr(exc, "errno", None) == errno.EIO or os.strerror(errno.EIO) in message:
+            try:
+                stats = os.statvfs(self.config.path)
+            except OSError:
+                return DiskIOError(f"disk: I/O error at {self.config.path}: {exc}")
+            free_bytes = stats.f_bavail * stats.f_frsize
+            if free_bytes < num_bytes + _FULL_DISK_MARGIN_BYTES:
+                return DiskFullError(
+                    f"disk: the filesystem at {self.config.path} is full ({free_bytes} B free; "
+                    f"a write of {num_bytes} B failed: {exc}); free space or lower --disk-bytes"
+                )
+            return DiskIOError(
+                f"disk: I/O error at {self.config.path} with {free_bytes} B free (a failing "
+                f"device?): {exc}"
+            )
+        return TierKVError(f"disk write failed: {exc}")

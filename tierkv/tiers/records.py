@@ -5,6 +5,12 @@ The header holds the format version, the 48-byte key, the layout fingerprint, th
 and the xxh3-64 checksum of the payload. A record is served only if every one of those matches
 what the reader expects; anything else (a torn write, a flipped byte, another layout, another
 key) is a miss.
+
+The small records beside the blocks (namespace descriptors, chat sessions) travel in a *sealed*
+envelope: ``b"TKS1"`` | xxh3-64 of ``(key, body)`` (8 bytes) | body. The checksum covers the
+LMDB key too, so a flipped bit in a key cannot move a record under another name. Anything that
+is not a sealed record of this version (a flipped byte, a torn value, the unsealed layout written
+before the envelope existed) opens as None: unreadable, never misread.
 """
 
 from __future__ import annotations
@@ -20,6 +26,8 @@ MAGIC = b"TKV1"
 FORMAT_VERSION = 1
 _PREFIX = struct.Struct("<4sI")
 _MAX_HEADER_BYTES = 4096
+SEAL_MAGIC = b"TKS1"
+_SEAL_PREFIX = struct.Struct("<4s8s")
 # Half of a typical per-core L2 cache.
 _VERIFY_CHUNK_BYTES = 256 * 1024
 
@@ -104,3 +112,28 @@ def verify_header(
     if not isinstance(expected, bytes):
         return None
     return value[start:], expected
+
+
+def _seal_digest(key: bytes, body: bytes | memoryview) -> bytes:
+    # The key's length goes first, so that (key, body) pairs cannot collide by shifting bytes.
+    hasher = xxhash.xxh3_64(struct.pack("<I", len(key)))
+    hasher.update(key)
+    hasher.update(body)
+    digest: bytes = hasher.digest()
+    return digest
+
+
+def seal(key: bytes, body: bytes) -> bytes:
+    """``body`` in a checksummed envelope bound to the LMDB ``key`` it is stored under."""
+    return _SEAL_PREFIX.pack(SEAL_MAGIC, _seal_digest(key, body)) + body
+
+
+def try_unseal(key: bytes, value: bytes | memoryview) -> bytes | None:
+    """The body ``seal(key, body)`` wrapped, or None if ``value`` is not exactly that."""
+    if len(value) < _SEAL_PREFIX.size:
+        return None
+    magic, digest = _SEAL_PREFIX.unpack_from(value, 0)
+    body = value[_SEAL_PREFIX.size :]
+    if magic != SEAL_MAGIC or digest != _seal_digest(key, body):
+        return None
+    return bytes(body)
