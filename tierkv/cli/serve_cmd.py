@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from tierkv.config import (
+    DiskCorruptAction,
     DiskTierConfig,
     GiB,
     GpuTierConfig,
@@ -63,6 +64,10 @@ def register(subparsers: Any) -> None:
     add("--gpu-device", "cuda", help="cuda[:N] or 'emulated'")
     add("--disk-path", help="LMDB directory (default: the user cache directory)")
     add("--disk-bytes", help="DISK tier budget (default: half the free space, at most 16GiB)")
+    add("--disk-on-corrupt", DiskCorruptAction.MOVE_ASIDE.value,
+        choices=[a.value for a in DiskCorruptAction],
+        help="an unreadable LMDB store at --disk-path: move its files aside into a corrupt-* "
+        "folder there and start empty (default), or refuse to start")
     parser.add_argument("--no-disk", action="store_true", default=_env("--no-disk") == "1",
                         help="run without a DISK tier")
     add("--page-bytes", "256KiB", help="page size of the GPU/HOST slabs")
@@ -100,7 +105,8 @@ def build_config(args: argparse.Namespace) -> StoreConfig:
             parse_size(args.disk_bytes, "--disk-bytes") if args.disk_bytes
             else default_disk_bytes(path)
         )
-        disk = DiskTierConfig(path, disk_bytes)
+        on_corrupt = DiskCorruptAction.parse(args.disk_on_corrupt)
+        disk = DiskTierConfig(path, disk_bytes, on_corrupt=on_corrupt)
     return StoreConfig(host=host, gpu=gpu, disk=disk, write_policy=WritePolicy(args.write_policy))
 
 
