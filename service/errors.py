@@ -18,6 +18,7 @@ from tierkv.errors import (
     StoreClosedError,
     TierKVError,
 )
+from tierkv.tiers.disk import DiskIOError
 
 log = logging.getLogger(__name__)
 # gRPC clients refuse status messages over 8-16 KiB (they travel as metadata), and a message
@@ -35,6 +36,8 @@ _CODES: tuple[tuple[type[BaseException], grpc.StatusCode], ...] = (
     (DeadlineExceededError, grpc.StatusCode.DEADLINE_EXCEEDED),
     (StaleSlabError, grpc.StatusCode.ABORTED),
     (IntegrityError, grpc.StatusCode.DATA_LOSS),
+    # The device failed a write with room left: retrying (UNAVAILABLE) cannot help.
+    (DiskIOError, grpc.StatusCode.DATA_LOSS),
     (ValueError, grpc.StatusCode.INVALID_ARGUMENT),
 )
 

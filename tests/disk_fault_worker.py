@@ -22,6 +22,8 @@ import json
 import os
 import random
 import shutil
+import signal
+import subprocess
 import sys
 import tempfile
 from collections.abc import Callable
@@ -243,6 +245,36 @@ def check(path: Path) -> dict[str, Any]:
     TieredStore(store_config(path)).close()  # and it opens again, as it is now
     result["moved_aside"] = any(path.glob("corrupt-*"))
     return result
+
+
+# --- the parent's side (pytest) -------------------------------------------------------------
+
+
+def run_in_subprocess(*args: str, timeout_s: float = 300) -> list[dict[str, Any]]:
+    """Run this worker in its own process; its JSON lines. Raises ``AssertionError`` naming the
+    last trial if it died (a signal such as SIGBUS, or an exit code)."""
+    here = Path(__file__).resolve().parent
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [
+        str(here.parent), str(here), os.environ.get("PYTHONPATH")]))}
+    done = subprocess.run([sys.executable, str(here / "disk_fault_worker.py"), *args],
+                          capture_output=True, text=True, timeout=timeout_s, env=env, check=False)
+    lines = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    if done.returncode:
+        how = (f"signal {signal.Signals(-done.returncode).name}" if done.returncode < 0
+               else f"exit {done.returncode}")
+        last = lines[-1] if lines else None
+        raise AssertionError(f"the worker died ({how}) after {last}; stderr: {done.stderr[-2000:]}")
+    return lines
+
+
+def start_serve(disk_path: Path, socket_path: Path) -> subprocess.Popen[str]:
+    """``tierkv serve`` on ``disk_path`` as a user starts it (read its ready line next)."""
+    command = [
+        sys.executable, "-m", "tierkv", "serve", "--host-bytes", "4MiB", "--page-bytes", "4KiB",
+        "--gpu-bytes", "0", "--disk-path", str(disk_path), "--disk-bytes", "1MiB",
+        "--stats-interval-s", "0", "--listen", f"unix://{socket_path}",
+    ]
+    return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
 def emit(line: dict[str, Any]) -> None:

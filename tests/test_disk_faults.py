@@ -12,12 +12,10 @@ pytest. RELIABILITY.md ("Disk faults") records the figures of the same run.
 from __future__ import annotations
 
 import json
-import os
 import random
 import shutil
 import signal
 import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -32,23 +30,8 @@ SEED = 7
 TRIALS_PER_KIND = 12
 
 
-def run_worker(*args: str, timeout_s: float = 300) -> list[dict[str, Any]]:
-    """Run the worker in its own process; its JSON lines. Fails on a crash, naming the trial."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [
-        str(WORKER.parent.parent), str(WORKER.parent), os.environ.get("PYTHONPATH")]))}
-    done = subprocess.run([sys.executable, str(WORKER), *args], capture_output=True, text=True,
-                          timeout=timeout_s, env=env, check=False)
-    lines = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
-    last = lines[-1] if lines else None
-    if done.returncode:
-        how = (f"signal {signal.Signals(-done.returncode).name}" if done.returncode < 0
-               else f"exit {done.returncode}")
-        raise AssertionError(f"the worker died ({how}) after {last}; stderr: {done.stderr[-2000:]}")
-    return lines
-
-
 def test_damaged_files_never_crash_the_store_nor_serve_a_wrong_byte(tmp_path: Path) -> None:
-    lines = run_worker(str(tmp_path), str(SEED), str(TRIALS_PER_KIND))
+    lines = worker.run_in_subprocess(str(tmp_path), str(SEED), str(TRIALS_PER_KIND))
     trials = [line for line in lines if line["phase"] == "done"]
     summary = lines[-1]
     assert summary["phase"] == "summary"
@@ -67,20 +50,15 @@ def test_damaged_files_never_crash_the_store_nor_serve_a_wrong_byte(tmp_path: Pa
     assert summary["hits"] > summary["misses"]
 
 
-def start_serve(disk_path: Path, socket_path: Path) -> tuple[subprocess.Popen[str], dict[str, Any]]:
-    """``tierkv serve`` on ``disk_path`` as a user starts it; its ready line."""
-    command = [
-        sys.executable, "-m", "tierkv", "serve", "--host-bytes", "4MiB", "--page-bytes", "4KiB",
-        "--gpu-bytes", "0", "--disk-path", str(disk_path), "--disk-bytes", "1MiB",
-        "--stats-interval-s", "0", "--listen", f"unix://{socket_path}",
-    ]
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    assert process.stdout is not None
+def ready_line(process: subprocess.Popen[str]) -> dict[str, Any]:
+    """The JSON line ``tierkv serve`` prints once it serves; fails if it exited instead."""
+    assert process.stdout is not None and process.stderr is not None
     line = process.stdout.readline()
     if not line:
         process.wait(30)
         raise AssertionError(f"serve exited with {process.returncode}: {process.stderr.read()}")
-    return process, json.loads(line)
+    ready: dict[str, Any] = json.loads(line)
+    return ready
 
 
 def test_tierkv_serve_starts_on_damaged_files_and_serves_only_exact_bytes(tmp_path: Path) -> None:
@@ -98,9 +76,9 @@ def test_tierkv_serve_starts_on_damaged_files_and_serves_only_exact_bytes(tmp_pa
         else:
             worker.DAMAGES[kind](disk_path, rng)
         socket_path = tmp_path / f"s{number}.sock"
-        process, ready = start_serve(disk_path, socket_path)
+        process = worker.start_serve(disk_path, socket_path)
         try:
-            assert ready["ready"] is True
+            assert ready_line(process)["ready"] is True
             check_served(f"unix://{socket_path}", kind)
             process.send_signal(signal.SIGTERM)
             assert process.wait(timeout=30) == 0, process.stderr.read() if process.stderr else ""
