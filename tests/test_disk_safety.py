@@ -17,12 +17,14 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import disk_fault_worker as worker
+import grpc
 import lmdb
 import msgpack
 import pytest
 from service_fixtures import ALICE_TOKEN, BackgroundServer
 
 from conftest import TINY_LAYOUT, blocks, keys, same_bytes
+from service.errors import status_of
 from tierkv import (
     CapacityError,
     Client,
@@ -39,6 +41,7 @@ from tierkv.cli.main import build_parser, main
 from tierkv.cli.serve_cmd import build_config
 from tierkv.config import DiskCorruptAction
 from tierkv.errors import ConfigError, SessionNotFoundError
+from tierkv.tiers.disk import DiskIOError
 
 WRITE_THROUGH = WritePolicy.WRITE_THROUGH
 # 64 KiB blocks: a few of them fill the 8 MiB filesystem quickly.
@@ -310,3 +313,8 @@ def test_a_client_put_on_a_full_filesystem_is_resource_exhausted_and_not_retried
                 same_bytes(a, b) for a, b in zip(got, data[:index], strict=True))
     finally:
         background.close()
+
+
+def test_disk_errors_map_to_codes_the_sdk_does_not_retry() -> None:
+    assert status_of(DiskFullError("disk: full"))[0] is grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert status_of(DiskIOError("disk: I/O error"))[0] is grpc.StatusCode.DATA_LOSS

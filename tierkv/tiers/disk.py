@@ -23,6 +23,7 @@ Decisions (each from a failure seen in LMDB users):
 8. A short write is reported by LMDB as EIO. When the filesystem is (nearly) out of space that
    is a full disk: ``DiskFullError`` (RESOURCE_EXHAUSTED, not retried). Otherwise it is a
    failing device: ``DiskIOError``, which no retry can fix, so it is not UNAVAILABLE either.
+   So is a write that finds a damaged B-tree (``lmdb.CorruptedError`` and kin), logged loudly.
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ import numpy as np
 
 from tierkv.config import DiskTierConfig, MiB
 from tierkv.errors import ConfigError, DiskFullError, TierKVError
-from tierkv.tiers.lmdb_env import DirectoryLock, MapBounds, open_environment
+from tierkv.tiers.lmdb_env import DAMAGED, DirectoryLock, MapBounds, open_environment
 from tierkv.tiers.records import RecordStatus, copy_with_checksum, seal, verify_header
 
 log = logging.getLogger(__name__)
@@ -320,6 +321,12 @@ class DiskTier:
             return DiskFullError(
                 "disk: LMDB map is full; raise --disk-bytes (the map is sized from it) or free "
                 "blocks"
+            )
+        if isinstance(exc, DAMAGED):
+            log.error("DISK TIER DAMAGED at %s: a write failed with %s", self.config.path, exc)
+            return DiskIOError(
+                f"disk: the LMDB store at {self.config.path} is damaged ({exc}); it is checked "
+                "(and moved aside if need be) when the server starts again"
             )
         message = str(exc)
         if getattr(exc, "errno", None) == errno.ENOSPC or os.strerror(errno.ENOSPC) in message:

@@ -67,8 +67,8 @@ _DB_NAMES = (b"blocks", b"namespaces", b"sessions")
 # Errors about the environment around the files, not the files: never a reason to move aside.
 _NOT_THE_FILES = (lmdb.ReadonlyError, lmdb.LockError, lmdb.ReadersFullError, lmdb.TlsFullError)
 # Errors of a write that say the files are damaged (a full disk or map says nothing about them).
-_DAMAGED = (lmdb.CorruptedError, lmdb.PageNotFoundError, lmdb.PanicError, lmdb.InvalidError,
-            lmdb.BadTxnError, lmdb.IncompatibleError)
+DAMAGED = (lmdb.CorruptedError, lmdb.PageNotFoundError, lmdb.PanicError, lmdb.InvalidError,
+           lmdb.BadTxnError, lmdb.IncompatibleError)
 # Put and deleted again at open, in the sessions DB (no session key starts with NUL).
 _PROBE_KEY = b"\x00tierkv-open-probe"
 
@@ -295,7 +295,7 @@ def _probe_write(opened: OpenedEnvironment) -> None:
         with opened.env.begin(write=True, db=opened.dbs[2]) as txn:
             txn.put(_PROBE_KEY, b"")
             txn.delete(_PROBE_KEY)
-    except _DAMAGED as exc:
+    except DAMAGED as exc:
         raise UnreadableError(f"probe write: {type(exc).__name__}: {exc}") from exc
     except lmdb.Error as exc:  # a full disk: the store can still serve what it holds
         log.warning("the probe write at open failed (the store may be full): %s", exc)
