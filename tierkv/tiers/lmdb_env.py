@@ -1,8 +1,9 @@
 """Opening the DISK tier's LMDB environment so that no file on disk can stop the process.
 
-``open_environment`` takes the directory's lock, opens LMDB, checks the data file against the
-map, walks every B-tree once and returns what it found. An environment that fails any of that
-is *unreadable*: its files are moved aside (or, with ``on_corrupt="refuse"``, the open fails).
+``DirectoryLock`` keeps every other process off the directory; ``open_environment`` opens LMDB
+there, checks the data file against the map, walks every B-tree once and returns what it found.
+An environment that fails any of that is *unreadable*: its files are moved aside (or, with
+``on_corrupt="refuse"``, the open fails).
 
 Decisions:
 1. One process per directory: an ``fcntl.flock`` on ``<path>/tierkv.lock``, held for the tier's
@@ -21,17 +22,16 @@ Decisions:
 3. Values are not trusted either: a damaged length could reach past the map. Every value is
    located in the map (``/proc/self/maps``) and checked to lie inside the file before a byte of
    it is read (``MapBounds``); one that does not is unreadable.
-4. Before LMDB touches a tree, ``tierkv.tiers.lmdb_check`` walks every B-tree's pages with
-   plain reads: LMDB ``abort()``s on a page of the wrong type instead of returning an error.
-   Then every B-tree is walked by LMDB at open (keys and value sizes only; block payloads are not read) and
-   must agree with the entry count its DB record states; an environment with commits must hold
-   the ``blocks`` DB. A walk that fails (``lmdb.CorruptedError``, ``PageNotFoundError``, ...) or
-   disagrees means the environment is damaged as a whole: unreadable, never a silent loss of
-   the subtrees a damaged branch page no longer reaches. What the walk found is handed to
-   recovery, so recovery itself never touches LMDB. The free-page B-tree cannot be walked from
-   Python, so a probe write (a record put and deleted in one commit) makes LMDB allocate pages
-   from it: a free list that is damaged fails there (fault injection found garbage there that
-   every later put tripped over), not at the first put of a client.
+4. Before LMDB touches a tree, ``tierkv.tiers.lmdb_check`` walks every B-tree's pages (the
+   free-page tree too) with plain reads: LMDB ``abort()``s on a page of the wrong type instead
+   of returning an error. Then LMDB walks every DB (keys and value sizes only; block payloads
+   are not read), which must agree with the entry count its DB record states; an environment
+   with commits must hold the ``blocks`` DB. A walk that fails (``lmdb.CorruptedError``,
+   ``PageNotFoundError``, ...) or disagrees means the environment is damaged as a whole:
+   unreadable, never a silent loss of the subtrees a damaged branch page no longer reaches.
+   What the walk found is handed to recovery, so recovery itself never touches LMDB. Last, a
+   probe write (a record put and deleted in one commit) makes LMDB allocate pages from its
+   free list, as every later put will: a failure there is found at open, not by a client.
 5. Moving aside renames ``data.mdb`` and ``lock.mdb`` into ``<path>/corrupt-<UTC time>-<pid>/``
    inside the locked directory (so no other process races us) and logs it with ``log.error``:
    nothing is deleted, an operator can inspect or restore it. Errors that say nothing about the
