@@ -191,7 +191,7 @@ def test_a_deleted_leased_block_keeps_its_bytes_until_release(
     assert store.stats().tiers[Tier.HOST].used_bytes == BLOCK_BYTES
 
 
-@pytest.mark.parametrize("ttl_s", [-1, float("nan"), 1e9])
+@pytest.mark.parametrize("ttl_s", [-1, float("nan"), 1e9, 1e-300, 0.05])
 def test_bad_lease_ttl_is_rejected(
     make_store: StoreFactory, namespace: Namespace, ttl_s: float
 ) -> None:
