@@ -12,7 +12,6 @@ import asyncio
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -175,8 +174,7 @@ def test_the_leases_of_a_client_that_died_are_taken_back_at_once(
         for holder in holders:
             holder.kill()
             holder.wait()
-        started = time.monotonic()
-        assert client.put(NAMESPACE, hashes, data) == len(hashes)  # room without a 30 s wait
-        assert time.monotonic() - started < 10
+        # Their leases would hold the room for 30 s more (a put waits 5 s at most for room).
+        assert client.put(NAMESPACE, hashes, data) == len(hashes)
         assert client.stats().num_leases == 0
         assert same_bytes(client.get(NAMESPACE, hashes), data)

@@ -40,7 +40,12 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from tierkv.config import Priority, Tier, WritePolicy
-from tierkv.errors import IntegrityError, InvalidArgumentError, LeaseNotFoundError, LeaseStateError
+from tierkv.errors import (
+    IntegrityError,
+    InvalidArgumentError,
+    LeaseNotFoundError,
+    LeaseStateError,
+)
 from tierkv.paging import BlockExtents, Location, iter_extents, location_num_pages
 from tierkv.store.core import StoreCore
 from tierkv.store.ledger import DOOMED, Entry, NamespaceState
@@ -227,7 +232,12 @@ class Leases:
         docstring; ``expires=False``: never reaped, see ``TieredStore.allocate``). Raises
         ``CapacityError`` when they do not fit; nothing is then reserved."""
         ttl = _check_lease_ttl(ttl_s) if expires else math.inf
+        host = self.core.paged[Tier.HOST]
         with self.core.lock:
+            if host.allocator.num_free_pages < len(keys) * host.pages_for(state.block_bytes):
+                # Short of room: it may be held by clients that died a moment ago, so ask
+                # their lock files now rather than what was found out a moment ago.
+                self.watch.forget_all()
             self._expire_locked()
         plan = self.writer.plan(state, keys, priority, policy, Tier.HOST)
         write_indices = sorted(set(plan.new_indices) | set(plan.disk_indices))

@@ -88,6 +88,11 @@ class ClientWatch:
         return state
 
 
+    def forget_all(self) -> None:
+        """Drop every kept answer: the next ``state`` of each client probes its file."""
+        self._known.clear()
+
+
 def _probe(path: Path) -> Liveness:
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
