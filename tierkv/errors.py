@@ -55,7 +55,8 @@ class LeaseStateError(TierKVError):
 
 
 class IntegrityError(TierKVError):
-    """Bytes failed their checksum on the way from a writer to the store: nothing was stored."""
+    """DATA_LOSS: bytes failed their checksum on the way from a writer to the store, or the
+    disk store is damaged or failing; nothing was stored."""
 
 
 class StaleSlabError(TierKVError):
