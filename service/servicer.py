@@ -286,8 +286,9 @@ class TierKVServicer(pb_grpc.TierKVServicer):
         num_pinned = 0
         if request.pin_ttl_s:
             check_ttl(request.pin_ttl_s)  # refuse bad input before the prefetch moves anything
-        if namespace is None:
-            return pb.LookupResponse()  # nothing stored under it: a miss
+        if namespace is None:  # nothing stored under it: a miss, once the hashes are valid
+            convert.hashes_from(hashes, self.config.max_hashes_per_call)
+            return pb.LookupResponse()
         if request.prefetch:
             store.prefetch(namespace, hashes, Tier.HOST).result()
         if request.pin_ttl_s:
@@ -327,6 +328,17 @@ class TierKVServicer(pb_grpc.TierKVServicer):
     @unary
     async def Put(self, request_iterator: Any, context: Any, caller: Caller) -> Any:
         chunks = aiter(request_iterator)
+        try:
+            return await self._put(chunks, caller)
+        finally:
+            # grpc's request iterator left suspended (a Put refused before its last message)
+            # keeps the call and every message it received alive in the C core: 1,500 refused
+            # headers of 70,000 hashes grew a server by over 1 GiB. Closing it frees them.
+            close = getattr(chunks, "aclose", None)
+            if close is not None:
+                await close()
+
+    async def _put(self, chunks: AsyncIterator[RawPutChunk], caller: Caller) -> pb.CountResponse:
         first = await self._first_message(chunks)
         _check_parsed(first)
         if first is None or first.header is None:

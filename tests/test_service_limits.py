@@ -42,7 +42,7 @@ Code = grpc.StatusCode
 NS = wire_namespace()
 
 
-async def put(served: Served, model_id: str, metadata: Any = ALICE, n: int = 2) -> Code:
+async def put(served: Served, model_id: str, metadata: Any = ALICE, n: int = 2) -> grpc.StatusCode:
     namespace = wire_namespace(model_id=model_id)
     return await code_of(served.stub(), "Put", put_chunks(namespace, keys(n), payload(n)),
                          metadata)
@@ -87,7 +87,7 @@ def _servicer_garbage(garbage: list[Any]) -> list[str]:
     return found
 
 
-REFUSED: dict[str, Callable[[Served], Awaitable[Code]]] = {
+REFUSED: dict[str, Callable[[Served], Awaitable[grpc.StatusCode]]] = {
     "Put over max_put_bytes": lambda s: code_of(
         s.stub(), "Put", put_chunks(NS, keys(8, salt="big"), payload(8))),
     "Put over HOST": lambda s: code_of(
