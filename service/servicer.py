@@ -28,6 +28,7 @@ from service.auth import Authenticator, client_id_of
 from service.buffers import BufferPool
 from service.config import ServiceConfig
 from service.errors import status_of
+from service.namespaces import NamespaceBook
 from service.stream_put import LeaseFiller
 from tierkv import codec
 from tierkv.codec import RawPutChunk
@@ -41,7 +42,6 @@ from tierkv.wire import tierkv_pb2 as pb
 from tierkv.wire import tierkv_pb2_grpc as pb_grpc
 
 R = TypeVar("R")
-_MAX_KNOWN_NAMESPACES = 4096
 # Plain lookups of up to this many hashes (a 128K-token prompt in blocks of 16) run on the event
 # loop. Their work is dict probes under the store lock, which is never held across copies or
 # I/O: Python under the GIL, which a worker thread would hold just the same, while the hop to a
@@ -146,8 +146,7 @@ class TierKVServicer(pb_grpc.TierKVServicer):
         self._executor = ThreadPoolExecutor(config.num_workers, "tierkv-rpc")
         self._buffers = BufferPool(2 * config.max_put_bytes)
         self._host_id = _host_id()
-        # (wire namespace, tenant) -> registered Namespace: skips rebuilding it on every call.
-        self._known: dict[tuple[bytes, str], Namespace] = {}
+        self._namespaces = NamespaceBook(config)
 
     def attach(self, store: TieredStore) -> None:
         """Start serving ``store``."""
@@ -177,69 +176,17 @@ class TierKVServicer(pb_grpc.TierKVServicer):
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._executor, functools.partial(fn, *args, **kwargs))
 
-    @staticmethod
-    def _known_key(spec: pb.Namespace, caller: Caller) -> tuple[bytes, str]:
-        return spec.SerializeToString(deterministic=True), caller.tenant
-
     def _known_namespace(self, spec: pb.Namespace, caller: Caller) -> Namespace | None:
-        """The namespace of ``spec`` for this caller, if it was registered through here and is
-        still registered."""
-        namespace = self._known.get(self._known_key(spec, caller))
-        return namespace if namespace is not None and self.store.is_registered(namespace) else None
-
-    def _remember(self, spec: pb.Namespace, caller: Caller, namespace: Namespace) -> None:
-        if len(self._known) < _MAX_KNOWN_NAMESPACES:
-            self._known[self._known_key(spec, caller)] = namespace
+        """The namespace of ``spec`` for this caller if it is cached and registered."""
+        return self._namespaces.cached(self.store, spec, caller.tenant)
 
     def _existing_namespace(self, spec: pb.Namespace, caller: Caller) -> Namespace | None:
-        """The namespace of ``spec`` for this caller if it is registered, else None: read-only
-        calls answer a miss for it and never register one (a lookup must not create state)."""
-        namespace = self._known_namespace(spec, caller)
-        if namespace is None:
-            namespace = codec.namespace_from_wire(spec, caller.tenant)
-            if not self.store.is_registered(namespace):
-                return None
-            self._remember(spec, caller, namespace)
-        return namespace
+        """The namespace of ``spec`` for this caller if registered (read-only calls)."""
+        return self._namespaces.existing(self.store, spec, caller.tenant)
 
     def _namespace(self, spec: pb.Namespace, caller: Caller) -> Namespace:
         """The namespace of ``spec`` for this caller, registered if it was not."""
-        namespace = self._known_namespace(spec, caller)
-        if namespace is None:
-            namespace = codec.namespace_from_wire(spec, caller.tenant)
-            if not self.store.is_registered(namespace):
-                self._make_room_for_namespace(caller.tenant)
-                self.store.register(namespace)
-            self._remember(spec, caller, namespace)
-        return namespace
-
-    def _make_room_for_namespace(self, tenant: str) -> None:
-        """Namespaces are stored until they are empty: a tenant at its share (or a server at
-        its limit) first loses its namespaces that hold nothing; ``CapacityError`` if that
-        leaves no room."""
-        store, config = self.store, self.config
-        if store.num_namespaces(tenant) >= config.max_namespaces_per_tenant:
-            self._forget(store.prune_namespaces(tenant))
-            if store.num_namespaces(tenant) >= config.max_namespaces_per_tenant:
-                raise CapacityError(
-                    f"tenant {tenant!r} holds {config.max_namespaces_per_tenant} namespaces with "
-                    "blocks or sessions already (--max-namespaces-per-tenant); delete some"
-                )
-        if store.num_namespaces() >= config.max_namespaces:
-            self._forget(store.prune_namespaces())
-            if store.num_namespaces() >= config.max_namespaces:
-                raise CapacityError(
-                    f"the server holds {config.max_namespaces} namespaces with blocks or "
-                    "sessions already"
-                )
-
-    def _forget(self, removed: Sequence[Namespace]) -> None:
-        """Drop removed namespaces from the cache of known ones."""
-        gone = {namespace.id for namespace in removed}
-        if gone:
-            for key, namespace in list(self._known.items()):  # a copy: other threads add
-                if namespace.id in gone:
-                    self._known.pop(key, None)
+        return self._namespaces.registered(self.store, spec, caller.tenant)
 
     def _blocks(self, request: Any, caller: Caller) -> tuple[Namespace, Sequence[bytes]]:
         namespace = self._namespace(request.namespace, caller)
