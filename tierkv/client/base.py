@@ -14,9 +14,10 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+import numpy as np
 import torch
 
-from tierkv.checksums import block_checksums, checksum
+from tierkv.checksums import CopyParts, copy_with_checksums
 from tierkv.codec import encode_put_chunk, namespace_to_wire
 from tierkv.config import Priority, WritePolicy
 from tierkv.errors import (
@@ -32,7 +33,6 @@ from tierkv.errors import (
     TierKVError,
 )
 from tierkv.keys import Namespace
-from tierkv.paging import BlockExtents, copy_spans
 from tierkv.store.liveness import ClientLock
 from tierkv.store.presence import PresenceView
 from tierkv.wire import tierkv_pb2 as pb
@@ -183,11 +183,6 @@ def put_chunks(
         yield encode_put_chunk(None, data[start : start + CHUNK_BYTES])
 
 
-def extents_of(blocks: Sequence[pb.BlockExtents]) -> list[BlockExtents]:
-    """The leased extents of each block."""
-    return [[(e.offset, e.length) for e in block.extents] for block in blocks]
-
-
 def local_host_id() -> str:
     """This machine's boot id (what the server reports as ``host_id``)."""
     try:
@@ -215,30 +210,36 @@ class SlabMapping:
         except BaseException:
             os.close(self._fd)
             raise
-        self.tensor = torch.frombuffer(self._map, dtype=torch.uint8)
+        self.array = np.frombuffer(self._map, np.uint8)
 
     def is_current(self) -> bool:
         """False once the server removed the segment (it stopped, or a restarted server swept
         it): the mapping is then of a slab nobody serves."""
         return self._fd is not None and os.fstat(self._fd).st_nlink > 0
 
-    def read(self, spans: Sequence[tuple[int, int, int]], out: torch.Tensor) -> None:
-        """Copy slab spans into the flat uint8 ``out``."""
-        for slab_offset, buffer_offset, length in spans:
-            out[buffer_offset : buffer_offset + length].copy_(
-                self.tensor[slab_offset : slab_offset + length]
-            )
-
-    def write(self, spans: Sequence[tuple[int, int, int]], source: torch.Tensor) -> None:
-        """Copy the flat uint8 ``source`` into slab spans."""
-        for slab_offset, buffer_offset, length in spans:
-            self.tensor[slab_offset : slab_offset + length].copy_(
-                source[buffer_offset : buffer_offset + length]
-            )
+    def parts(
+        self, blocks: Sequence[pb.BlockExtents], block_indices: Sequence[int], block_bytes: int,
+        buffer: np.ndarray, *, into_slab: bool,
+    ) -> list[CopyParts]:
+        """The (destination, source) parts of each leased block, in block order: block
+        ``block_indices[i]`` of the flat ``buffer`` and its extents ``blocks[i]`` in the slab."""
+        copies: list[CopyParts] = []
+        for extents, index in zip(blocks, block_indices, strict=True):
+            offset = index * block_bytes
+            block: list[tuple[np.ndarray, np.ndarray]] = []
+            for extent in extents.extents:
+                in_slab = self.array[extent.offset : extent.offset + extent.length]
+                in_buffer = buffer[offset : offset + extent.length]
+                block.append((in_slab, in_buffer) if into_slab else (in_buffer, in_slab))
+                offset += extent.length
+            if offset != (index + 1) * block_bytes:
+                raise ServiceUnavailableError("a leased block's extents do not cover the block")
+            copies.append(block)
+        return copies
 
     def close(self) -> None:
-        """Unmap (once no tensor views are left)."""
-        del self.tensor
+        """Unmap (once no array views are left)."""
+        del self.array
         with contextlib.suppress(BufferError):  # a view is still alive: it goes with that view
             self._map.close()
         if self._fd is not None:
@@ -364,17 +365,23 @@ class ClientBase:
         return pb.AcquireRequest(namespace=self._wire(namespace), hashes=list(hashes),
                                  slab_id=self._slab.slab_id)
 
+    def _lookup_request(self, namespace: Namespace, hashes: Sequence[bytes], prefetch: bool,
+                        pin_ttl_s: float) -> pb.LookupRequest:
+        return pb.LookupRequest(namespace=self._wire(namespace), hashes=list(hashes),
+                                prefetch=prefetch, pin_ttl_s=pin_ttl_s)
+
     def _fill_lease(self, slab: SlabMapping, lease: pb.LeaseResponse, namespace: Namespace,
                     flat: torch.Tensor, granted_s: float) -> pb.LeaseRequest:
         """Copy the blocks a write lease asks for into the slab; returns the Commit request,
-        which carries the checksum of every block written (the server checks its pages
+        which carries the checksum of every block as written (the server checks its pages
         against them). Runs on a worker thread in ``AsyncClient``."""
         _check_slab(slab, lease)
         if time.monotonic() - granted_s > _LEASE_MARGIN * lease.expires_in_s:
             raise LeaseStateError("the write lease is about to expire; nothing was written")
-        slab.write(self._write_spans(lease, namespace), flat)
-        checksums = block_checksums(flat, namespace.layout.bytes_per_block,
-                                    list(lease.write_indices))
+        checksums = copy_with_checksums(slab.parts(
+            lease.blocks, lease.write_indices, namespace.layout.bytes_per_block, flat.numpy(),
+            into_slab=True,
+        ))
         return pb.LeaseRequest(lease_id=lease.lease_id, checksums=checksums)
 
     def _read_lease(self, slab: SlabMapping, lease: pb.LeaseResponse, namespace: Namespace,
@@ -383,33 +390,16 @@ class ClientBase:
         against its checksum; returns the index (in the lease) of the first bad one, or None.
         Runs on a worker thread in ``AsyncClient``."""
         _check_slab(slab, lease)
-        slab.read(self._read_spans(lease, namespace, done), flat)
-        block_bytes = namespace.layout.bytes_per_block
-        array = flat.numpy()
-        for index, expected in enumerate(lease.checksums):
-            start = (done + index) * block_bytes
-            if checksum(array[start : start + block_bytes]) != expected:
-                return index
         if len(lease.checksums) != len(lease.blocks):
-            return len(lease.checksums)  # a server that gave no checksums: verify nothing blind
+            raise ServiceUnavailableError("the server gave no checksums with its read lease")
+        got = copy_with_checksums(slab.parts(
+            lease.blocks, range(done, done + len(lease.blocks)),
+            namespace.layout.bytes_per_block, flat.numpy(), into_slab=False,
+        ))
+        for index, (actual, expected) in enumerate(zip(got, lease.checksums, strict=True)):
+            if actual != expected:
+                return index
         return None
-
-    def _lookup_request(self, namespace: Namespace, hashes: Sequence[bytes], prefetch: bool,
-                        pin_ttl_s: float) -> pb.LookupRequest:
-        return pb.LookupRequest(namespace=self._wire(namespace), hashes=list(hashes),
-                                prefetch=prefetch, pin_ttl_s=pin_ttl_s)
-
-    def _write_spans(self, lease: pb.LeaseResponse, namespace: Namespace,
-                     ) -> list[tuple[int, int, int]]:
-        return copy_spans(extents_of(lease.blocks), list(lease.write_indices),
-                          namespace.layout.bytes_per_block)
-
-    def _read_spans(self, lease: pb.LeaseResponse, namespace: Namespace, done: int,
-                    ) -> list[tuple[int, int, int]]:
-        count = len(lease.blocks)
-        return copy_spans(extents_of(lease.blocks), range(done, done + count),
-                          namespace.layout.bytes_per_block)
-
 
 def _check_slab(slab: SlabMapping, lease: pb.LeaseResponse) -> None:
     """A lease of another slab than the mapped one is never copied through."""

@@ -281,7 +281,9 @@ class Leases:
         the client's (raises ``IntegrityError`` or ``InvalidArgumentError`` otherwise)."""
         slab = self.core.paged[Tier.HOST].slab
         block_bytes = lease.state.block_bytes
-        actual = {i: slab.checksum(location, block_bytes) for i, location in lease.locations.items()}
+        indices = sorted(lease.locations)
+        values = slab.checksums([lease.locations[i] for i in indices], block_bytes)
+        actual = dict(zip(indices, values, strict=True))
         if not lease.verify and checksums is None:
             return actual
         if checksums is None or len(checksums) != len(actual):

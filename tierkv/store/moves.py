@@ -201,7 +201,8 @@ class Mover:
         if destination is Tier.HOST:
             slab = self.core.paged[Tier.HOST].slab
             checksums = {entry: slab.checksum(location, entry.ns.block_bytes)
-                         for entry, location in zip(entries, locations, strict=True)}
+                         for entry, location in zip(entries, locations, strict=True)
+                         if entry in readable}
         return self._publish(entries, readable, locations, destination, checksums)
 
     def intact(self, entries: list[Entry], tier: Tier) -> list[Entry]:

@@ -17,7 +17,7 @@ from concurrent.futures import Future, ThreadPoolExecutor, wait
 
 import torch
 
-from tierkv.checksums import checksum
+from tierkv.checksums import block_checksums
 from tierkv.config import Tier
 from tierkv.store.core import StoreCore
 from tierkv.store.ledger import DOOMED, Entry, NamespaceState, PagedLedger
@@ -94,12 +94,11 @@ class Reader:
         it gets is what was verified); returns the index of the first bad one, or past the
         end. Bad blocks are counted and deleted."""
         first_bad = len(flat)
-        array = flat.numpy()
-        for index, entry in batch:
+        copied = block_checksums(flat, block_bytes, [index for index, _ in batch])
+        for (index, entry), actual in zip(batch, copied, strict=True):
             node = entry.residency(Tier.HOST)
             assert node is not None
-            copied = array[index * block_bytes : (index + 1) * block_bytes]
-            if checksum(copied) != ledger.checksum_of(node.location):
+            if actual != ledger.checksum_of(node.location):
                 first_bad = min(first_bad, index)
                 with self.core.lock:
                     self.core.damaged_locked(entry, Tier.HOST)

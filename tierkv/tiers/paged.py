@@ -11,7 +11,7 @@ from collections.abc import Sequence
 
 import torch
 
-from tierkv.checksums import checksum, checksum_of_parts
+from tierkv.checksums import checksums
 from tierkv.paging import Location, iter_extents
 
 # (slab byte offset, buffer byte offset, length)
@@ -93,15 +93,23 @@ class PagedSlab:
 
     def checksum(self, location: Location, block_bytes: int) -> int:
         """The checksum (``tierkv.checksums``) of the block at ``location`` (CPU slabs only)."""
+        return self.checksums([location], block_bytes)[0]
+
+    def checksums(self, locations: Sequence[Location], block_bytes: int) -> list[int]:
+        """The checksums of the blocks at ``locations`` (CPU slabs only; large batches on all
+        cores)."""
         array = self.tensor.numpy()
-        parts = []
-        remaining = block_bytes
-        for start, count in iter_extents(location):
-            length = min(remaining, count * self.page_bytes)
-            offset = start * self.page_bytes
-            parts.append(array[offset : offset + length])
-            remaining -= length
-        return checksum(parts[0]) if len(parts) == 1 else checksum_of_parts(parts)
+        blocks = []
+        for location in locations:
+            parts = []
+            remaining = block_bytes
+            for start, count in iter_extents(location):
+                length = min(remaining, count * self.page_bytes)
+                offset = start * self.page_bytes
+                parts.append(array[offset : offset + length])
+                remaining -= length
+            blocks.append(parts)
+        return checksums(blocks)
 
     def close(self) -> None:
         """Release the slab's memory (subclasses release what they mapped)."""
