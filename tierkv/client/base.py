@@ -49,10 +49,12 @@ _ERRORS: dict[grpc.StatusCode, type[TierKVError]] = {
     grpc.StatusCode.FAILED_PRECONDITION: LeaseStateError,
     grpc.StatusCode.UNAUTHENTICATED: AuthenticationError,
     grpc.StatusCode.UNAVAILABLE: ServiceUnavailableError,
+    grpc.StatusCode.CANCELLED: ServiceUnavailableError,  # (by a server that is stopping)
     grpc.StatusCode.DEADLINE_EXCEEDED: DeadlineExceededError,
     grpc.StatusCode.ABORTED: StaleSlabError,
     grpc.StatusCode.DATA_LOSS: IntegrityError,
 }
+_RETRYABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED})
 # A write lease is not written into once this share of its TTL has passed (the copy itself
 # takes time; a lease that expires under the copy is refused at commit anyway).
 _LEASE_MARGIN = 0.8
@@ -120,8 +122,9 @@ def error_from(exc: grpc.RpcError) -> TierKVError:
 
 
 def is_retryable(exc: grpc.RpcError) -> bool:
-    """Only UNAVAILABLE is retried: the call did not reach a serving server."""
-    return bool(exc.code() == grpc.StatusCode.UNAVAILABLE)
+    """UNAVAILABLE (the call did not reach a serving server) and CANCELLED (a server that is
+    shutting down cancelled it: whatever it started dies with that server) are retried."""
+    return bool(exc.code() in _RETRYABLE)
 
 
 def namespace_wire(namespace: Namespace) -> pb.Namespace:
