@@ -309,7 +309,8 @@ class TierKVServicer(pb_grpc.TierKVServicer):
                     f"got {filler.received_bytes} bytes for {len(hashes)} blocks of {block_bytes} B"
                 )
             committing = True  # commit gives the pages back itself if it fails
-            count = await self._run(self.store.commit, lease.lease_id, caller.owner)
+            count = await self._run(self.store.commit, lease.lease_id, caller.owner,
+                                    filler.checksums)
         finally:
             if not committing:
                 self._abort_quietly(lease.lease_id, caller.owner)

@@ -13,6 +13,8 @@ server's CPU is what bounds a remote put.
 
 from __future__ import annotations
 
+import xxhash
+
 from tierkv.errors import InvalidArgumentError
 from tierkv.paging import copy_spans
 from tierkv.store.leases import WriteLease
@@ -26,6 +28,11 @@ class LeaseFiller:
         # (slab offset, stream offset, length), in stream order (write_indices ascend).
         self._spans = copy_spans(lease.blocks, lease.write_indices, block_bytes)
         self._next_span = 0
+        self._block_bytes = block_bytes
+        self._write_indices = lease.write_indices
+        # Each written block is hashed as its bytes are copied in (still in the CPU cache):
+        # its checksum goes with the commit, no pass over the pages afterwards.
+        self._hashers = {index: xxhash.xxh3_64() for index in lease.write_indices}
         self.total_bytes = total_bytes
         self.received_bytes = 0
 
@@ -44,10 +51,26 @@ class LeaseFiller:
             slab[slab_offset + low - stream_offset : slab_offset + high - stream_offset] = (
                 data[low - start : high - start]
             )
+            self._hash(data, start, low, high)
             if stream_offset + length > end:
                 break  # the span goes on in the next chunk
             self._next_span += 1
         self.received_bytes = end
+
+    def _hash(self, data: memoryview, start: int, low: int, high: int) -> None:
+        """Feed stream bytes ``[low, high)`` (``data`` begins at ``start``) to their blocks."""
+        block_bytes = self._block_bytes
+        while low < high:
+            index = low // block_bytes
+            piece_end = min(high, (index + 1) * block_bytes)
+            self._hashers[index].update(data[low - start : piece_end - start])
+            low = piece_end
+
+    @property
+    def checksums(self) -> list[int]:
+        """The checksum of each written block (``tierkv.checksums``), in ``write_indices``
+        order; valid once ``complete``."""
+        return [self._hashers[index].intdigest() for index in self._write_indices]
 
     @property
     def complete(self) -> bool:

@@ -278,19 +278,23 @@ class Leases:
         self, lease: _Write, checksums: Sequence[int] | None
     ) -> dict[int, int]:
         """The checksum of each written block, by block index: the pages', which must equal
-        the client's (raises ``IntegrityError`` or ``InvalidArgumentError`` otherwise)."""
+        the client's (raises ``IntegrityError`` or ``InvalidArgumentError`` otherwise). A lease
+        this process wrote itself (``verify`` off) takes the checksums it computed while
+        writing, or its pages' when it gives none."""
         slab = self.core.paged[Tier.HOST].slab
         block_bytes = lease.state.block_bytes
         indices = sorted(lease.locations)
+        if checksums is None or len(checksums) != len(indices):
+            if lease.verify:
+                raise InvalidArgumentError(
+                    f"commit needs one checksum per written block ({len(indices)}), got "
+                    f"{0 if checksums is None else len(checksums)}"
+                )
+            checksums = slab.checksums([lease.locations[i] for i in indices], block_bytes)
+        if not lease.verify:
+            return dict(zip(indices, checksums, strict=True))
         values = slab.checksums([lease.locations[i] for i in indices], block_bytes)
         actual = dict(zip(indices, values, strict=True))
-        if not lease.verify and checksums is None:
-            return actual
-        if checksums is None or len(checksums) != len(actual):
-            raise InvalidArgumentError(
-                f"commit needs one checksum per written block ({len(actual)}), got "
-                f"{0 if checksums is None else len(checksums)}"
-            )
         bad = [i for i, claimed in zip(sorted(actual), checksums, strict=True) if actual[i] != claimed]
         if bad:
             with self.core.lock:
