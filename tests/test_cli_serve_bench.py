@@ -67,6 +67,12 @@ def test_serve_flags_and_their_environment_variables_reach_the_service_config(
     assert service_config().put_idle_timeout_s == 7
     assert service_config("--hash-seed", "42").hash_seed == "42"
     assert main(["serve", "--listen", "127.0.0.1:0", "--no-disk", "--put-idle-timeout-s", "0"]) == 2
+    assert service_config().max_namespaces_per_tenant == 1024
+    assert service_config("--max-namespaces-per-tenant", "8").max_namespaces_per_tenant == 8
+    monkeypatch.setenv("TIERKV_MAX_NAMESPACES_PER_TENANT", "16")
+    assert service_config().max_namespaces_per_tenant == 16
+    assert main(["serve", "--listen", "127.0.0.1:0", "--no-disk",
+                 "--max-namespaces-per-tenant", "0"]) == 2
 
 
 def test_bench_store_writes_json_and_a_plot(tmp_path: Path) -> None:

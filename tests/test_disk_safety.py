@@ -259,10 +259,8 @@ def small_tmpfs(tmp_path: Path) -> Iterator[Path]:
     mount_point.mkdir()
     done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(mount_point)],
                           capture_output=True, text=True, check=False)
-    if done.returncode:
-        if os.geteuid() != 0 or "permission denied" in done.stderr.lower():
-            pytest.skip(f"mounting a tmpfs is not permitted here: {done.stderr.strip()}")
-        raise AssertionError(f"mount failed: {done.stderr}")
+    # No skip: a disk-full test that quietly does not run is a test that cannot fail.
+    assert done.returncode == 0, f"mounting an 8 MiB tmpfs failed (run as root): {done.stderr}"
     try:
         yield mount_point
     finally:

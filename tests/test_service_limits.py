@@ -34,8 +34,6 @@ from service_fixtures import (
 from conftest import BLOCK_BYTES, keys
 from service.auth import Authenticator
 from service.config import ServiceConfig, load_tokens
-from tierkv.cli.main import build_parser, main
-from tierkv.cli.serve_cmd import build_service_config
 from tierkv.codec import RawPutChunk
 from tierkv.errors import ConfigError, TierKVError
 from tierkv.wire import tierkv_pb2 as pb
@@ -251,19 +249,3 @@ def test_no_offered_token_makes_authentication_raise(offered: str | bytes) -> No
     # (or a future gRPC) may, and the server must then answer UNAUTHENTICATED, not UNKNOWN.
     assert Authenticator(TOKENS).tenant_of((("authorization", offered),)) is None
     assert Authenticator(TOKENS).tenant_of((("authorization", f"Bearer {ALICE_TOKEN}"),)) == "alice"
-
-
-def test_the_per_tenant_limit_is_a_serve_flag_and_an_environment_variable(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    def service_config(*flags: str) -> ServiceConfig:
-        args = build_parser().parse_args(["serve", "--listen", "127.0.0.1:0", *flags])
-        config: ServiceConfig = build_service_config(args)
-        return config
-
-    assert service_config().max_namespaces_per_tenant == 1024
-    assert service_config("--max-namespaces-per-tenant", "8").max_namespaces_per_tenant == 8
-    monkeypatch.setenv("TIERKV_MAX_NAMESPACES_PER_TENANT", "16")
-    assert service_config().max_namespaces_per_tenant == 16
-    assert main(["serve", "--listen", "127.0.0.1:0", "--no-disk",
-                 "--max-namespaces-per-tenant", "0"]) == 2

@@ -22,7 +22,6 @@ from tierkv.config import Priority, StoreConfig, Tier, WritePolicy
 from tierkv.errors import (
     ConfigError,
     InvalidArgumentError,
-    StaleSlabError,
     StoreClosedError,
     TierKVError,
     UnknownNamespaceError,
@@ -32,7 +31,8 @@ from tierkv.keys import Namespace
 from tierkv.store import namespaces, recovery
 from tierkv.store.async_api import AsyncMethods
 from tierkv.store.core import StoreCore
-from tierkv.store.leases import Leases, ReadLease, WriteLease
+from tierkv.store.lease_api import LeaseMethods
+from tierkv.store.leases import Leases
 from tierkv.store.ledger import NamespaceState, PagedLedger
 from tierkv.store.liveness import ClientWatch
 from tierkv.store.moves import Mover
@@ -51,7 +51,7 @@ P = ParamSpec("P")
 R = TypeVar("R")
 
 
-class TieredStore(AsyncMethods):
+class TieredStore(AsyncMethods, LeaseMethods):
     """KV blocks across GPU, HOST and DISK tiers, keyed by ``(namespace, block hash)``.
 
     Open it with a ``StoreConfig``; with a disk tier, blocks written there by an earlier process
@@ -272,84 +272,6 @@ class TieredStore(AsyncMethods):
             raise ConfigError(f"prefetch: the {tier.label} tier is not configured")
         return self._executor.submit(self._reader.prefetch, state, keys, tier)
 
-    # --- same-host leases on HOST pages (see tierkv.store.leases) --------------------------
-
-    def acquire(
-        self, namespace: Namespace, hashes: Sequence[bytes], ttl_s: float | None = None,
-        owner: str = "", *, slab_id: bytes = b"", client_id: str = "",
-    ) -> ReadLease:
-        """Lease the leading stored blocks of ``hashes`` in the HOST slab for reading in place;
-        ``release`` it when done (it expires after ``ttl_s``, default 30 s). The lease gives
-        each block's checksum: verify the bytes copied out against it.
-
-        ``slab_id``: the slab the caller has mapped (``host_slab_id``); another one raises
-        ``StaleSlabError``. ``client_id``: names the caller's lock file (see
-        ``tierkv.store.liveness``), so that its leases end at once when it dies."""
-        state = self._state(namespace)
-        self._check_slab(slab_id)
-        return self._leases.acquire(state, check_hashes(hashes), ttl_s, owner, client_id)
-
-    def release(self, lease_id: bytes, owner: str = "", corrupt_indices: Sequence[int] = ()
-                ) -> None:
-        """End a read lease (``LeaseNotFoundError`` / ``LeaseStateError`` if it is not live);
-        ``corrupt_indices``: leased blocks whose copy failed its checksum (checked again here,
-        deleted if damaged)."""
-        self._check_open()
-        self._leases.release(lease_id, owner, corrupt_indices)
-
-    def allocate(
-        self, namespace: Namespace, hashes: Sequence[bytes], ttl_s: float | None = None,
-        owner: str = "", *, priority: Priority = Priority.NORMAL,
-        write_policy: WritePolicy | None = None, expires: bool = True, slab_id: bytes = b"",
-        client_id: str = "",
-    ) -> WriteLease:
-        """Reserve HOST pages for writing the blocks of ``hashes`` in place; ``commit`` (with
-        the checksum of each block written) or ``abort`` before the lease expires. Same errors
-        as ``put``; ``slab_id`` and ``client_id`` as for ``acquire``.
-
-        ``expires=False`` is for a writer in this process that always ends the lease itself
-        (the server's stream Put aborts it in a ``finally``): such a lease is never reaped, so
-        its pages cannot be handed to another block while that writer is still copying, and
-        its commit needs no checksums (the pages are hashed instead)."""
-        state = self._state(namespace)
-        keys = check_hashes(hashes)
-        self._check_slab(slab_id)
-        policy = write_policy or self.config.write_policy
-        if policy is WritePolicy.WRITE_THROUGH and self._core.disk is None:
-            raise ConfigError("allocate: write_through needs a disk tier (--disk-path)")
-        return self._leases.allocate(state, keys, ttl_s, owner, Priority(priority), policy,
-                                     expires=expires, client_id=client_id)
-
-    def commit(self, lease_id: bytes, owner: str = "", checksums: Sequence[int] | None = None
-               ) -> int:
-        """Make a write lease's blocks visible at once; returns the blocks newly stored.
-        ``checksums``: one per written block, in ``write_indices`` order (``tierkv.checksums``
-        of the bytes written); ``IntegrityError`` and nothing stored when the pages differ."""
-        self._check_open()
-        return self._leases.commit(lease_id, owner, checksums)
-
-    def _check_slab(self, slab_id: bytes) -> None:
-        if slab_id and slab_id != self._host.slab_id:
-            raise StaleSlabError(
-                "the lease names a slab this server does not have: the client's mapping is of "
-                "an earlier server; describe the server again and remap"
-            )
-
-    def abort(self, lease_id: bytes, owner: str = "") -> None:
-        """Drop a write lease: none of its blocks becomes visible."""
-        self._check_open()
-        self._leases.abort(lease_id, owner)
-
-    def expire_leases(self) -> int:
-        """End every lease past its deadline (a server calls this periodically)."""
-        self._check_open()
-        return self._leases.expire()
-
-    @property
-    def num_leases(self) -> int:
-        """Leases granted and not yet ended."""
-        return len(self._leases)
-
     def pin(self, namespace: Namespace, hashes: Sequence[bytes], ttl_s: float | None = None) -> int:
         """Keep the leading stored blocks of ``hashes`` from eviction until ``unpin`` (or for
         ``ttl_s`` seconds). Returns how many were pinned."""
@@ -420,39 +342,6 @@ class TieredStore(AsyncMethods):
         with self._core.lock:
             self._core.expire_pins_locked()
         return snapshot(self._core)
-
-    @property
-    def host_slab_id(self) -> bytes:
-        """The HOST slab's identity: new for every store (leases name it)."""
-        return self._host.slab_id
-
-    @property
-    def client_lock_prefix(self) -> str:
-        """Same-host clients hold ``/dev/shm/<this><client id>`` locked while they map the slab
-        (``tierkv.store.liveness``)."""
-        return f"{self._host.shm_name}-client-"
-
-    @property
-    def num_quarantined_pages(self) -> int:
-        """HOST pages held back from expired write leases of clients that are still alive."""
-        return self._leases.num_quarantined_pages
-
-    @property
-    def host_shm_name(self) -> str:
-        """Name of the HOST slab's shared-memory segment (for same-host clients)."""
-        return self._host.shm_name
-
-    def host_slab_view(self) -> memoryview:
-        """The HOST slab's bytes, writable: what same-host clients map, for a writer in this
-        process that fills the extents of its own write lease. Release the view (``with``)
-        when done: the slab cannot be unmapped while views of it are alive."""
-        self._check_open()
-        return self._host.tensor.numpy().data
-
-    @property
-    def host_pinned(self) -> bool:
-        """Whether the HOST slab is page-locked for CUDA copies (only when CUDA is present)."""
-        return self._host.pinned
 
     # --- sessions ---------------------------------------------------------------------------
 
