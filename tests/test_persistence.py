@@ -341,7 +341,7 @@ def test_record_is_never_served_under_another_layout_or_namespace(
         # Forged records whose key is right and checksum valid, but whose layout is not.
         payload = data[1].contiguous().view(torch.uint8).reshape(-1).numpy()
         for ns in (ns_shape, ns_dtype):
-            forged = encode_record(raw_key(ns, hashes[1]), TINY_LAYOUT.fingerprint, payload)
+            forged, _ = encode_record(raw_key(ns, hashes[1]), TINY_LAYOUT.fingerprint, payload)
             assert len(forged) == len(record)
             txn.put(raw_key(ns, hashes[1]), bytes(forged))
     env.close()

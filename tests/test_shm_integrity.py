@@ -34,7 +34,7 @@ from service_fixtures import (
 
 from conftest import BLOCK_BYTES, TINY_LAYOUT, keys, same_bytes
 from tierkv import AsyncClient, HostTierConfig, Namespace, StoreConfig, TieredStore
-from tierkv.store.liveness import ClientLock
+from tierkv.store.liveness import ClientLock, ClientWatch, Liveness
 from tierkv.wire import tierkv_pb2 as pb
 
 Code = grpc.StatusCode
@@ -201,3 +201,41 @@ def test_a_new_store_removes_the_segments_of_servers_that_are_gone() -> None:
     finally:
         os.close(holder)
         (shm / live).unlink(missing_ok=True)
+
+
+# --- lock files: only the one a live client locked counts ---------------------------------------
+
+
+@pytest.mark.asyncio
+async def test_a_lock_path_that_is_not_a_regular_file_never_reaps_a_lease(served: Served) -> None:
+    stub = served.stub(unix=True)
+    describe = await stub.Describe(pb.DescribeRequest(), metadata=ALICE)
+    path = Path("/dev/shm") / f"{describe.client_lock_prefix}dirclient"
+    path.mkdir()  # a directory can be flocked too: it must not read as "the client is gone"
+    try:
+        metadata = (*ALICE, ("x-tierkv-client", "dirclient"))
+        await stub.Allocate(pb.AllocateRequest(namespace=NS, hashes=keys(2, salt="dir"),
+                                               slab_id=describe.slab_id), metadata=metadata)
+        served.store.expire_leases()
+        assert served.store.num_leases == 1
+    finally:
+        path.rmdir()
+
+
+def test_a_client_closed_in_the_middle_of_a_lease_reads_as_gone_not_unknown() -> None:
+    prefix = f"tierkv-test-{secrets.token_hex(4)}-client-"
+    watch = ClientWatch(prefix)
+    lock = ClientLock(prefix, "closer")
+    assert watch.state("closer") is Liveness.ALIVE
+    lock.close(unlink=False)  # what the SDK does when a put or get is still running
+    watch.forget_all()
+    assert watch.state("closer") is Liveness.GONE  # and the server removed the file
+    assert not (Path("/dev/shm") / f"{prefix}closer").exists()
+    replaced = ClientLock(prefix, "swapped")
+    assert watch.state("swapped") is Liveness.ALIVE
+    (Path("/dev/shm") / f"{prefix}swapped").unlink()  # another process swaps the file
+    (Path("/dev/shm") / f"{prefix}swapped").write_bytes(b"")
+    watch.forget_all()
+    assert watch.state("swapped") is Liveness.UNKNOWN  # not the file the client locked
+    replaced.close()
+    (Path("/dev/shm") / f"{prefix}swapped").unlink(missing_ok=True)

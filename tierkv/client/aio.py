@@ -98,8 +98,9 @@ class AsyncClient(base.ClientBase):
             if self._slab is None:
                 break
             try:
-                return await self._put_shared(namespace, hashes, flat, priority, write_policy,
-                                              timeout_s)
+                with self._leasing():
+                    return await self._put_shared(namespace, hashes, flat, priority,
+                                                  write_policy, timeout_s)
             except base.REMAP_ERRORS:
                 if attempt:
                     raise
@@ -168,7 +169,8 @@ class AsyncClient(base.ClientBase):
             if self._slab is None:
                 break
             try:
-                num_blocks = await self._get_shared(namespace, hashes, target, timeout_s)
+                with self._leasing():
+                    num_blocks = await self._get_shared(namespace, hashes, target, timeout_s)
                 break
             except base.REMAP_ERRORS:
                 if attempt:

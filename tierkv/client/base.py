@@ -7,6 +7,7 @@ import contextlib
 import mmap
 import os
 import secrets
+import threading
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -80,7 +81,8 @@ class ClientSettings:
 
     ``use_shm``: None picks the shared-memory path automatically when the server is on this host;
     False forces the stream path; True requires shared memory. ``retries`` re-sends a call that
-    got UNAVAILABLE, after ``backoff_s``, doubling each time.
+    got UNAVAILABLE or CANCELLED, after ``backoff_s``, doubling each time (the defaults wait
+    0.7 s in all: long enough for the channel's next reconnect, at most 250 ms away).
     """
 
     target: str = DEFAULT_TARGET
@@ -88,7 +90,7 @@ class ClientSettings:
     root_certificates: bytes | None = None
     timeout_s: float = 30.0
     retries: int = 3
-    backoff_s: float = 0.05
+    backoff_s: float = 0.1
     use_shm: bool | None = None
     client_id: str = field(default_factory=lambda: secrets.token_hex(8))
 
@@ -103,14 +105,15 @@ class ClientSettings:
     @property
     def channel_options(self) -> list[tuple[str, int]]:
         """Message limits matching the server's, and reconnects soon after a server restart
-        (gRPC's default waits 1 s, then longer, before it tries again: a sidecar restarted
-        under a live client would cost it more than its retries)."""
+        (gRPC's default waits 1 s, then up to 120 s, before it tries again: a sidecar
+        restarted under a live client would cost it more than its retries; a local sidecar is
+        cheap to try every 250 ms)."""
         return [
             ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
             ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
             ("grpc.initial_reconnect_backoff_ms", 100),
             ("grpc.min_reconnect_backoff_ms", 100),
-            ("grpc.max_reconnect_backoff_ms", 2000),
+            ("grpc.max_reconnect_backoff_ms", 250),
         ]
 
 
@@ -295,6 +298,10 @@ class ClientBase:
         self._wire_namespaces: dict[Namespace, pb.Namespace] = {}
         self._metadata = self.settings.metadata
         self._closed = False
+        # Lease calls in progress: a client closed under one leaves its lock file behind, so
+        # that the server sees the lock free (not the file gone) and takes the lease back.
+        self._num_leasing = 0
+        self._leasing_lock = threading.Lock()
 
     def _adopt(self, info: pb.DescribeResponse) -> None:
         """Take the server's facts: map its slab and presence table when on the same host, and
@@ -324,8 +331,20 @@ class ClientBase:
             self._presence.close()
             self._presence = None
         if self._lock is not None:  # after the unmap: the server may reuse our pages now
-            self._lock.close()
+            with self._leasing_lock:
+                self._lock.close(unlink=self._num_leasing == 0)
             self._lock = None
+
+    @contextlib.contextmanager
+    def _leasing(self) -> Iterator[None]:
+        """Around a put or get through the slab (see ``_num_leasing``)."""
+        with self._leasing_lock:
+            self._num_leasing += 1
+        try:
+            yield
+        finally:
+            with self._leasing_lock:
+                self._num_leasing -= 1
 
     def _unmap(self) -> None:
         self._closed = True

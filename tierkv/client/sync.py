@@ -119,6 +119,13 @@ class Client(base.ClientBase):
         self, namespace: Namespace, hashes: Sequence[bytes], flat: torch.Tensor,
         priority: Priority, write_policy: WritePolicy | None, timeout_s: float | None,
     ) -> int:
+        with self._leasing():
+            return self._put_leased(namespace, hashes, flat, priority, write_policy, timeout_s)
+
+    def _put_leased(
+        self, namespace: Namespace, hashes: Sequence[bytes], flat: torch.Tensor,
+        priority: Priority, write_policy: WritePolicy | None, timeout_s: float | None,
+    ) -> int:
         slab = self._slab
         assert slab is not None
         lease = self._call(
@@ -170,7 +177,8 @@ class Client(base.ClientBase):
             if self._slab is None:
                 break
             try:
-                num_blocks = self._get_shared(namespace, hashes, target, timeout_s)
+                with self._leasing():
+                    num_blocks = self._get_shared(namespace, hashes, target, timeout_s)
                 break
             except base.REMAP_ERRORS:
                 if attempt:

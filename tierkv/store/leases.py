@@ -264,12 +264,17 @@ class Leases:
         try:
             verified = self._verified_checksums(lease, checksums)
             if lease.plan.disk_indices:
+                # Each record is checked again on its own copy of the pages: what reaches the
+                # disk is what was verified, whatever writes into the pages meanwhile.
                 self.writer.write_records(
                     state, lease.keys, lease.plan,
                     lambda i: self.mover.host_view(slab, lease.locations[i], state.block_bytes),
+                    expected=verified,
                 )
         except BaseException:
             self._give_back(lease)
+            with self.core.lock:  # a retry is told what happened, not "already committed"
+                self._remember_locked(lease_id, owner, "refused at its commit")
             raise
         return self.writer.publish(state, lease.keys, lease.priority, Tier.HOST, lease.plan,
                                    lease.locations, verified)

@@ -177,10 +177,6 @@ class PagedLedger(Ledger):
         """The checksum recorded for the block at ``location``."""
         return int(self.checksums[first_page(location)])
 
-    def is_intact(self, location: Location, block_bytes: int) -> bool:
-        """Whether the block's bytes at ``location`` still match its recorded checksum."""
-        return self.slab.checksum(location, block_bytes) == self.checksum_of(location)
-
 
 class DiskLedger(Ledger):
     """The DISK tier: a byte budget of records."""

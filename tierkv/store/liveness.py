@@ -25,6 +25,7 @@ import enum
 import fcntl
 import os
 import re
+import stat
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -68,6 +69,7 @@ class ClientWatch:
         self.prefix = prefix
         self._clock = clock
         self._known: dict[str, tuple[float, Liveness]] = {}
+        self._inodes: dict[str, int] = {}  # of the lock file each live client was seen holding
 
     def state(self, client_id: str) -> Liveness:
         """``client_id``'s liveness now."""
@@ -78,34 +80,43 @@ class ClientWatch:
         known = self._known.get(client_id)
         if known is not None and known[0] > now:
             return known[1]
-        state = _probe(path)
+        state, inode = _probe(path, self._inodes.get(client_id))
+        if len(self._known) > _MAX_KNOWN:
+            self._known.clear()
+            self._inodes.clear()
         if state is Liveness.GONE:
             self._known.pop(client_id, None)
+            self._inodes.pop(client_id, None)
         else:
-            if len(self._known) > _MAX_KNOWN:
-                self._known.clear()
             self._known[client_id] = (now + _PROBE_INTERVAL_S, state)
+            if state is Liveness.ALIVE:
+                self._inodes[client_id] = inode
         return state
-
 
     def forget_all(self) -> None:
         """Drop every kept answer: the next ``state`` of each client probes its file."""
         self._known.clear()
 
 
-def _probe(path: Path) -> Liveness:
+def _probe(path: Path, inode: int | None) -> tuple[Liveness, int]:
+    """The liveness a lock file says, and its inode. Only a regular file counts and, once a
+    client was seen alive, only the file it locked (``inode``): a file another process puts
+    in its place says nothing of that client."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
     except OSError:
-        return Liveness.UNKNOWN
+        return Liveness.UNKNOWN, 0
     try:
+        status = os.fstat(fd)
+        if not stat.S_ISREG(status.st_mode) or inode not in (None, status.st_ino):
+            return Liveness.UNKNOWN, 0
         if not try_lock(fd):
-            return Liveness.ALIVE
+            return Liveness.ALIVE, status.st_ino
         with contextlib.suppress(OSError):
             path.unlink()  # under our lock: a new holder would have made a new file
     finally:
         os.close(fd)
-    return Liveness.GONE
+    return Liveness.GONE, status.st_ino
 
 
 class ClientLock:
@@ -122,11 +133,15 @@ class ClientLock:
             self._fd = None
             raise ValueError(f"{path} is locked by another client with the same id")
 
-    def close(self) -> None:
-        """Remove the file and let the lock go (after the slab is unmapped). Idempotent."""
+    def close(self, unlink: bool = True) -> None:
+        """Let the lock go (after the slab is unmapped), removing the file first unless
+        ``unlink`` is False: a client closed in the middle of a lease leaves the file, so that
+        the server finds it unlocked (the client is gone) rather than missing (unknown) and
+        takes its leases back at once; the server removes it then. Idempotent."""
         if self._fd is None:
             return
-        with contextlib.suppress(OSError):
-            self.path.unlink()
+        if unlink:
+            with contextlib.suppress(OSError):
+                self.path.unlink()
         os.close(self._fd)
         self._fd = None

@@ -188,21 +188,22 @@ class Mover:
         self, entries: list[Entry], source: Tier, destination: Tier, wait: bool,
         exclude: frozenset[Entry],
     ) -> set[Entry]:
-        if source is Tier.HOST:
-            entries = self.intact(entries, Tier.HOST)
         sizes = [entry.ns.block_bytes for entry in entries]
         locations = self.reserve_pages(destination, sizes, exclude, wait)
+        checksums: dict[Entry, int] = {}
         if source is Tier.DISK:
-            readable = self._read_disk_into_pages(entries, locations, destination)
+            # A HOST copy's checksum is the record's, verified as it was copied in; never a
+            # hash of the pages afterwards, which would take in a stray write made meanwhile.
+            checksums = self._read_disk_into_pages(entries, locations, destination)
+            readable = list(checksums)
         else:
             self._copy_pages(entries, locations, source, destination)
-            readable = list(entries)
-        checksums: dict[Entry, int] = {}
-        if destination is Tier.HOST:
-            slab = self.core.paged[Tier.HOST].slab
-            checksums = {entry: slab.checksum(location, entry.ns.block_bytes)
-                         for entry, location in zip(entries, locations, strict=True)
-                         if entry in readable}
+            # Checked after the copy: the HOST source was intact until the copy was done.
+            readable = self.intact(entries, source)
+            if destination is Tier.HOST:  # from the GPU, which no other process writes
+                slab = self.core.paged[Tier.HOST].slab
+                checksums = {entry: slab.checksum(location, entry.ns.block_bytes)
+                             for entry, location in zip(entries, locations, strict=True)}
         return self._publish(entries, readable, locations, destination, checksums)
 
     def intact(self, entries: list[Entry], tier: Tier) -> list[Entry]:
@@ -211,20 +212,25 @@ class Mover:
         if tier is not Tier.HOST:
             return entries
         ledger = self.core.paged[tier]
+        sizes = [entry.ns.block_bytes for entry in entries]
         good: list[Entry] = []
         damaged: list[Entry] = []
-        for entry in entries:
-            node = entry.residency(tier)
-            assert node is not None
-            if ledger.is_intact(node.location, entry.ns.block_bytes):
-                good.append(entry)
-            else:
-                damaged.append(entry)
-        if damaged:
-            with self.core.lock:
-                for entry in damaged:
-                    self.core.damaged_locked(entry, tier)
+        for block_bytes in set(sizes):
+            batch = [entry for entry, size in zip(entries, sizes, strict=True) if size == block_bytes]
+            locations = [entry.residency(tier).location for entry in batch]  # type: ignore[union-attr]
+            for entry, location, actual in zip(
+                batch, locations, ledger.slab.checksums(locations, block_bytes), strict=True
+            ):
+                (good if actual == ledger.checksum_of(location) else damaged).append(entry)
+        self.drop_damaged(damaged, tier)
         return good
+
+    def drop_damaged(self, entries: Sequence[Entry], tier: Tier) -> None:
+        """Count and delete blocks whose bytes in ``tier`` failed their checksum."""
+        if entries:
+            with self.core.lock:
+                for entry in entries:
+                    self.core.damaged_locked(entry, tier)
 
     def _copy_pages(
         self, entries: list[Entry], locations: list[Location], source: Tier, destination: Tier
@@ -289,7 +295,9 @@ class Mover:
 
     def _read_disk_into_pages(
         self, entries: list[Entry], locations: list[Location], destination: Tier
-    ) -> list[Entry]:
+    ) -> dict[Entry, int]:
+        """Read the entries' records into their pages; the verified checksum of each entry
+        that was read."""
         slab = self.core.paged[destination].slab
         targets: list[tuple[Entry, torch.Tensor, torch.Tensor | None]] = []
         for entry, location in zip(entries, locations, strict=True):
@@ -299,39 +307,41 @@ class Mover:
                 targets.append((entry, view, None))
             else:  # scattered pages or a device slab: read into staging, then scatter
                 targets.append((entry, torch.empty(size, dtype=torch.uint8), torch.empty(0)))
-        ok = self.read_disk([(entry, target.numpy()) for entry, target, _ in targets])
-        readable: list[Entry] = []
-        for (entry, target, staged), good, location in zip(targets, ok, locations, strict=True):
-            if good:
+        read = self.read_disk([(entry, target.numpy()) for entry, target, _ in targets])
+        readable: dict[Entry, int] = {}
+        for (entry, target, staged), value, location in zip(targets, read, locations, strict=True):
+            if value is not None:
                 if staged is not None:
                     self.write_block(destination, location, target)
-                readable.append(entry)
+                readable[entry] = value
         return readable
 
-    def read_disk(self, requests: Sequence[tuple[Entry, np.ndarray]]) -> list[bool]:
-        """Read each entry's verified record into its destination array; one flag per request.
+    def read_disk(self, requests: Sequence[tuple[Entry, np.ndarray]]) -> list[int | None]:
+        """Read each entry's verified record into its destination array; per request, the
+        record's checksum, or None.
 
-        A missing or bad record drops the entry's disk copy (a bad one is counted); its flag is
-        False and its destination must not be used.
+        A missing or bad record drops the entry's disk copy (a bad one is counted); its result
+        is None and its destination must not be used.
         """
         assert self.core.disk is not None
         by_namespace: dict[NamespaceState, list[int]] = {}
         for index, (entry, _) in enumerate(requests):
             by_namespace.setdefault(entry.ns, []).append(index)
-        ok = [False] * len(requests)
+        read: list[int | None] = [None] * len(requests)
         failed: list[tuple[Entry, RecordStatus]] = []
         for ns, indices in by_namespace.items():
-            statuses = self.core.disk.read_into(
+            results = self.core.disk.read_into(
                 [(requests[i][0].raw_key, requests[i][1]) for i in indices],
                 ns.fingerprint, ns.block_bytes,
             )
-            for i, status in zip(indices, statuses, strict=True):
-                ok[i] = status is RecordStatus.OK
-                if not ok[i]:
+            for i, (status, value) in zip(indices, results, strict=True):
+                if status is RecordStatus.OK:
+                    read[i] = value
+                else:
                     failed.append((requests[i][0], status))
         if failed:
             self._drop_bad_records(failed)
-        return ok
+        return read
 
     def _drop_bad_records(self, failed: list[tuple[Entry, RecordStatus]]) -> None:
         with self.core.lock:
@@ -354,13 +364,21 @@ class Mover:
         self, entries: list[Entry], source: Tier, exclude: frozenset[Entry]
     ) -> set[Entry]:
         assert self.core.disk is not None
-        entries = self.intact(entries, source)
-        records = [
-            (entry.raw_key, encode_record(
-                entry.raw_key, entry.ns.fingerprint, self.host_bytes(entry, source)
-            ))
-            for entry in entries
-        ]
+        records: list[tuple[bytes, bytearray]] = []
+        written: list[Entry] = []
+        damaged: list[Entry] = []
+        for entry in entries:
+            record, value = encode_record(entry.raw_key, entry.ns.fingerprint,
+                                          self.host_bytes(entry, source))
+            # The record's own copy must be the block's bytes: a stray write into its HOST
+            # pages before or during the copy must not become a record that verifies.
+            if source is Tier.HOST and value != self._host_checksum(entry):
+                damaged.append(entry)
+                continue
+            records.append((entry.raw_key, record))
+            written.append(entry)
+        self.drop_damaged(damaged, source)
+        entries = written
         with self.core.lock:
             by_size: dict[int, int] = {}
             for entry in entries:
@@ -384,6 +402,11 @@ class Mover:
                     self.core.disk_ledger.release_bytes(entry.ns.record_bytes)  # type: ignore[union-attr]
             return set()
         return self._publish(entries, entries, [0] * len(entries), Tier.DISK, {})
+
+    def _host_checksum(self, entry: Entry) -> int:
+        node = entry.residency(Tier.HOST)
+        assert node is not None
+        return self.core.paged[Tier.HOST].checksum_of(node.location)
 
     def _publish(
         self,

@@ -116,10 +116,10 @@ class Reader:
                 reads.append((index, entry, target, staging))
         if not reads:
             return len(plan)
-        ok = self.mover.read_disk([(entry, staging.numpy()) for _, entry, _, staging in reads])
+        read = self.mover.read_disk([(entry, staging.numpy()) for _, entry, _, staging in reads])
         num_ok = len(plan)
-        for (index, _, target, staging), good in zip(reads, ok, strict=True):
-            if not good:
+        for (index, _, target, staging), value in zip(reads, read, strict=True):
+            if value is None:
                 num_ok = min(num_ok, index)
             elif staging is not target and index < num_ok:
                 core.engine.copy(

@@ -19,7 +19,7 @@ import torch
 
 from tierkv.checksums import block_checksums
 from tierkv.config import Priority, Tier, WritePolicy
-from tierkv.errors import TierKVError
+from tierkv.errors import IntegrityError, TierKVError
 from tierkv.paging import Location
 from tierkv.store.core import StoreCore
 from tierkv.store.ledger import DOOMED, Entry, NamespaceState
@@ -132,10 +132,15 @@ class Writer:
 
     def write_records(
         self, state: NamespaceState, keys: list[bytes], plan: PutPlan,
-        payload_of: Callable[[int], np.ndarray],
-    ) -> None:
+        payload_of: Callable[[int], np.ndarray], expected: dict[int, int] | None = None,
+    ) -> dict[int, int]:
         """Write-through: durable disk records of the plan's ``disk_indices`` (bytes from
         ``payload_of``) before returning; their disk room is reserved, and given back on failure.
+        Returns the checksum of each record's payload, by block index.
+
+        ``expected``: the checksum each block's bytes must have (a client's, checked at
+        commit). Each record is checked against it on its own copy of the bytes, so that what
+        is written is exactly what was verified; ``IntegrityError`` (nothing written) if not.
 
         Blocks that got a disk copy since the plan was made (making room for the put can demote
         the chain's own blocks to disk) are dropped from ``plan.disk_indices`` and not written
@@ -149,12 +154,21 @@ class Writer:
             ]
         indices, own = plan.disk_indices, plan.own
         if not indices:
-            return
+            return {}
         fingerprint = state.fingerprint
-        records = [
-            (state.id + keys[i], encode_record(state.id + keys[i], fingerprint, payload_of(i)))
-            for i in indices
-        ]
+        records: list[tuple[bytes, bytearray]] = []
+        checksums: dict[int, int] = {}
+        for i in indices:
+            record, checksums[i] = encode_record(state.id + keys[i], fingerprint, payload_of(i))
+            records.append((state.id + keys[i], record))
+        bad = [i for i in indices if expected is not None and checksums[i] != expected[i]]
+        if bad:
+            with core.lock:
+                core.counters.checksum_failures += len(bad)
+            raise IntegrityError(
+                f"{len(bad)} of {len(indices)} blocks differ from what their writer wrote "
+                f"(first: block {bad[0]}); nothing is stored"
+            )
         with core.lock:
             core.reserve_disk_locked(len(records), state.record_bytes, own)
             job = core.submit_disk_locked(records)
@@ -165,6 +179,7 @@ class Writer:
                 assert core.disk_ledger is not None
                 core.disk_ledger.release_bytes(len(records) * state.record_bytes)
             raise
+        return checksums
 
     def publish(
         self, state: NamespaceState, keys: list[bytes], priority: Priority, target: Tier,

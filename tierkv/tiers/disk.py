@@ -257,43 +257,44 @@ class DiskTier:
         requests: Sequence[tuple[bytes, np.ndarray]],
         fingerprint: str,
         payload_bytes: int,
-    ) -> list[RecordStatus]:
+    ) -> list[tuple[RecordStatus, int]]:
         """Copy the verified payload of each ``(raw_key, destination)`` into its destination
-        (flat uint8), in one read transaction; one status per request.
+        (flat uint8), in one read transaction; one ``(status, checksum)`` per request, the
+        checksum (``tierkv.checksums``) being the record's, verified, when the status is OK.
 
         ``MISSING``: no record. ``CORRUPT``: the record failed a check; its destination may then
         hold garbage and must not be used.
         """
         self._check_process()
-        statuses: list[RecordStatus] = []
+        results: list[tuple[RecordStatus, int]] = []
         try:
             with self._env.begin(db=self._blocks, buffers=True) as txn:
                 for raw_key, destination in requests:
-                    statuses.append(self._read_one(txn, raw_key, fingerprint, payload_bytes,
-                                                   destination, self._bounds))
+                    results.append(self._read_one(txn, raw_key, fingerprint, payload_bytes,
+                                                  destination, self._bounds))
         except lmdb.Error as exc:
             log.error("LMDB read of a block failed: %s", exc)
-            statuses.extend([RecordStatus.CORRUPT] * (len(requests) - len(statuses)))
-        return statuses
+            results.extend([(RecordStatus.CORRUPT, 0)] * (len(requests) - len(results)))
+        return results
 
     @staticmethod
     def _read_one(
         txn: lmdb.Transaction, raw_key: bytes, fingerprint: str, payload_bytes: int,
         destination: np.ndarray, bounds: MapBounds,
-    ) -> RecordStatus:
+    ) -> tuple[RecordStatus, int]:
         value = txn.get(raw_key)
         if value is None:
-            return RecordStatus.MISSING
+            return RecordStatus.MISSING, 0
         value = memoryview(value)
         if not bounds.contains(value):  # a damaged length: reading it could fault (SIGBUS)
-            return RecordStatus.CORRUPT
+            return RecordStatus.CORRUPT, 0
         verified = verify_header(value, raw_key, fingerprint, payload_bytes)
         if verified is None:
-            return RecordStatus.CORRUPT
+            return RecordStatus.CORRUPT, 0
         payload, expected = verified
         if copy_with_checksum(destination, np.frombuffer(payload, np.uint8)) != expected:
-            return RecordStatus.CORRUPT
-        return RecordStatus.OK
+            return RecordStatus.CORRUPT, 0
+        return RecordStatus.OK, int.from_bytes(expected, "big")
 
     # --- lifecycle ----------------------------------------------------------------------------
 

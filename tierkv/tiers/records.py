@@ -62,11 +62,14 @@ def _header(raw_key: bytes, fingerprint: str, payload_bytes: int, digest: bytes)
     return header
 
 
-def encode_record(raw_key: bytes, fingerprint: str, payload: np.ndarray) -> bytearray:
-    """One record holding ``payload`` (flat uint8), ready to be written as one LMDB value.
+def encode_record(raw_key: bytes, fingerprint: str, payload: np.ndarray) -> tuple[bytearray, int]:
+    """One record holding ``payload`` (flat uint8), ready to be written as one LMDB value, and
+    the checksum (``tierkv.checksums``) of the payload it holds.
 
     The payload is copied and hashed in one pass; the header (fixed size, since the checksum is
-    8 bytes) is written in front of it afterwards.
+    8 bytes) is written in front of it afterwards. The checksum is of the record's own copy:
+    compare it with the block's known checksum before writing, so that bytes changed in the
+    source meanwhile never become a record that verifies.
     """
     header_bytes = len(_header(raw_key, fingerprint, payload.size, bytes(8)))
     start = _PREFIX.size + header_bytes
@@ -76,7 +79,7 @@ def encode_record(raw_key: bytes, fingerprint: str, payload: np.ndarray) -> byte
     assert len(header) == header_bytes
     _PREFIX.pack_into(record, 0, MAGIC, header_bytes)
     record[_PREFIX.size : start] = header
-    return record
+    return record, int.from_bytes(digest, "big")
 
 
 def record_size(raw_key: bytes, fingerprint: str, payload_bytes: int) -> int:
