@@ -72,6 +72,10 @@ class Client(base.ClientBase):
                     time.sleep(settings.backoff_s * 2**number)
                     continue
                 raise base.error_from(exc) from None
+            except ValueError as exc:  # grpc's "closed channel": closed by another thread
+                if self._closed and not isinstance(exc, TierKVError):
+                    raise ServiceUnavailableError("this client was closed during the call") from None
+                raise
         raise AssertionError("unreachable")
 
     def describe(self) -> pb.DescribeResponse:
