@@ -73,16 +73,18 @@ def copy_with_checksums(blocks: Sequence[CopyParts]) -> list[int]:
     6 GB/s (torch's idle OpenMP threads spin on the cores the hashing needs)."""
     num_bytes = sum(source.nbytes for parts in blocks for _, source in parts)
     if _NUM_THREADS == 1 or num_bytes < _PARALLEL_FROM_BYTES:
-        return [_copy_one(parts) for parts in blocks]
-    return list(_executor().map(_copy_one, blocks))
+        return [copy_with_checksum(parts) for parts in blocks]
+    return list(_executor().map(copy_with_checksum, blocks))
 
 
-def _copy_one(parts: CopyParts) -> int:
+def copy_with_checksum(parts: CopyParts, chunk_bytes: int = _COPY_CHUNK_BYTES) -> int:
+    """Copy one block's parts, hashing each chunk of ``chunk_bytes`` right after it lands;
+    returns the checksum of the block as copied (on the caller's thread)."""
     hasher = xxhash.xxh3_64()
     for destination, source in parts:
-        for start in range(0, source.nbytes, _COPY_CHUNK_BYTES):
-            landed = destination[start : start + _COPY_CHUNK_BYTES]
-            np.copyto(landed, source[start : start + _COPY_CHUNK_BYTES])
+        for start in range(0, source.nbytes, chunk_bytes):
+            landed = destination[start : start + chunk_bytes]
+            np.copyto(landed, source[start : start + chunk_bytes])
             hasher.update(landed)  # type: ignore[arg-type]  # ndarray is a buffer
     value: int = hasher.intdigest()
     return value
@@ -102,3 +104,8 @@ def _executor() -> ThreadPoolExecutor:
 def digest_value(digest: bytes) -> int:
     """A record's 8-byte digest as the checksum integer."""
     return int.from_bytes(digest, "big")
+
+
+def value_digest(value: int) -> bytes:
+    """The checksum integer as a record's 8-byte digest."""
+    return value.to_bytes(8, "big")

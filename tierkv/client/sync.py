@@ -109,7 +109,9 @@ class Client(base.ClientBase):
             if self._slab is None:
                 break
             try:
-                return self._put_shared(namespace, hashes, flat, priority, write_policy, timeout_s)
+                with self._leasing():
+                    return self._put_shared(namespace, hashes, flat, priority, write_policy,
+                                            timeout_s)
             except base.REMAP_ERRORS:
                 if attempt:
                     raise
@@ -120,13 +122,6 @@ class Client(base.ClientBase):
         )).count)
 
     def _put_shared(
-        self, namespace: Namespace, hashes: Sequence[bytes], flat: torch.Tensor,
-        priority: Priority, write_policy: WritePolicy | None, timeout_s: float | None,
-    ) -> int:
-        with self._leasing():
-            return self._put_leased(namespace, hashes, flat, priority, write_policy, timeout_s)
-
-    def _put_leased(
         self, namespace: Namespace, hashes: Sequence[bytes], flat: torch.Tensor,
         priority: Priority, write_policy: WritePolicy | None, timeout_s: float | None,
     ) -> int:

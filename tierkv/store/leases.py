@@ -300,7 +300,7 @@ class Leases:
             return dict(zip(indices, checksums, strict=True))
         values = slab.checksums([lease.locations[i] for i in indices], block_bytes)
         actual = dict(zip(indices, values, strict=True))
-        bad = [i for i, claimed in zip(sorted(actual), checksums, strict=True) if actual[i] != claimed]
+        bad = [i for i, claimed in zip(indices, checksums, strict=True) if actual[i] != claimed]
         if bad:
             with self.core.lock:
                 self.core.counters.checksum_failures += len(bad)

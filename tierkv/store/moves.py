@@ -212,16 +212,13 @@ class Mover:
         if tier is not Tier.HOST:
             return entries
         ledger = self.core.paged[tier]
-        sizes = [entry.ns.block_bytes for entry in entries]
         good: list[Entry] = []
         damaged: list[Entry] = []
-        for block_bytes in set(sizes):
-            batch = [entry for entry, size in zip(entries, sizes, strict=True) if size == block_bytes]
-            locations = [entry.residency(tier).location for entry in batch]  # type: ignore[union-attr]
-            for entry, location, actual in zip(
-                batch, locations, ledger.slab.checksums(locations, block_bytes), strict=True
-            ):
-                (good if actual == ledger.checksum_of(location) else damaged).append(entry)
+        for entry in entries:
+            node = entry.residency(tier)
+            assert node is not None
+            actual = ledger.slab.checksum(node.location, entry.ns.block_bytes)
+            (good if actual == ledger.checksum_of(node.location) else damaged).append(entry)
         self.drop_damaged(damaged, tier)
         return good
 

@@ -97,8 +97,7 @@ class Writer:
         if flat.device.type == "cpu":
             values = block_checksums(flat, block_bytes, indices)
         else:
-            slab = self.core.paged[Tier.HOST].slab
-            values = [slab.checksum(location, block_bytes) for location in locations]
+            values = self.core.paged[Tier.HOST].slab.checksums(locations, block_bytes)
         return dict(zip(indices, values, strict=True))
 
     def plan(

@@ -40,10 +40,11 @@ from dataclasses import dataclass, field
 import lmdb
 import numpy as np
 
+from tierkv.checksums import copy_with_checksum, digest_value
 from tierkv.config import DiskTierConfig, MiB
 from tierkv.errors import ConfigError, DiskFullError, TierKVError
 from tierkv.tiers.lmdb_env import DAMAGED, DirectoryLock, MapBounds, open_environment
-from tierkv.tiers.records import RecordStatus, copy_with_checksum, seal, verify_header
+from tierkv.tiers.records import VERIFY_CHUNK_BYTES, RecordStatus, seal, verify_header
 
 log = logging.getLogger(__name__)
 
@@ -292,9 +293,11 @@ class DiskTier:
         if verified is None:
             return RecordStatus.CORRUPT, 0
         payload, expected = verified
-        if copy_with_checksum(destination, np.frombuffer(payload, np.uint8)) != expected:
+        copied = copy_with_checksum([(destination, np.frombuffer(payload, np.uint8))],
+                                    VERIFY_CHUNK_BYTES)
+        if copied != digest_value(expected):
             return RecordStatus.CORRUPT, 0
-        return RecordStatus.OK, int.from_bytes(expected, "big")
+        return RecordStatus.OK, copied
 
     # --- lifecycle ----------------------------------------------------------------------------
 

@@ -22,6 +22,8 @@ import msgpack
 import numpy as np
 import xxhash
 
+from tierkv.checksums import copy_with_checksum, value_digest
+
 MAGIC = b"TKV1"
 FORMAT_VERSION = 1
 _PREFIX = struct.Struct("<4sI")
@@ -29,7 +31,7 @@ _MAX_HEADER_BYTES = 4096
 SEAL_MAGIC = b"TKS1"
 _SEAL_PREFIX = struct.Struct("<4s8s")
 # Half of a typical per-core L2 cache.
-_VERIFY_CHUNK_BYTES = 256 * 1024
+VERIFY_CHUNK_BYTES = 256 * 1024
 
 
 class RecordStatus(enum.Enum):
@@ -38,21 +40,6 @@ class RecordStatus(enum.Enum):
     OK = "ok"
     MISSING = "missing"
     CORRUPT = "corrupt"
-
-
-def copy_with_checksum(destination: np.ndarray, source: np.ndarray) -> bytes:
-    """Copy ``source`` into ``destination`` and return the checksum of what was copied.
-
-    One pass in cache-sized chunks: each chunk is hashed right after it lands, while it is still
-    in the CPU cache, so verifying a read costs little more than the copy itself.
-    """
-    hasher = xxhash.xxh3_64()
-    for offset in range(0, source.size, _VERIFY_CHUNK_BYTES):
-        end = offset + _VERIFY_CHUNK_BYTES
-        np.copyto(destination[offset:end], source[offset:end])
-        hasher.update(destination[offset:end])  # type: ignore[arg-type]  # ndarray is a buffer
-    digest: bytes = hasher.digest()
-    return digest
 
 
 def _header(raw_key: bytes, fingerprint: str, payload_bytes: int, digest: bytes) -> bytes:
@@ -74,12 +61,14 @@ def encode_record(raw_key: bytes, fingerprint: str, payload: np.ndarray) -> tupl
     header_bytes = len(_header(raw_key, fingerprint, payload.size, bytes(8)))
     start = _PREFIX.size + header_bytes
     record = bytearray(start + payload.size)
-    digest = copy_with_checksum(np.frombuffer(record, np.uint8, offset=start), payload)
-    header = _header(raw_key, fingerprint, payload.size, digest)
+    # One pass in cache-sized chunks: each is hashed right after it lands, while in the cache.
+    value = copy_with_checksum([(np.frombuffer(record, np.uint8, offset=start), payload)],
+                               VERIFY_CHUNK_BYTES)
+    header = _header(raw_key, fingerprint, payload.size, value_digest(value))
     assert len(header) == header_bytes
     _PREFIX.pack_into(record, 0, MAGIC, header_bytes)
     record[_PREFIX.size : start] = header
-    return record, int.from_bytes(digest, "big")
+    return record, value
 
 
 def record_size(raw_key: bytes, fingerprint: str, payload_bytes: int) -> int:
