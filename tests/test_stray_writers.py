@@ -11,10 +11,7 @@ process writing over the whole slab, then a restart on the same disk: every hit 
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
-import mmap
-import os
 import subprocess
 import sys
 import time
@@ -24,6 +21,7 @@ import grpc
 import numpy as np
 import pytest
 import torch
+from service_fixtures import mapped_slab
 from sidecar import Sidecar, SidecarFactory, stream_client
 
 from tierkv import KVLayout, Namespace, WritePolicy
@@ -112,35 +110,35 @@ def test_a_write_through_commit_whose_pages_change_under_it_writes_no_wrong_reco
     with grpc.insecure_channel(sidecar.unix_target) as channel:
         stub = pb_grpc.TierKVStub(channel)  # type: ignore[no-untyped-call]
         describe = stub.Describe(pb.DescribeRequest(), metadata=metadata)
-        fd = os.open(f"/dev/shm/{describe.shm_name}", os.O_RDWR)
-        try:
-            mapping = mmap.mmap(fd, 0)
-        finally:
-            os.close(fd)
-        slab = np.frombuffer(mapping, np.uint8)
-        for i in range(40):
-            good = content(i).view(torch.uint8).reshape(-1).numpy()
-            lease = stub.Allocate(pb.AllocateRequest(
-                namespace=namespace_to_wire(NAMESPACE), hashes=[key(i)], slab_id=describe.slab_id,
-                write_policy=pb.WRITE_POLICY_WRITE_THROUGH), metadata=metadata)
-            views = [slab[e.offset : e.offset + e.length] for e in lease.blocks[0].extents]
-            for view, start in zip(views, np.cumsum([0] + [v.size for v in views]), strict=False):
-                view[:] = good[start : start + view.size]
-            commit = stub.Commit.future(pb.LeaseRequest(lease_id=lease.lease_id,
-                                                        checksums=[checksum(good)]),
-                                        metadata=metadata)
-            while not commit.done():  # the pages flip between wrong and right bytes
-                for view, start in zip(views, np.cumsum([0] + [v.size for v in views]),
-                                       strict=False):
-                    view[:] = 0xEE
-                    view[:] = good[start : start + view.size]
-            try:
-                commit.result()
-                acknowledged.append(i)
-            except grpc.RpcError as exc:
-                assert exc.code() == grpc.StatusCode.DATA_LOSS, exc
-        with contextlib.suppress(BufferError):  # views of it may linger until collected
-            mapping.close()
+        with mapped_slab(describe.shm_name) as mapping:
+            slab = np.frombuffer(mapping, np.uint8)
+            for i in range(40):
+                good = content(i).view(torch.uint8).reshape(-1).numpy()
+                lease = stub.Allocate(pb.AllocateRequest(
+                    namespace=namespace_to_wire(NAMESPACE), hashes=[key(i)],
+                    slab_id=describe.slab_id, write_policy=pb.WRITE_POLICY_WRITE_THROUGH,
+                ), metadata=metadata)
+                pieces = []  # (the block's pages in the slab, its right bytes)
+                start = 0
+                for extent in lease.blocks[0].extents:
+                    pieces.append((slab[extent.offset : extent.offset + extent.length],
+                                   good[start : start + extent.length]))
+                    start += extent.length
+                for view, right in pieces:
+                    view[:] = right
+                commit = stub.Commit.future(pb.LeaseRequest(lease_id=lease.lease_id,
+                                                            checksums=[checksum(good)]),
+                                            metadata=metadata)
+                while not commit.done():  # the pages flip between wrong and right bytes
+                    for view, right in pieces:
+                        view[:] = 0xEE
+                        view[:] = right
+                try:
+                    commit.result()
+                    acknowledged.append(i)
+                except grpc.RpcError as exc:
+                    assert exc.code() == grpc.StatusCode.DATA_LOSS, exc
+            del slab, pieces, view  # the mapping closes only once no view of it is left
     sidecar = restarted(sidecar_factory, sidecar, flags)
     hits, wrong = wrong_hits(sidecar, acknowledged)
     assert wrong == 0 and hits == len(acknowledged)  # write_through: every acknowledged block
