@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import contextlib
 import enum
-import fcntl
 import os
 import re
 import stat
@@ -30,7 +29,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-SHM_DIR = Path("/dev/shm")
+from tierkv.tiers.host import SHM_DIR, sweep_lock, try_lock
+
 _CLIENT_ID = re.compile(r"[0-9A-Za-z_-]{1,64}")
 # A live client is probed again after this long (a probe is three system calls).
 _PROBE_INTERVAL_S = 0.25
@@ -50,15 +50,6 @@ def client_lock_path(prefix: str, client_id: str) -> Path | None:
     if not prefix or not _CLIENT_ID.fullmatch(client_id):
         return None
     return SHM_DIR / f"{prefix}{client_id}"
-
-
-def try_lock(fd: int) -> bool:
-    """Take an exclusive flock on ``fd`` without waiting; False if someone else holds one."""
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        return False
-    return True
 
 
 class ClientWatch:
@@ -127,11 +118,12 @@ class ClientLock:
         if path is None:
             raise ValueError(f"client id {client_id!r} cannot name a lock file")
         self.path = path
-        self._fd: int | None = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
-        if not try_lock(self._fd):
-            os.close(self._fd)
-            self._fd = None
-            raise ValueError(f"{path} is locked by another client with the same id")
+        with sweep_lock():  # a server's sweep must not remove the file before it is locked
+            self._fd: int | None = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+            if not try_lock(self._fd):
+                os.close(self._fd)
+                self._fd = None
+                raise ValueError(f"{path} is locked by another client with the same id")
 
     def close(self, unlink: bool = True) -> None:
         """Let the lock go (after the slab is unmapped), removing the file first unless

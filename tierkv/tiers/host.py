@@ -47,7 +47,7 @@ class HostSlab(PagedSlab):
         size_bytes = num_pages * config.page_bytes
         name = config.shm_name or f"{SEGMENT_PREFIX}{secrets.token_hex(6)}"
         self._lock_fd: int | None = None
-        with _sweep_lock():
+        with sweep_lock():
             remove_stale_segments(name)
             try:
                 self._shm = shared_memory.SharedMemory(name=name, create=True, size=size_bytes)
@@ -113,9 +113,12 @@ class HostSlab(PagedSlab):
 
 
 @contextlib.contextmanager
-def _sweep_lock() -> Iterator[None]:
-    """Serialises segment creation and sweeping among the processes of this host."""
-    fd = os.open(SHM_DIR / _SWEEP_LOCK, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o666)
+def sweep_lock() -> Iterator[None]:
+    """Serialises the creation of segments and lock files (slabs here, clients' lock files in
+    ``tierkv.store.liveness``) with sweeping, among the processes of this host: a sweep never
+    sees a file between its creation and its lock."""
+    # Read-only is enough for flock, and lets every user of the host take it.
+    fd = os.open(SHM_DIR / _SWEEP_LOCK, os.O_RDONLY | os.O_CREAT | os.O_CLOEXEC, 0o644)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)
         yield
@@ -130,6 +133,15 @@ def _hold_lock(path: Path) -> int:
     return fd
 
 
+def try_lock(fd: int) -> bool:
+    """Take an exclusive flock on ``fd`` without waiting; False if someone else holds one."""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False
+    return True
+
+
 def _is_free(path: Path) -> bool:
     """Whether nobody holds a flock on ``path`` (False if it cannot be opened)."""
     try:
@@ -137,12 +149,9 @@ def _is_free(path: Path) -> bool:
     except OSError:
         return False
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        return False
+        return try_lock(fd)
     finally:
         os.close(fd)
-    return True
 
 
 def remove_stale_segments(name: str = "") -> list[str]:
