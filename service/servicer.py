@@ -91,6 +91,14 @@ def _check_parsed(message: Any) -> None:
         raise InvalidArgumentError(f"malformed request: {message.reason}")
 
 
+def _silent_stream(idle_s: float) -> DeadlineExceededError:
+    """What a Put stream that sent nothing for ``idle_s`` ends with (before or after its
+    first message)."""
+    return DeadlineExceededError(
+        f"no Put message for {idle_s:g} s: the stream is dropped, nothing of it is stored"
+    )
+
+
 class CallRefusedError(Exception):
     """A call refused before it reaches the store (credentials, recovery): its status."""
 
@@ -324,9 +332,7 @@ class TierKVServicer(pb_grpc.TierKVServicer):
             async with asyncio.timeout(idle_s):
                 return await anext(chunks, None)
         except TimeoutError:
-            raise DeadlineExceededError(
-                f"no Put message for {idle_s:g} s: the stream is dropped, nothing of it is stored"
-            ) from None
+            raise _silent_stream(idle_s) from None
 
     async def _fill(
         self, filler: LeaseFiller, first: RawPutChunk, chunks: AsyncIterator[RawPutChunk]
@@ -347,9 +353,7 @@ class TierKVServicer(pb_grpc.TierKVServicer):
                     chunk = await anext(chunks, None)
                     idle.reschedule(loop.time() + idle_s)
         except TimeoutError:
-            raise DeadlineExceededError(
-                f"no Put message for {idle_s:g} s: the stream is dropped, nothing of it is stored"
-            ) from None
+            raise _silent_stream(idle_s) from None
 
     async def _allocate_for_stream(
         self, namespace: Namespace, hashes: Sequence[bytes], header: pb.PutHeader, caller: Caller
