@@ -5,8 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tierkv.errors import ConfigError
-from tierkv.hashing import DEFAULT_SEED
+from tierkv.errors import ConfigError, InvalidArgumentError
+from tierkv.hashing import DEFAULT_ALGORITHM, HashAlgorithm, check_algorithm, default_seed
 
 DEFAULT_LISTEN = ("unix:///tmp/tierkv.sock", "127.0.0.1:50051")
 MiB = 1024 * 1024
@@ -38,6 +38,11 @@ class ServiceConfig:
     ``put_idle_timeout_s``: a Put stream with no message for this long is dropped
     (DEADLINE_EXCEEDED), so a stalled client cannot hold HOST pages it leased; it runs from
     the start of the stream, so a stream that sends nothing at all is dropped too.
+    ``hash_seed`` / ``hash_algo``: how session block hashes are computed (``block_hashes``'s
+    ``seed`` and ``algorithm``); they must match the vLLM workers'. The default seed is vLLM's
+    rule, resolved when the config is built: ``PYTHONHASHSEED`` of this process if set, else
+    ``"vllm-none-hash"``; the default algorithm is vLLM's default, ``"sha256"``. Describe
+    reports ``hash_seed``; it has no field for ``hash_algo``, which clients must be told.
     ``max_namespaces`` / ``max_namespaces_per_tenant``: namespaces registered in all / by one
     tenant. Only writes (Put, Allocate, SaveSession) and Acquire register one; when a limit is
     reached, the namespaces (of that tenant) that hold no block and no session are removed
@@ -47,7 +52,8 @@ class ServiceConfig:
     listen: tuple[str, ...] = DEFAULT_LISTEN
     tokens: dict[str, str] = field(default_factory=dict)
     tls: TlsConfig | None = None
-    hash_seed: str = DEFAULT_SEED
+    hash_seed: str = field(default_factory=default_seed)
+    hash_algo: HashAlgorithm = DEFAULT_ALGORITHM
     max_hashes_per_call: int = 65536
     chunk_bytes: int = 1 * MiB
     max_message_bytes: int = 4 * MiB
@@ -62,6 +68,12 @@ class ServiceConfig:
     def __post_init__(self) -> None:
         if not self.listen:
             raise ConfigError("--listen: give at least one address")
+        try:
+            check_algorithm(self.hash_algo)
+        except InvalidArgumentError as exc:
+            raise ConfigError(f"--hash-algo: {exc}") from None
+        if not isinstance(self.hash_seed, str):
+            raise ConfigError(f"--hash-seed: a str, got {type(self.hash_seed).__name__}")
         if not 0 < self.chunk_bytes <= self.max_message_bytes - 64 * 1024:
             raise ConfigError("chunk_bytes must leave room for the message header under 4 MiB")
         if self.max_hashes_per_call < 1 or self.num_workers < 1:

@@ -47,7 +47,7 @@ def chat_tokens(n: int, start: int = 1000) -> list[int]:
 
 def put_session_blocks(
     store: TieredStore, namespace: Namespace, token_ids: list[int], num_blocks: int,
-    seed: str = "0",
+    seed: str | None = None,
 ) -> list[bytes]:
     """Store the first ``num_blocks`` blocks of ``token_ids`` as a session's blocks are stored."""
     hashes: list[bytes] = [bytes(h) for h in block_hashes(token_ids, BLOCK_SIZE, seed)][:num_blocks]

@@ -1,17 +1,33 @@
-"""Chained block hashes, bit-identical to vLLM v1's prefix-cache hashes (``sha256_cbor``).
+"""Chained block hashes, bit-identical to vLLM v1's prefix-cache hashes (vLLM 0.32).
 
-Contract: for the same tokens, block size, seed and extra keys, ``block_hashes`` returns exactly
-the hashes a vLLM v1 worker computes with ``--prefix-caching-hash-algo sha256_cbor``, so blocks
-stored by one are found by the other:
+Contract: for the same tokens, block size, seed, extra keys and algorithm, ``block_hashes``
+returns exactly the hashes a vLLM 0.32 worker computes with ``--prefix-caching-hash-algo
+<algorithm>``, so blocks stored by one are found by the other. By default (``algorithm="sha256"``,
+``seed=None``) that is a default-configured vLLM:
 
-* ``sha256_cbor(obj) = sha256(cbor2.dumps(obj, canonical=True))``;
-* ``NONE_HASH = sha256_cbor(seed)``. vLLM takes the seed from ``PYTHONHASHSEED`` (a str), so a
-  vLLM worker must run with ``PYTHONHASHSEED`` equal to ``seed`` (by default ``"0"``);
-* block ``i`` hashes ``(parent or NONE_HASH, tuple(block_i_tokens), extra_keys_i or None)``;
+* ``"sha256"`` (vLLM's default): ``sha256(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL))``;
+  ``"sha256_cbor"``: ``sha256(cbor2.dumps(obj, canonical=True))``. vLLM's non-cryptographic
+  ``xxhash`` algorithms are not offered: without ``PYTHONHASHSEED`` their seed is random per
+  process, so no one else can reproduce their hashes anyway;
+* ``NONE_HASH = hash_fn(seed)``, the parent of the first block. ``seed=None`` follows vLLM's rule
+  (``default_seed``): ``PYTHONHASHSEED`` from the environment if it is set (even to ``""``),
+  else ``"vllm-none-hash"``. Here it is *this* process's environment: pass ``seed`` explicitly
+  when the vLLM workers run with another ``PYTHONHASHSEED`` than this process;
+* block ``i`` hashes ``(parent or NONE_HASH, tuple(block_i_tokens), extra_keys_i or None)``,
+  the parent as plain ``bytes``;
 * only full blocks are hashed: a trailing partial block gets no hash;
-* a block's extra keys are ``lora_extra_keys + mm_extra_keys + cache_salt_keys`` (vLLM's order),
-  ``None`` when empty: the LoRA name on every block, the identifiers of the multimodal items the
-  block overlaps, and the cache salt on the block that starts at token 0 only.
+* a block's extra keys are ``lora_keys + mm_keys + cache_salt_keys`` (vLLM's order), ``None``
+  when empty: ``("lora", lora_name, lora_path)`` on every block, ``("mm", identifier, offset -
+  block_start)`` for each multimodal item the block overlaps, and ``("cache_salt", salt)`` on
+  the block that starts at token 0 only. vLLM's prompt-embeds keys are not supported: tierkv
+  hashes token ids.
+
+One caveat of ``"sha256"`` that is vLLM's own: pickle writes a string that occurs twice in one
+block's tuple as a back-reference when both occurrences are the *same object*, so the bytes
+depend on object identity, not only on values. tierkv puts the strings of ``ExtraKeys`` into
+the tuple as given; whether vLLM's equal strings are one object depends on how it built them.
+Only a block whose extra keys hold one string value twice (two multimodal items with the same
+identifier in one block, a LoRA name equal to its path, ...) can be affected.
 """
 
 from __future__ import annotations
@@ -20,9 +36,12 @@ import array
 import functools
 import hashlib
 import itertools
+import os
+import pickle
 import sys
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal, get_args
 
 import cbor2
 import numpy as np
@@ -31,13 +50,19 @@ import numpy.typing as npt
 from tierkv.errors import InvalidArgumentError
 from tierkv.keys import BlockHash
 
-DEFAULT_SEED = "0"
-"""The default seed; a vLLM worker matches it only when run with ``PYTHONHASHSEED=0``."""
+HashAlgorithm = Literal["sha256", "sha256_cbor"]
+HASH_ALGORITHMS: tuple[HashAlgorithm, ...] = get_args(HashAlgorithm)
+DEFAULT_ALGORITHM: HashAlgorithm = "sha256"
+"""vLLM's default ``--prefix-caching-hash-algo``."""
+
+VLLM_DEFAULT_SEED = "vllm-none-hash"
+"""The seed of ``NONE_HASH`` in vLLM (cryptographic algorithms) when ``PYTHONHASHSEED`` is unset."""
 
 _TOKEN_LIMIT = 2**63  # exclusive: every id is one CBOR unsigned int and fits in int64
 _TRIPLE_WITH_HASH = b"\x83\x58\x20"  # CBOR: 3-element array, then a 32-byte byte string
 _CBOR_NULL = b"\xf6"
 _Tails = list[tuple[bytes, slice | list[int]]]  # extra-keys encoding -> the blocks that carry it
+_Keys = tuple[tuple[Any, ...], ...] | None  # one block's extra keys, as vLLM hashes them
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,13 +82,24 @@ class MultiModalItem:
 
 @dataclass(frozen=True, slots=True)
 class ExtraKeys:
-    """What besides the tokens goes into block hashes (vLLM's per-request extra keys)."""
+    """What besides the tokens goes into block hashes (vLLM's per-request extra keys).
+
+    ``lora_name`` and ``lora_path`` are the ``LoRARequest``'s (vLLM 0.32 hashes both, so that
+    re-pointing a name at another adapter misses the cache); give both or neither.
+    """
 
     lora_name: str | None = None
     mm_items: tuple[MultiModalItem, ...] = ()  # sorted by offset
     cache_salt: str | None = None
+    lora_path: str | None = None
 
     def __post_init__(self) -> None:
+        if (self.lora_name is None) != (self.lora_path is None):
+            raise InvalidArgumentError(
+                "ExtraKeys: give lora_name and lora_path together (vLLM hashes "
+                f"('lora', name, path)), got lora_name={self.lora_name!r}, "
+                f"lora_path={self.lora_path!r}"
+            )
         items = tuple(self.mm_items)  # accept a list, store a tuple: stays hashable
         object.__setattr__(self, "mm_items", items)
         # vLLM's extra-key walk assumes sorted items; unsorted ones would silently mismatch.
@@ -75,27 +111,67 @@ class ExtraKeys:
                 )
 
 
-def none_hash(seed: str) -> BlockHash:
-    """vLLM's ``NONE_HASH`` for ``seed``: the parent hash of the first block."""
+def default_seed() -> str:
+    """vLLM's seed of ``NONE_HASH`` (cryptographic algorithms): ``PYTHONHASHSEED`` if set in
+    this process's environment (even to ``""``), else ``VLLM_DEFAULT_SEED``."""
+    seed = os.environ.get("PYTHONHASHSEED")
+    return VLLM_DEFAULT_SEED if seed is None else seed
+
+
+def check_algorithm(algorithm: object) -> HashAlgorithm:
+    """``algorithm`` if it is one of ``HASH_ALGORITHMS``, else ``InvalidArgumentError``."""
+    if algorithm not in HASH_ALGORITHMS:
+        raise InvalidArgumentError(
+            f"unknown hash algorithm {algorithm!r}: choose one of {', '.join(HASH_ALGORITHMS)}"
+        )
+    return algorithm
+
+
+def _resolve_seed(seed: str | None) -> str:
+    if seed is None:
+        return default_seed()
     if not isinstance(seed, str):
-        raise InvalidArgumentError(f"the hash seed must be a str, got {type(seed).__name__}")
-    return _none_hash(seed)
+        raise InvalidArgumentError(f"the hash seed must be a str or None, got {type(seed).__name__}")
+    return seed
+
+
+def _pickle_dumps(obj: Any) -> bytes:
+    return pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+
+
+def _cbor_dumps(obj: Any) -> bytes:
+    return cbor2.dumps(obj, canonical=True)
+
+
+_SERIALIZERS: dict[str, Callable[[Any], bytes]] = {"sha256": _pickle_dumps, "sha256_cbor": _cbor_dumps}
+
+
+def none_hash(seed: str | None = None, algorithm: HashAlgorithm = DEFAULT_ALGORITHM) -> BlockHash:
+    """vLLM's ``NONE_HASH`` for ``seed`` (``None``: ``default_seed()``): the parent hash of the
+    first block."""
+    return _none_hash(_resolve_seed(seed), check_algorithm(algorithm))
 
 
 @functools.lru_cache(maxsize=64)
-def _none_hash(seed: str) -> BlockHash:
-    return BlockHash(hashlib.sha256(cbor2.dumps(seed, canonical=True)).digest())
+def _none_hash(seed: str, algorithm: HashAlgorithm) -> BlockHash:
+    return BlockHash(hashlib.sha256(_SERIALIZERS[algorithm](seed)).digest())
 
 
 def hash_block_tokens(
     parent: BlockHash | None,
     token_ids: Any,
     extra_keys: tuple[Any, ...] | None,
-    seed: str = DEFAULT_SEED,
+    seed: str | None = None,
+    algorithm: HashAlgorithm = DEFAULT_ALGORITHM,
 ) -> BlockHash:
-    """The hash of one block whose parent is ``parent`` (``None`` for the first block)."""
-    obj = (bytes(parent or none_hash(seed)), tuple(_as_token_array(token_ids).tolist()), extra_keys)
-    return BlockHash(hashlib.sha256(cbor2.dumps(obj, canonical=True)).digest())
+    """The hash of one block whose parent is ``parent`` (``None`` for the first block), as
+    vLLM's ``hash_block_tokens``; ``extra_keys`` goes into the hash as given."""
+    obj = (
+        bytes(parent or none_hash(seed, algorithm)),
+        tuple(_as_token_array(token_ids).tolist()),
+        extra_keys,
+    )
+    return BlockHash(hashlib.sha256(_SERIALIZERS[algorithm](obj)).digest())
 
 
 def _as_token_array(token_ids: Any) -> npt.NDArray[np.int64]:
@@ -189,22 +265,22 @@ def _gen_mm_extra_hash_keys(
     start_token_idx: int,
     end_token_idx: int,
     start_mm_idx: int,
-) -> tuple[list[str], int]:
-    """vLLM's ``_gen_mm_extra_hash_keys``, kept line for line so the two cannot drift apart."""
-    extra_keys: list[str] = []
+) -> tuple[list[tuple[str, str, int]], int]:
+    """vLLM 0.32's ``_gen_mm_extra_hash_keys``, kept line for line so the two cannot drift apart."""
+    extra_keys: list[tuple[str, str, int]] = []
     if not mm_items:
         return extra_keys, start_mm_idx
     last = mm_items[-1]
-    if last.offset + last.length < start_token_idx:
+    if last.offset + last.length <= start_token_idx:
         return extra_keys, start_mm_idx
     curr = start_mm_idx
     while curr < len(mm_items):
         item = mm_items[curr]
         if end_token_idx > item.offset:
-            if start_token_idx > item.offset + item.length:
+            if start_token_idx >= item.offset + item.length:
                 curr += 1
                 continue
-            extra_keys.append(item.identifier)
+            extra_keys.append(("mm", item.identifier, item.offset - start_token_idx))
             if end_token_idx >= item.offset + item.length:
                 curr += 1
             else:
@@ -214,58 +290,108 @@ def _gen_mm_extra_hash_keys(
     return extra_keys, curr
 
 
-def _extra_key_tails(extra: ExtraKeys, num_blocks: int, block_size: int) -> _Tails:
-    """Each distinct CBOR encoding of a block's extra keys and the blocks that carry it."""
-    lora = [extra.lora_name] if extra.lora_name is not None else []
-    salt = [extra.cache_salt] if extra.cache_salt else []
+def _walk_extra_keys(extra: ExtraKeys, num_blocks: int, block_size: int) -> tuple[list[_Keys], _Keys]:
+    """The extra keys of each block, as vLLM's ``generate_block_hash_extra_keys`` gives them:
+    those of the first blocks one by one, and those every later block carries (the LoRA key or
+    ``None``). Both algorithms hash these; only the blocks up to the last multimodal item's end
+    and block 0 (the salt) need the walk, so the rest costs no Python work per block."""
+    lora: list[tuple[Any, ...]] = []
+    if extra.lora_name is not None:
+        lora = [("lora", extra.lora_name, extra.lora_path)]
+    salt = [("cache_salt", extra.cache_salt)] if extra.cache_salt else []
     items = extra.mm_items
-    # Blocks that start past the last item's end get no mm keys from vLLM's walk (its first
-    # check), so only block 0 (salt) and the blocks up to there need the walk.
-    last_end = items[-1].offset + items[-1].length if items else -1
-    walked = min(num_blocks, max(1, last_end // block_size + 1))
-    blocks: dict[tuple[str, ...], list[int]] = {}
+    # Blocks that start at or past the last item's end get no mm keys (vLLM's first check).
+    last_end = items[-1].offset + items[-1].length if items else 0
+    walked = min(num_blocks, max(1, -(-last_end // block_size)))
+    keys: list[_Keys] = []
     mm_idx = 0
     for i in range(walked):
         start = i * block_size
         mm_keys, mm_idx = _gen_mm_extra_hash_keys(items, start, start + block_size, mm_idx)
-        blocks.setdefault(tuple(lora + mm_keys + (salt if i == 0 else [])), []).append(i)
+        block_keys = lora + mm_keys + (salt if i == 0 else [])
+        keys.append(tuple(block_keys) if block_keys else None)
+    return keys, (tuple(lora) if lora else None)
+
+
+def _extra_key_tails(extra: ExtraKeys, num_blocks: int, block_size: int) -> _Tails:
+    """Each distinct CBOR encoding of a block's extra keys and the blocks that carry it."""
+    walked, rest = _walk_extra_keys(extra, num_blocks, block_size)
+    blocks: dict[_Keys, list[int]] = {}
+    for i, keys in enumerate(walked):
+        blocks.setdefault(keys, []).append(i)
     tails: _Tails = [(_encode_keys(keys), idx) for keys, idx in blocks.items()]
-    if walked < num_blocks:  # the rest, as a slice: no Python work per block
-        tails.append((_encode_keys(tuple(lora)), slice(walked, None)))
+    if len(walked) < num_blocks:  # the rest, as a slice: no Python work per block
+        tails.append((_encode_keys(rest), slice(len(walked), None)))
     return tails
 
 
-def _encode_keys(keys: tuple[str, ...]) -> bytes:
+def _encode_keys(keys: _Keys) -> bytes:
     return cbor2.dumps(keys, canonical=True) if keys else _CBOR_NULL
 
 
 def block_hashes(
     token_ids: Any,
     block_size: int = 16,
-    seed: str = DEFAULT_SEED,
+    seed: str | None = None,
     extra_keys: ExtraKeys | None = None,
+    algorithm: HashAlgorithm = DEFAULT_ALGORITHM,
 ) -> list[BlockHash]:
     """The chained hash of every full block of ``token_ids``, exactly as vLLM v1 computes it.
 
     ``token_ids`` is a sequence of ints, a numpy array or a 1-D torch tensor, each id in
-    ``[0, 2**63)``. The hashes of a prefix are a prefix of the hashes of the whole sequence.
+    ``[0, 2**63)``. ``seed=None`` is vLLM's rule (``default_seed()``); ``algorithm`` is vLLM's
+    ``--prefix-caching-hash-algo``: ``"sha256"`` (its default) or ``"sha256_cbor"``. The hashes
+    of a prefix are a prefix of the hashes of the whole sequence.
     """
+    algorithm = check_algorithm(algorithm)
     if isinstance(block_size, bool) or not isinstance(block_size, int | np.integer) or block_size < 1:
         raise InvalidArgumentError(f"block_size must be an integer >= 1, got {block_size!r}")
     block_size = int(block_size)
     if extra_keys is not None and not isinstance(extra_keys, ExtraKeys):
         raise InvalidArgumentError(f"extra_keys must be ExtraKeys, got {type(extra_keys).__name__}")
-    parent = bytes(none_hash(seed))
+    parent = bytes(none_hash(seed, algorithm))
     tokens = _as_token_array(token_ids)
     num_blocks = len(tokens) // block_size
     if num_blocks == 0:
         return []
+    tokens = tokens[: num_blocks * block_size]
+    if algorithm == "sha256":
+        digests = _pickle_chain(tokens, block_size, parent, extra_keys)
+    else:
+        digests = _cbor_chain(tokens, block_size, parent, extra_keys)
+    # Every digest is 32 bytes, so skip BlockHash's length check: map() builds the objects
+    # without a Python-level call per block.
+    return list(map(bytes.__new__, itertools.repeat(BlockHash), digests))
+
+
+def _pickle_chain(
+    tokens: npt.NDArray[np.int64], block_size: int, parent: bytes, extra_keys: ExtraKeys | None
+) -> list[bytes]:
+    """``"sha256"``: pickle each block's tuple as vLLM does. One ``tolist()`` of all tokens, and
+    ``zip`` over one iterator cuts it into the blocks' tuples without Python work per token."""
+    keys: Iterator[_Keys] = itertools.repeat(None)
+    if extra_keys is not None:
+        walked, rest = _walk_extra_keys(extra_keys, len(tokens) // block_size, block_size)
+        keys = itertools.chain(walked, itertools.repeat(rest))
+    dumps, sha256, protocol = pickle.dumps, hashlib.sha256, pickle.HIGHEST_PROTOCOL
+    digests = []
+    blocks = zip(*[iter(tokens.tolist())] * block_size, strict=False)
+    for block, block_keys in zip(blocks, keys, strict=False):  # keys never ends
+        parent = sha256(dumps((parent, block, block_keys), protocol)).digest()
+        digests.append(parent)
+    return digests
+
+
+def _cbor_chain(
+    tokens: npt.NDArray[np.int64], block_size: int, parent: bytes, extra_keys: ExtraKeys | None
+) -> list[bytes]:
+    """``"sha256_cbor"``: encode all blocks at once (``_block_bodies``); the Python loop only
+    chains the hashes (the part that cannot be vectorised) and does as little else per block as
+    it can."""
     tails: _Tails = [(_CBOR_NULL, slice(None))]
     if extra_keys is not None:
-        tails = _extra_key_tails(extra_keys, num_blocks, block_size)
-    # Encode all blocks at once; the Python loop below only chains the hashes (the part that
-    # cannot be vectorised) and does as little else per block as it can.
-    data, bounds = _block_bodies(tokens[: num_blocks * block_size], block_size, tails)
+        tails = _extra_key_tails(extra_keys, len(tokens) // block_size, block_size)
+    data, bounds = _block_bodies(tokens, block_size, tails)
     # Copying a context that has already absorbed the constant prefix is cheaper than a new one.
     fresh = hashlib.sha256(_TRIPLE_WITH_HASH).copy
     digests = []
@@ -274,6 +400,4 @@ def block_hashes(
         h.update(parent + data[start:end])
         parent = h.digest()
         digests.append(parent)
-    # Every digest is 32 bytes, so skip BlockHash's length check: map() builds the objects
-    # without a Python-level call per block.
-    return list(map(bytes.__new__, itertools.repeat(BlockHash), digests))
+    return digests

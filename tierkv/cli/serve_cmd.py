@@ -31,7 +31,7 @@ from tierkv.config import (
     default_disk_bytes,
     default_disk_path,
 )
-from tierkv.hashing import DEFAULT_SEED
+from tierkv.hashing import DEFAULT_ALGORITHM, HASH_ALGORITHMS, VLLM_DEFAULT_SEED, default_seed
 from tierkv.sizes import format_size, parse_size
 
 log = logging.getLogger("tierkv.serve")
@@ -73,7 +73,12 @@ def register(subparsers: Any) -> None:
     add("--page-bytes", "256KiB", help="page size of the GPU/HOST slabs")
     add("--write-policy", WritePolicy.WRITE_BACK.value,
         choices=[p.value for p in WritePolicy], help="default write policy of puts")
-    add("--hash-seed", DEFAULT_SEED, help="seed of block hashes (vLLM's PYTHONHASHSEED)")
+    add("--hash-seed", help="seed of session block hashes: the vLLM workers' PYTHONHASHSEED "
+        f"(default, vLLM's rule: this server's PYTHONHASHSEED if set, else {VLLM_DEFAULT_SEED!r}; "
+        "any value given, even '', is used as is)")
+    add("--hash-algo", DEFAULT_ALGORITHM, choices=list(HASH_ALGORITHMS),
+        help="algorithm of session block hashes: the vLLM workers' --prefix-caching-hash-algo "
+        f"(default {DEFAULT_ALGORITHM}, vLLM's default)")
     add("--tokens-file", help="'<token> <tenant>' lines; every call must then carry a token")
     add("--tls-cert", help="PEM certificate chain for the TCP listeners")
     add("--tls-key", help="PEM private key for the TCP listeners")
@@ -128,7 +133,9 @@ def build_service_config(args: argparse.Namespace) -> Any:
     for address in listen:
         if address.startswith("unix://"):
             _remove_stale_socket(Path(address.removeprefix("unix://")))
-    return ServiceConfig(listen=tuple(listen), tokens=tokens, tls=tls, hash_seed=args.hash_seed,
+    return ServiceConfig(listen=tuple(listen), tokens=tokens, tls=tls,
+                         hash_seed=default_seed() if args.hash_seed is None else args.hash_seed,
+                         hash_algo=args.hash_algo,
                          put_idle_timeout_s=args.put_idle_timeout_s,
                          max_namespaces_per_tenant=args.max_namespaces_per_tenant)
 

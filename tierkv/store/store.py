@@ -26,7 +26,7 @@ from tierkv.errors import (
     TierKVError,
     UnknownNamespaceError,
 )
-from tierkv.hashing import DEFAULT_SEED, block_hashes
+from tierkv.hashing import DEFAULT_ALGORITHM, HashAlgorithm, block_hashes
 from tierkv.keys import Namespace
 from tierkv.store import namespaces, recovery
 from tierkv.store.async_api import AsyncMethods
@@ -368,20 +368,22 @@ class TieredStore(AsyncMethods, LeaseMethods):
         return self._sessions.save(namespace, session_id, token_ids, ttl_s)
 
     def resume_session(
-        self, tenant: str, session_id: str, seed: str = DEFAULT_SEED
+        self, tenant: str, session_id: str, seed: str | None = None,
+        algorithm: HashAlgorithm = DEFAULT_ALGORITHM,
     ) -> ResumedSession:
         """The session's namespace and token ids, and how many leading tokens are cached (whole
-        blocks whose hashes, computed with ``seed``, are stored in some tier): prefill only
-        ``token_ids[num_cached_tokens:]``. Sets its last use to now (written to disk in the
-        background) and registers its namespace if needed. Raises ``SessionNotFoundError`` (a
-        ``LookupError``) if the tenant has no such session or its TTL ran out."""
+        blocks whose hashes, computed as ``block_hashes(..., seed, algorithm=algorithm)`` does,
+        are stored in some tier): prefill only ``token_ids[num_cached_tokens:]``. Sets its last
+        use to now (written to disk in the background) and registers its namespace if needed.
+        Raises ``SessionNotFoundError`` (a ``LookupError``) if the tenant has no such session or
+        its TTL ran out."""
         self._check_open()
         record = self._sessions.resume(tenant, session_id)
         namespace = record.namespace
         self.register(namespace)
         tokens = record.token_array()
         block_size = namespace.layout.block_size
-        num_blocks = self.lookup(namespace, block_hashes(tokens, block_size, seed))
+        num_blocks = self.lookup(namespace, block_hashes(tokens, block_size, seed, algorithm=algorithm))
         return ResumedSession(namespace, tuple(tokens.tolist()), num_blocks * block_size)
 
     def delete_session(self, tenant: str, session_id: str) -> bool:
