@@ -505,7 +505,7 @@ class TierKVServicer(pb_grpc.TierKVServicer):
     @unary
     async def ResumeSession(self, request: pb.SessionRequest, context: Any, caller: Caller) -> Any:
         resumed = await self._run(self.store.resume_session, caller.tenant, request.session_id,
-                                  self.config.hash_seed)
+                                  self.config.hash_seed, self.config.hash_algo)
         return pb.ResumeSessionResponse(
             namespace=codec.namespace_to_wire(resumed.namespace), token_ids=resumed.token_ids,
             num_cached_tokens=resumed.num_cached_tokens,

@@ -111,27 +111,40 @@ class Sidecar:
 SidecarFactory = Callable[..., Sidecar]
 
 
-@pytest.fixture
-def sidecar_factory(tmp_path: Path) -> Iterator[SidecarFactory]:
-    """``start(disk_path=None, socket_dir=None, *flags)``: a started ``tierkv serve``; every one
-    is stopped at the end of the test."""
-    started: list[Sidecar] = []
-    socket_dirs: list[Path] = []
+class SidecarPool:
+    """Starts sidecars whose logs and default disk live under ``root``; ``close`` stops every
+    one and removes their socket folders. Backs ``sidecar_factory`` and longer-lived fixtures
+    (a module's engines share sidecars)."""
 
-    def start(*flags: str, disk_path: Path | None = None, socket_dir: Path | None = None) -> Sidecar:
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.started: list[Sidecar] = []
+        self._socket_dirs: list[Path] = []
+
+    def start(self, *flags: str, disk_path: Path | None = None,
+              socket_dir: Path | None = None) -> Sidecar:
         if socket_dir is None:
             socket_dir = short_socket_dir()
-            socket_dirs.append(socket_dir)
-        sidecar = Sidecar(disk_path or tmp_path / "disk", socket_dir,
-                          tmp_path / f"serve-{len(started)}.log", list(flags))
-        started.append(sidecar)
+            self._socket_dirs.append(socket_dir)
+        sidecar = Sidecar(disk_path or self.root / "disk", socket_dir,
+                          self.root / f"serve-{len(self.started)}.log", list(flags))
+        self.started.append(sidecar)
         return sidecar.start()
 
-    yield start
-    for sidecar in started:
-        sidecar.stop()
-    for socket_dir in socket_dirs:
-        shutil.rmtree(socket_dir, ignore_errors=True)
+    def close(self) -> None:
+        for sidecar in self.started:
+            sidecar.stop()
+        for socket_dir in self._socket_dirs:
+            shutil.rmtree(socket_dir, ignore_errors=True)
+
+
+@pytest.fixture
+def sidecar_factory(tmp_path: Path) -> Iterator[SidecarFactory]:
+    """``start(*flags, disk_path=None, socket_dir=None)``: a started ``tierkv serve``; every one
+    is stopped at the end of the test."""
+    pool = SidecarPool(tmp_path)
+    yield pool.start
+    pool.close()
 
 
 def stream_client(sidecar: Sidecar, **settings: Any) -> Client:

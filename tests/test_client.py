@@ -63,6 +63,7 @@ from tierkv.errors import (
     ServiceUnavailableError,
     TierKVError,
 )
+from tierkv.hashing import default_seed
 from tierkv.wire import tierkv_pb2 as pb
 from tierkv.wire import tierkv_pb2_grpc as pb_grpc
 
@@ -583,7 +584,7 @@ def test_describe_reports_the_server_and_its_slab(server: LiveServer, client: An
     info = client.describe()
     assert info.shm_name == server.store.host_shm_name
     assert info.shm_size_bytes == 64 * BLOCK_BYTES and info.page_bytes == PAGE_BYTES
-    assert info.hash_seed == "0" and info.max_hashes_per_call == 65536
+    assert info.hash_seed == default_seed() and info.max_hashes_per_call == 65536
     assert info.host_id == Path("/proc/sys/kernel/random/boot_id").read_text().strip()
     assert client.describe() is info  # fetched once
     assert server.spy.methods_of(client.settings.client_id)["Describe"] == 1

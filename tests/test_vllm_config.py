@@ -1,0 +1,163 @@
+"""The connector's settings, namespace and block geometry, from real vLLM configs (no engine
+is started: ``EngineArgs.create_engine_config`` reads the model's config.json)."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from vllm.engine.arg_utils import EngineArgs
+from vllm.v1.core import kv_cache_utils
+from vllm.v1.kv_cache_interface import (
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheGroupSpec,
+    MLAAttentionSpec,
+)
+
+from tierkv import ConfigError, Priority, WritePolicy
+from tierkv.bench.models import TINY, build_llama
+from tierkv.hashing import none_hash
+from tierkv.integrations.vllm.settings import (
+    ConnectorSettings,
+    geometry_of,
+    namespace_of,
+)
+
+LAYERS = tuple(f"model.layers.{i}.self_attn.attn" for i in (0, 1))
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_llama(tmp_path_factory.mktemp("models") / "tiny", TINY)
+
+
+@pytest.fixture(autouse=True)
+def vllm_seed_rule(monkeypatch: pytest.MonkeyPatch) -> None:
+    """vLLM's own rule for the seed (PYTHONHASHSEED, else its default), not what another test
+    in this process made vLLM adopt."""
+    monkeypatch.delenv("PYTHONHASHSEED", raising=False)
+    monkeypatch.setattr(kv_cache_utils, "_NONE_HASH_SEED", None)
+
+
+def engine_config(model: Path, **overrides: Any) -> Any:
+    args: dict[str, Any] = {"model": str(model), "skip_tokenizer_init": True,
+                            "dtype": "bfloat16", "block_size": 32, "max_model_len": 2048}
+    return EngineArgs(**(args | overrides)).create_engine_config()
+
+
+def cache_config(dtype: torch.dtype = torch.bfloat16, layers: tuple[str, ...] = LAYERS) -> Any:
+    spec = FullAttentionSpec(block_size=32, num_kv_heads=2, head_size=64, dtype=dtype)
+    return KVCacheConfig(num_blocks=64, kv_cache_tensors=[],
+                         kv_cache_groups=[KVCacheGroupSpec(list(layers), spec)])
+
+
+def namespace(model: Path, kv_dtype: torch.dtype = torch.bfloat16, tp_rank: int = 0,
+              **overrides: Any) -> Any:
+    vllm_config = engine_config(model, **overrides)
+    kv = cache_config(kv_dtype)
+    return namespace_of(vllm_config, kv, geometry_of(vllm_config, kv), tp_rank)
+
+
+# --- settings -----------------------------------------------------------------------------------
+
+
+def test_settings_defaults_and_values(tmp_path: Path) -> None:
+    assert ConnectorSettings.from_extra_config(None) == ConnectorSettings()
+    token_file = tmp_path / "token"
+    token_file.write_text("secret-token-0123456789\n")
+    settings = ConnectorSettings.from_extra_config({
+        "address": "127.0.0.1:50051", "token_file": str(token_file),
+        "write_policy": "write_through", "priority": "high", "lookup_timeout_s": 0.2,
+    })
+    assert settings.address == "127.0.0.1:50051" and settings.token == "secret-token-0123456789"
+    assert settings.write_policy is WritePolicy.WRITE_THROUGH
+    assert settings.priority is Priority.HIGH and settings.lookup_timeout_s == 0.2
+
+
+@pytest.mark.parametrize(("extra", "named"), [
+    ({"adress": "unix:///tmp/x.sock", "tokn": "x"}, "['adress', 'tokn']"),
+    ({"token": "a", "token_file": "/x"}, "token or token_file"),
+    ({"token_file": "/nonexistent/token"}, "token_file"),
+    ({"write_policy": "sometimes"}, "write_policy='sometimes'"),
+    ({"priority": "urgent"}, "priority='urgent'"),
+    ({"lookup_timeout_s": 0}, "lookup_timeout_s"),
+    ({"save_queue_bytes": True}, "save_queue_bytes"),
+    ({"address": ""}, "address"),
+])
+def test_bad_settings_are_refused_by_name(extra: dict[str, Any], named: str) -> None:
+    with pytest.raises(ConfigError, match=r"TierKVConnector") as info:
+        ConnectorSettings.from_extra_config(extra)
+    assert named in str(info.value)
+
+
+# --- namespace ----------------------------------------------------------------------------------
+
+
+def test_the_same_engine_config_gives_the_same_namespace(model: Path) -> None:
+    first, second = namespace(model), namespace(model)
+    assert first == second and first.id == second.id
+    assert first.layout.num_layers == 2 and first.layout.block_size == 32
+    assert first.layout.bytes_per_block == 2 * 2 * 2 * 32 * 64 * 2
+
+
+def test_everything_that_changes_a_block_changes_the_namespace(
+    model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    base = namespace(model)
+    other_model = build_llama(tmp_path / "other", replace(TINY, seed=1))
+    variants = {
+        "dtype": namespace(model, torch.float16, dtype="float16"),
+        "model": namespace(other_model),
+        "revision": namespace(model, revision="v2"),
+        "algorithm": namespace(model, prefix_caching_hash_algo="sha256_cbor"),
+        "tp rank": namespace(model, tp_rank=1, tensor_parallel_size=2),
+    }
+    monkeypatch.setenv("PYTHONHASHSEED", "4711")
+    variants["seed"] = namespace(model)
+    ids = {name: ns.id for name, ns in variants.items()}
+    assert base.id not in ids.values(), ids
+    assert len(set(ids.values())) == len(ids), ids
+
+
+def test_the_namespace_names_the_hash_scheme_tierkv_computes_by_default(model: Path) -> None:
+    """The hash part of the model id is vLLM's NONE_HASH, which is tierkv's default one: the
+    hashes tierkv.block_hashes gives land in the namespace the connector reads."""
+    assert f"hash=sha256:{none_hash().hex()[:16]}" in namespace(model).model_id
+    cbor = namespace(model, prefix_caching_hash_algo="sha256_cbor")
+    assert f"hash=sha256_cbor:{none_hash(algorithm='sha256_cbor').hex()[:16]}" in cbor.model_id
+
+
+# --- geometry -----------------------------------------------------------------------------------
+
+
+def test_layers_are_in_model_order() -> None:
+    names = tuple(f"model.layers.{i}.self_attn.attn" for i in (10, 2, 1, 0, 9))
+    vllm_config = engine_config_stub()
+    geometry = geometry_of(vllm_config, cache_config(layers=names))
+    assert [int(n.split(".")[2]) for n in geometry.layer_names] == [0, 1, 2, 9, 10]
+
+
+def engine_config_stub() -> Any:
+    class Cache:
+        block_size = 32
+
+    class Config:
+        cache_config = Cache()
+
+    return Config()
+
+
+def test_caches_it_cannot_read_are_refused() -> None:
+    two_groups = cache_config()
+    two_groups.kv_cache_groups.append(two_groups.kv_cache_groups[0])
+    with pytest.raises(ConfigError, match="one KV cache group"):
+        geometry_of(engine_config_stub(), two_groups)
+    mla = KVCacheConfig(num_blocks=8, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(
+        list(LAYERS), MLAAttentionSpec(block_size=32, num_kv_heads=1, head_size=576,
+                                       dtype=torch.bfloat16))])
+    with pytest.raises(ConfigError):
+        geometry_of(engine_config_stub(), mla)

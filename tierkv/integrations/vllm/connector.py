@@ -1,0 +1,159 @@
+"""``TierKVConnector``: vLLM v1's ``KVConnectorBase_V1`` backed by a tierkv sidecar.
+
+Load it with::
+
+    --kv-transfer-config '{"kv_connector": "TierKVConnector",
+                           "kv_connector_module_path": "tierkv.integrations.vllm",
+                           "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
+                           "kv_connector_extra_config": {"address": "unix:///tmp/tierkv.sock"}}'
+
+The scheduler half lives in ``scheduler.py``, the worker half in ``worker.py``; this class only
+maps vLLM's calls onto them. A sidecar that is down or slow never stops the engine: lookups
+answer 0, saves are dropped and counted, failed loads are reported so that vLLM recomputes them
+(with ``kv_load_failure_policy="recompute"``; vLLM's default, ``"fail"``, ends such a request
+with an error instead), and the connector reconnects when the sidecar is back.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+
+from tierkv.integrations.vllm.scheduler import SchedulerSide, StepMetadata
+from tierkv.integrations.vllm.settings import ConnectorSettings, geometry_of, namespace_of
+from tierkv.integrations.vllm.worker import WorkerSide
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
+
+log = logging.getLogger("tierkv.integrations.vllm")
+
+
+class TierKVMetadata(KVConnectorMetadata, StepMetadata):  # type: ignore[misc]
+    """One step's loads and saves, as vLLM carries them to the workers."""
+
+
+class TierKVConnector(KVConnectorBase_V1):  # type: ignore[misc]
+    """Keeps vLLM's prefix KV in a tierkv sidecar, so that a fresh engine skips the prefill of
+    every prefix the sidecar holds."""
+
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
+                 kv_cache_config: KVCacheConfig) -> None:
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        transfer = vllm_config.kv_transfer_config
+        self.settings = ConnectorSettings.from_extra_config(transfer.kv_connector_extra_config)
+        if getattr(transfer, "kv_load_failure_policy", "recompute") != "recompute":
+            log.warning("tierkv: kv_load_failure_policy=%r: a block the sidecar cannot deliver "
+                        "fails its request; 'recompute' recomputes it instead",
+                        transfer.kv_load_failure_policy)
+        self.geometry = geometry_of(vllm_config, kv_cache_config)
+        self._scheduler: SchedulerSide | None = None
+        self._worker: WorkerSide | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            namespace = namespace_of(vllm_config, kv_cache_config, self.geometry, tp_rank=0)
+            self._scheduler = SchedulerSide(self.settings, self.geometry, namespace)
+        else:
+            self._worker = WorkerSide(self.settings, self.geometry, _tp_rank())
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        """A cache: a dropped save is a future miss, never a wrong answer."""
+        return False
+
+    # --- scheduler side -----------------------------------------------------------------------
+
+    def get_num_new_matched_tokens(self, request: Request,
+                                   num_computed_tokens: int) -> tuple[int | None, bool]:
+        assert self._scheduler is not None
+        return self._scheduler.num_matched_tokens(request, num_computed_tokens), False
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
+                                 num_external_tokens: int) -> None:
+        assert self._scheduler is not None
+        self._scheduler.after_alloc(request, list(blocks.get_block_ids()[0]), num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        assert self._scheduler is not None
+        step = self._scheduler.build(scheduler_output)
+        meta = TierKVMetadata()
+        meta.namespace, meta.loads, meta.saves = step.namespace, step.loads, step.saves
+        return meta
+
+    def request_finished(self, request: Request,
+                         block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        assert self._scheduler is not None
+        return self._scheduler.finished(request), None
+
+    # --- worker side ----------------------------------------------------------------------------
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        assert self._worker is not None
+        self._worker.register(kv_caches)
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        assert self._worker is not None
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, TierKVMetadata)
+        self._worker.start_load(meta)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        assert self._worker is not None
+        self._worker.wait_for_layer(layer_name)
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any,
+                      **kwargs: Any) -> None:
+        """Nothing per layer: ``wait_for_save`` gathers every layer of the step's saves at once
+        (a gather per layer here would not overlap with compute on a CPU, and on a GPU it
+        runs on the connector's stream anyway)."""
+
+    def wait_for_save(self) -> None:
+        assert self._worker is not None
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, TierKVMetadata)
+        self._worker.finish_loads()
+        self._worker.save(meta)
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        assert self._worker is not None
+        return self._worker.finished(finished_req_ids) or None, None
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        assert self._worker is not None
+        return self._worker.take_load_errors()
+
+    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
+        """Nothing to do: saves are copied out of vLLM's blocks within their step, so a
+        preempted request's blocks may be overwritten at once."""
+
+    def flush_saves(self, timeout_s: float) -> bool:
+        """Wait up to ``timeout_s`` until this worker's queued saves are in the sidecar (or
+        dropped); True when none is left. For tests and orderly handovers between engines."""
+        assert self._worker is not None
+        return self._worker.flush(timeout_s)
+
+    def shutdown(self) -> None:
+        if self._worker is not None:
+            self._worker.close()
+        if self._scheduler is not None:
+            self._scheduler.close()
+
+
+def _tp_rank() -> int:
+    try:
+        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+        return int(get_tensor_model_parallel_rank())
+    except (AssertionError, RuntimeError, ImportError):  # no TP group: a single worker
+        return 0

@@ -1,0 +1,189 @@
+"""The scheduler half of the connector: which prompt blocks the sidecar holds, which to load
+into which of vLLM's blocks, and which to save once vLLM has computed them.
+
+Contracts (vLLM v1's connector API):
+
+* ``num_matched_tokens`` looks up ``request.block_hashes`` (vLLM's own hashes, never
+  recomputed) and offers whole blocks beyond what vLLM already computed, never the whole prompt
+  (at least one token is left to compute). It answers from the sidecar's shared-memory presence
+  table when it can, else with one Lookup; a sidecar that is down or slow makes it answer 0
+  within ``lookup_timeout_s``, and it is not asked again for a while (a breaker).
+* Loads are synchronous (vLLM loads them in the step that schedules the request; see the
+  README for why), and saves cover the full prompt blocks the sidecar does not hold, in the
+  step in which vLLM computes them.
+* A request that had saves is kept (``request_finished`` answers True) until the workers report
+  its saves done through ``get_finished``.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from tierkv.client import Client
+from tierkv.errors import TierKVError
+from tierkv.integrations.vllm.settings import BlockGeometry, ConnectorSettings
+from tierkv.keys import Namespace
+
+log = logging.getLogger("tierkv.integrations.vllm")
+
+
+@dataclass(frozen=True, slots=True)
+class BlockOp:
+    """Load or save ``hashes`` from/into vLLM's blocks ``block_ids`` (same length) for request
+    ``req_id``."""
+
+    req_id: str
+    hashes: tuple[bytes, ...]
+    block_ids: tuple[int, ...]
+
+
+@dataclass(slots=True)
+class StepMetadata:
+    """What the scheduler tells the workers for one step (pickled to them by vLLM). Subclasses
+    vLLM's ``KVConnectorMetadata`` in the connector module; kept plain here."""
+
+    namespace: Namespace | None = None
+    loads: list[BlockOp] = field(default_factory=list)
+    saves: list[BlockOp] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class _Request:
+    """What the scheduler keeps of one live request."""
+
+    request: Any  # vLLM's Request: its block_hashes grow as tokens come
+    num_prompt_tokens: int
+    block_ids: list[int] = field(default_factory=list)
+    stored_blocks: int = 0  # leading prompt blocks the sidecar holds or that are being saved
+    pending_load: BlockOp | None = None
+    had_saves: bool = False
+
+
+class SchedulerSide:
+    """The connector's scheduler-side state; one per engine."""
+
+    def __init__(self, settings: ConnectorSettings, geometry: BlockGeometry,
+                 namespace: Namespace, make_client: type[Client] = Client) -> None:
+        self.settings = settings
+        self.geometry = geometry
+        self.namespace = namespace
+        self._client = make_client(settings.address, token=settings.token,
+                                   timeout_s=settings.lookup_timeout_s, retries=0)
+        self._requests: dict[str, _Request] = {}
+        # req_id -> (blocks vLLM had computed, leading prompt blocks the sidecar holds)
+        self._matched: dict[str, tuple[int, int]] = {}
+        self._down_until = 0.0
+        self._namespace_sent = False
+        self.num_lookup_errors = 0
+
+    # --- lookups ----------------------------------------------------------------------------
+
+    def _hashes(self, request: Any, num_blocks: int) -> list[bytes]:
+        """vLLM's hashes of the first ``num_blocks`` blocks (at the connector's block size)."""
+        ratio = self.geometry.block_size // self.geometry.hash_block_size
+        hashes = request.block_hashes
+        return [bytes(hashes[(k + 1) * ratio - 1]) for k in range(num_blocks)]
+
+    def _num_hashed_blocks(self, request: Any, num_tokens: int) -> int:
+        ratio = self.geometry.block_size // self.geometry.hash_block_size
+        return min(num_tokens // self.geometry.block_size, len(request.block_hashes) // ratio)
+
+    def num_matched_tokens(self, request: Any, num_computed_tokens: int) -> int:
+        """Tokens beyond ``num_computed_tokens`` that can be loaded (whole blocks, never the
+        last token of the request)."""
+        block_size = self.geometry.block_size
+        # At least one token is left to compute: vLLM needs one to produce the next token.
+        limit = self._num_hashed_blocks(request, request.num_tokens - 1)
+        start = num_computed_tokens // block_size
+        hit = self._lookup(request, limit) if limit > 0 else 0
+        self._matched[request.request_id] = (start, hit)
+        return max(0, hit - start) * block_size
+
+    def _lookup(self, request: Any, num_blocks: int) -> int:
+        now = time.monotonic()
+        if now < self._down_until:
+            return 0
+        try:
+            return min(num_blocks, self._client.lookup(self.namespace,
+                                                       self._hashes(request, num_blocks)))
+        except TierKVError as exc:
+            self.num_lookup_errors += 1
+            self._down_until = now + max(1.0, 4 * self.settings.lookup_timeout_s)
+            log.warning("tierkv lookup failed (%s); answering misses for %.1f s",
+                        exc, self._down_until - now)
+            return 0
+
+    # --- allocation and steps ---------------------------------------------------------------
+
+    def after_alloc(self, request: Any, block_ids: list[int], num_external_tokens: int) -> None:
+        """vLLM allocated ``block_ids`` (all of the request's blocks) and will load
+        ``num_external_tokens`` from the connector after its locally computed ones."""
+        req_id = request.request_id
+        state = self._requests.get(req_id)
+        if state is None:
+            state = self._requests[req_id] = _Request(request, int(request.num_prompt_tokens))
+        state.request = request
+        state.block_ids = list(block_ids)
+        local, hit = self._matched.get(req_id, (0, 0))
+        state.stored_blocks = max(state.stored_blocks, hit)
+        state.pending_load = None
+        if num_external_tokens > 0:
+            # vLLM loads external tokens right after its own (block-aligned) computed ones;
+            # request.num_computed_tokens is not updated yet when it calls this.
+            start = local
+            end = start + num_external_tokens // self.geometry.block_size
+            state.pending_load = BlockOp(req_id, tuple(self._hashes(request, end)[start:]),
+                                         tuple(block_ids[start:end]))
+
+    def build(self, output: Any) -> StepMetadata:
+        """The metadata of one scheduled step (vLLM's ``SchedulerOutput``)."""
+        meta = StepMetadata()
+        for new in output.scheduled_new_reqs:
+            state = self._requests.get(new.req_id)
+            if state is not None:
+                state.block_ids = list(new.block_ids[0])
+                self._step(meta, state, new.num_computed_tokens
+                           + output.num_scheduled_tokens.get(new.req_id, 0))
+        cached = output.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            state = self._requests.get(req_id)
+            if state is None:
+                continue
+            new_ids = cached.new_block_ids[i]
+            if req_id in cached.resumed_req_ids:
+                state.block_ids = list(new_ids[0]) if new_ids is not None else []
+            elif new_ids is not None:
+                state.block_ids.extend(new_ids[0])
+            self._step(meta, state, cached.num_computed_tokens[i]
+                       + output.num_scheduled_tokens.get(req_id, 0))
+        if not self._namespace_sent or meta.loads or meta.saves:
+            meta.namespace = self.namespace
+            self._namespace_sent = True
+        return meta
+
+    def _step(self, meta: StepMetadata, state: _Request, computed_after: int) -> None:
+        if state.pending_load is not None:
+            meta.loads.append(state.pending_load)
+            state.pending_load = None
+        computed_prompt = min(computed_after, state.num_prompt_tokens)
+        end = min(self._num_hashed_blocks(state.request, computed_prompt), len(state.block_ids))
+        start = state.stored_blocks
+        if end > start:
+            meta.saves.append(BlockOp(state.request.request_id,
+                                      tuple(self._hashes(state.request, end)[start:]),
+                                      tuple(state.block_ids[start:end])))
+            state.stored_blocks = end
+            state.had_saves = True
+
+    def finished(self, request: Any) -> bool:
+        """A request ended; True when vLLM must keep its blocks until the workers report its
+        saves done."""
+        self._matched.pop(request.request_id, None)
+        state = self._requests.pop(request.request_id, None)
+        return state is not None and state.had_saves
+
+    def close(self) -> None:
+        self._client.close()

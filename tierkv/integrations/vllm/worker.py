@@ -1,0 +1,286 @@
+"""The worker half of the connector: moves blocks between vLLM's paged KV cache and the sidecar.
+
+A tierkv block of this engine is every attention layer's page of one vLLM block, in layer
+order: ``[L, H, N, C]`` as vLLM's standardized per-layer view ``[B, H, N, C]`` holds it (the
+physical layout is read from the tensors' strides by the index operations; C packs K and V as
+the backend does, which is why the namespace names the backend's layout and device).
+
+* Loads: ``start_load`` fetches each request's blocks from the sidecar into a staging tensor
+  on a worker thread; ``wait_for_layer`` scatters one layer into vLLM's blocks when the model
+  reaches it (one ``index_copy_`` per layer per request). A block the sidecar no longer has, or
+  a sidecar that fails, makes that block and every later one of the request a load error:
+  reported to vLLM, never left looking loaded.
+* Saves: ``save`` gathers the blocks vLLM computed in this step (one ``index_select`` per layer
+  per request, before the step ends, so vLLM may reuse its blocks at once) and queues the put
+  on a saver thread. The queue is bounded by ``save_queue_bytes``: saves beyond it, and saves
+  the sidecar refuses, are dropped and counted; the engine never waits for the sidecar.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+
+import torch
+
+from tierkv.client import Client
+from tierkv.errors import ConfigError, TierKVError
+from tierkv.integrations.vllm.scheduler import BlockOp, StepMetadata
+from tierkv.integrations.vllm.settings import BlockGeometry, ConnectorSettings
+from tierkv.keys import Namespace
+
+log = logging.getLogger("tierkv.integrations.vllm")
+
+
+@dataclass(slots=True)
+class WorkerCounters:
+    """What the worker did, for logs and tests."""
+
+    blocks_loaded: int = 0
+    blocks_failed: int = 0
+    blocks_saved: int = 0
+    blocks_dropped: int = 0
+    bytes_loaded: int = 0
+    bytes_saved: int = 0
+
+
+@dataclass(slots=True)
+class _Load:
+    op: BlockOp
+    staging: torch.Tensor  # [n, L, H, N, C]
+    fetched: Future[int]  # how many leading blocks arrived
+    accounted: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class _Save:
+    namespace: Namespace
+    op: BlockOp
+    staging: torch.Tensor  # [n, L, H, N, C], gathered out of vLLM's blocks
+    size_bytes: int
+
+
+class WorkerSide:
+    """The connector's worker-side state; one per worker (TP rank)."""
+
+    def __init__(self, settings: ConnectorSettings, geometry: BlockGeometry, tp_rank: int) -> None:
+        self.settings = settings
+        self.geometry = geometry
+        self.tp_rank = tp_rank
+        self.counters = WorkerCounters()
+        self._client = Client(settings.address, token=settings.token,
+                              timeout_s=settings.load_timeout_s, retries=1)
+        self._layers: list[torch.Tensor] = []
+        self._layer_index: dict[str, int] = {}
+        self._namespace: Namespace | None = None
+        self._fetcher = ThreadPoolExecutor(1, thread_name_prefix="tierkv-load")
+        self._loads: list[_Load] = []
+        self._loaded_layers: set[int] = set()
+        self._load_errors: set[int] = set()
+        self._lock = threading.Lock()
+        self._pending_saves: dict[str, int] = {}  # req_id -> saves queued, not yet done
+        self._had_saves: set[str] = set()
+        self._finished_waiting: set[str] = set()
+        self._queued_bytes = 0
+        self._saves: queue.Queue[_Save | None] = queue.Queue()  # None: stop
+        self._saver = threading.Thread(target=self._save_loop, name="tierkv-save", daemon=True)
+        self._saver.start()
+        self._stream: torch.cuda.Stream | None = None
+
+    # --- registration -----------------------------------------------------------------------
+
+    def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        """Take vLLM's per-layer caches; each must be the ``[B, H, N, C]`` view of this
+        geometry (C = 2 x head size), else the connector refuses to start."""
+        layout = self.geometry.layout
+        want = (layout.num_kv_heads, layout.block_size, 2 * layout.head_dim)
+        missing = [name for name in self.geometry.layer_names if name not in kv_caches]
+        if missing:
+            raise ConfigError(f"TierKVConnector: vLLM registered no cache for layers {missing}")
+        layers = [kv_caches[name] for name in self.geometry.layer_names]
+        for name, tensor in zip(self.geometry.layer_names, layers, strict=True):
+            if tensor.dim() != 4 or tuple(tensor.shape[1:]) != want or tensor.dtype != layout.torch_dtype:
+                raise ConfigError(
+                    f"TierKVConnector: layer {name} has a cache of {tuple(tensor.shape)} "
+                    f"{tensor.dtype}; expected [blocks, *{want}] {layout.torch_dtype}"
+                )
+        if len({t.data_ptr() for t in layers}) != len(layers):
+            raise ConfigError("TierKVConnector: layers that share one cache are not supported")
+        self._layers = layers
+        self._layer_index = {name: i for i, name in enumerate(self.geometry.layer_names)}
+        if layers and layers[0].device.type == "cuda":
+            self._stream = torch.cuda.Stream(device=layers[0].device)  # type: ignore[no-untyped-call]
+
+    def _staging(self, num_blocks: int) -> torch.Tensor:
+        layout = self.geometry.layout
+        shape = (num_blocks, layout.num_layers, layout.num_kv_heads, layout.block_size,
+                 2 * layout.head_dim)
+        pinned = self._stream is not None  # so that copies to and from the GPU are async
+        return torch.empty(shape, dtype=layout.torch_dtype, pin_memory=pinned)
+
+    def _adopt(self, meta: StepMetadata) -> Namespace | None:
+        if meta.namespace is not None:
+            ns = meta.namespace
+            if ns.layout != self.geometry.layout:
+                raise ConfigError(f"TierKVConnector: scheduler layout {ns.layout} differs from "
+                                  f"the worker's {self.geometry.layout}")
+            self._namespace = Namespace(ns.model_id, ns.layout, tp_rank=self.tp_rank,
+                                        tp_size=ns.tp_size)
+        return self._namespace
+
+    # --- loads ------------------------------------------------------------------------------
+
+    def start_load(self, meta: StepMetadata) -> None:
+        """Start fetching the step's loads; layers are scattered by ``wait_for_layer``."""
+        namespace = self._adopt(meta)
+        self._loads, self._loaded_layers = [], set()
+        if namespace is None or not self._layers:
+            return
+        for op in meta.loads:
+            staging = self._staging(len(op.hashes))
+            fetched = self._fetcher.submit(self._fetch, namespace, op, staging)
+            self._loads.append(_Load(op, staging, fetched))
+
+    def _fetch(self, namespace: Namespace, op: BlockOp, staging: torch.Tensor) -> int:
+        layout = namespace.layout
+        try:
+            return self._client.get_into(namespace, list(op.hashes),
+                                         staging.view((len(op.hashes), *layout.block_shape)),
+                                         timeout_s=self.settings.load_timeout_s)
+        except TierKVError as exc:
+            log.warning("tierkv load of %d blocks failed (%s); vLLM recomputes them",
+                        len(op.hashes), exc)
+            return 0
+
+    def wait_for_layer(self, layer_name: str) -> None:
+        """Scatter layer ``layer_name`` of every load of this step into vLLM's blocks."""
+        index = self._layer_index.get(layer_name)
+        if index is None or not self._loads or index in self._loaded_layers:
+            return
+        self._loaded_layers.add(index)
+        layer = self._layers[index]
+        for load in self._loads:
+            count = load.fetched.result()
+            if not load.accounted:
+                load.accounted = True
+                self._account(load, count)
+            if count == 0:
+                continue
+            ids = torch.tensor(load.op.block_ids[:count], dtype=torch.long, device=layer.device)
+            source = load.staging[:count, index]
+            if self._stream is None:
+                layer.index_copy_(0, ids, source)
+            else:
+                with torch.cuda.stream(self._stream):
+                    layer.index_copy_(0, ids, source.to(layer.device, non_blocking=True))
+                torch.cuda.current_stream(layer.device).wait_stream(self._stream)
+        if len(self._loaded_layers) == len(self._layers):
+            self._loads = []
+
+    def _account(self, load: _Load, count: int) -> None:
+        num_blocks = len(load.op.block_ids)
+        self.counters.blocks_loaded += count
+        self.counters.bytes_loaded += count * self.geometry.layout.bytes_per_block
+        if count < num_blocks:
+            self.counters.blocks_failed += num_blocks - count
+            self._load_errors.update(load.op.block_ids[count:])
+
+    def finish_loads(self) -> None:
+        """Scatter whatever a step's forward did not ask for (a model that skipped
+        ``wait_for_layer_load``): never leave a block half loaded."""
+        for name in self.geometry.layer_names:
+            self.wait_for_layer(name)
+
+    def take_load_errors(self) -> set[int]:
+        """vLLM block ids whose load failed since the last call."""
+        errors, self._load_errors = self._load_errors, set()
+        return errors
+
+    # --- saves ------------------------------------------------------------------------------
+
+    def save(self, meta: StepMetadata) -> None:
+        """Gather the step's saves out of vLLM's blocks and queue them for the sidecar."""
+        namespace = self._adopt(meta)
+        if namespace is None or not self._layers:
+            return
+        for op in meta.saves:
+            size = len(op.hashes) * self.geometry.layout.bytes_per_block
+            with self._lock:
+                self._had_saves.add(op.req_id)
+                if self._queued_bytes + size > self.settings.save_queue_bytes:
+                    self.counters.blocks_dropped += len(op.hashes)
+                    continue
+                self._queued_bytes += size
+                self._pending_saves[op.req_id] = self._pending_saves.get(op.req_id, 0) + 1
+            staging = self._gather(op)
+            self._saves.put(_Save(namespace, op, staging, size))
+
+    def _gather(self, op: BlockOp) -> torch.Tensor:
+        staging = self._staging(len(op.hashes))
+        device = self._layers[0].device
+        ids = torch.tensor(op.block_ids, dtype=torch.long, device=device)
+        if self._stream is None:
+            for index, layer in enumerate(self._layers):
+                torch.index_select(layer, 0, ids, out=staging[:, index])
+            return staging
+        self._stream.wait_stream(torch.cuda.current_stream(device))  # after the step's writes
+        with torch.cuda.stream(self._stream):
+            for index, layer in enumerate(self._layers):
+                staging[:, index].copy_(layer.index_select(0, ids), non_blocking=True)
+        self._stream.synchronize()
+        return staging
+
+    def _save_loop(self) -> None:
+        while True:
+            item = self._saves.get()
+            if item is None:
+                return
+            namespace, op, staging, size = item.namespace, item.op, item.staging, item.size_bytes
+            try:
+                self._client.put(namespace, list(op.hashes),
+                                 staging.view((len(op.hashes), *namespace.layout.block_shape)),
+                                 priority=self.settings.priority,
+                                 write_policy=self.settings.write_policy)
+                self.counters.blocks_saved += len(op.hashes)
+                self.counters.bytes_saved += size
+            except TierKVError as exc:
+                self.counters.blocks_dropped += len(op.hashes)
+                log.warning("tierkv save of %d blocks dropped (%s)", len(op.hashes), exc)
+            finally:
+                with self._lock:
+                    self._queued_bytes -= size
+                    self._pending_saves[op.req_id] -= 1
+
+    def finished(self, finished_req_ids: set[str]) -> set[str]:
+        """Of the requests vLLM finished (now or before), those whose saves are all done."""
+        with self._lock:
+            self._finished_waiting.update(finished_req_ids & self._had_saves)
+            done = {r for r in self._finished_waiting if not self._pending_saves.get(r)}
+            self._finished_waiting -= done
+            self._had_saves -= done
+            for req_id in done:
+                self._pending_saves.pop(req_id, None)
+        return done
+
+    def flush(self, timeout_s: float) -> bool:
+        """Wait up to ``timeout_s`` for queued saves; True when none is left."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            with self._lock:
+                if self._queued_bytes == 0:
+                    return True
+            time.sleep(0.01)
+        return False
+
+    def close(self, timeout_s: float = 30.0) -> None:
+        """Finish queued saves (for at most ``timeout_s``), then stop."""
+        if not self.flush(timeout_s):
+            log.warning("tierkv: saves still queued at shutdown were dropped")
+        self._saves.put(None)
+        self._saver.join(timeout=1.0)
+        self._fetcher.shutdown(wait=False, cancel_futures=True)
+        self._client.close()
