@@ -83,7 +83,9 @@ def handover(workdir: Path, model: Path, pool: SidecarPool) -> dict[str, Any]:
                                       [{"prompts": P, "flush": True}]))
     after_a = tier_stats(sidecar)
     b = run_engine(workdir, "b", spec(model, sidecar.unix_target, [P, salted(P, "s1")]))
-    return {"sidecar": sidecar, "a": a, "b": b, "after_a": after_a}
+    b_async = run_engine(workdir, "b-async", spec(model, sidecar.unix_target, [P],
+                                                  extra={"load_mode": "async"}))
+    return {"sidecar": sidecar, "a": a, "b": b, "b_async": b_async, "after_a": after_a}
 
 
 def test_fresh_engine_hits_every_full_block_and_matches_the_reference(
@@ -104,6 +106,13 @@ def test_fresh_engine_hits_every_full_block_and_matches_the_reference(
             for end in range(BLOCK_SIZE, len(p["tokens"]) + 1, BLOCK_SIZE)}
     assert handover["after_a"]["host"].num_blocks == len(full)
     assert handover["after_a"]["disk"].num_blocks == len(full)  # write_through
+
+def test_asynchronous_loads_hit_as_well(handover: dict[str, Any],
+                                        reference: EngineResult) -> None:
+    b = handover["b_async"]
+    assert b.num_cached_tokens[0] == [loadable_tokens(p) for p in P]
+    assert b.tokens[0] == reference.tokens[0]
+
 
 def test_another_cache_salt_never_hits(handover: dict[str, Any],
                                        reference: EngineResult) -> None:

@@ -75,15 +75,17 @@ def result_of(workdir: Path, name: str) -> EngineResult:
 
 def spec(model: Path, address: str | None, rounds: list[list[dict[str, Any]]], *,
          token: str = ALPHA, write_policy: str | None = None,
-         connector: str | None = "tierkv", **fields: Any) -> dict[str, Any]:
-    """An engine spec: ``rounds`` of prompts; the connector talks to ``address``."""
-    extra: dict[str, Any] = {}
+         connector: str | None = "tierkv", extra: dict[str, Any] | None = None,
+         **fields: Any) -> dict[str, Any]:
+    """An engine spec: ``rounds`` of prompts; the connector talks to ``address`` (with more
+    ``extra`` config)."""
+    extra_config: dict[str, Any] = {}
     if connector == "tierkv" or (connector and ":" in connector):
-        extra = {"address": address, "token": token}
+        extra_config = {"address": address, "token": token, **(extra or {})}
         if write_policy:
-            extra["write_policy"] = write_policy
+            extra_config["write_policy"] = write_policy
     return {
-        "model": str(model), "connector": connector, "extra_config": extra,
+        "model": str(model), "connector": connector, "extra_config": extra_config,
         "block_size": BLOCK_SIZE, "max_tokens": 12, "max_model_len": 2048,
         "rounds": [{"prompts": r} if isinstance(r, list) else r for r in rounds], **fields,
     }

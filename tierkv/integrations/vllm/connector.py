@@ -77,7 +77,8 @@ class TierKVConnector(KVConnectorBase_V1):  # type: ignore[misc]
     def get_num_new_matched_tokens(self, request: Request,
                                    num_computed_tokens: int) -> tuple[int | None, bool]:
         assert self._scheduler is not None
-        return self._scheduler.num_matched_tokens(request, num_computed_tokens), False
+        num_tokens = self._scheduler.num_matched_tokens(request, num_computed_tokens)
+        return num_tokens, num_tokens > 0 and self._scheduler.loads_async
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
                                  num_external_tokens: int) -> None:
@@ -89,6 +90,7 @@ class TierKVConnector(KVConnectorBase_V1):  # type: ignore[misc]
         step = self._scheduler.build(scheduler_output)
         meta = TierKVMetadata()
         meta.namespace, meta.loads, meta.saves = step.namespace, step.loads, step.saves
+        meta.async_loads = step.async_loads
         return meta
 
     def request_finished(self, request: Request,
@@ -127,7 +129,8 @@ class TierKVConnector(KVConnectorBase_V1):  # type: ignore[misc]
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         assert self._worker is not None
-        return self._worker.finished(finished_req_ids) or None, None
+        saved, received = self._worker.finished(finished_req_ids)
+        return saved or None, received or None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         assert self._worker is not None

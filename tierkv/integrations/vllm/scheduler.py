@@ -8,9 +8,9 @@ Contracts (vLLM v1's connector API):
   (at least one token is left to compute). It answers from the sidecar's shared-memory presence
   table when it can, else with one Lookup; a sidecar that is down or slow makes it answer 0
   within ``lookup_timeout_s``, and it is not asked again for a while (a breaker).
-* Loads are synchronous (vLLM loads them in the step that schedules the request; see the
-  README for why), and saves cover the full prompt blocks the sidecar does not hold, in the
-  step in which vLLM computes them.
+* Loads are synchronous by default (in the step that schedules the request; see the README for
+  the measurement), or asynchronous (``load_mode="async"``: while the request waits); saves
+  cover the full prompt blocks the sidecar does not hold, in the step vLLM computes them.
 * A request that had saves is kept (``request_finished`` answers True) until the workers report
   its saves done through ``get_finished``.
 """
@@ -46,7 +46,8 @@ class StepMetadata:
     vLLM's ``KVConnectorMetadata`` in the connector module; kept plain here."""
 
     namespace: Namespace | None = None
-    loads: list[BlockOp] = field(default_factory=list)
+    loads: list[BlockOp] = field(default_factory=list)  # in this step's forward pass
+    async_loads: list[BlockOp] = field(default_factory=list)  # between steps (load_mode async)
     saves: list[BlockOp] = field(default_factory=list)
 
 
@@ -90,6 +91,11 @@ class SchedulerSide:
     def _num_hashed_blocks(self, request: Any, num_tokens: int) -> int:
         ratio = self.geometry.block_size // self.geometry.hash_block_size
         return min(num_tokens // self.geometry.block_size, len(request.block_hashes) // ratio)
+
+    @property
+    def loads_async(self) -> bool:
+        """Whether loads happen between steps (``load_mode="async"``)."""
+        return self.settings.load_mode == "async"
 
     def num_matched_tokens(self, request: Any, num_computed_tokens: int) -> int:
         """Tokens beyond ``num_computed_tokens`` that can be loaded (whole blocks, never the
@@ -159,13 +165,19 @@ class SchedulerSide:
                 state.block_ids.extend(new_ids[0])
             self._step(meta, state, cached.num_computed_tokens[i]
                        + output.num_scheduled_tokens.get(req_id, 0))
-        if not self._namespace_sent or meta.loads or meta.saves:
+        if self.loads_async:
+            # Requests that wait for their blocks are not scheduled: their loads go out now.
+            for state in self._requests.values():
+                if state.pending_load is not None:
+                    meta.async_loads.append(state.pending_load)
+                    state.pending_load = None
+        if not self._namespace_sent or meta.loads or meta.async_loads or meta.saves:
             meta.namespace = self.namespace
             self._namespace_sent = True
         return meta
 
     def _step(self, meta: StepMetadata, state: _Request, computed_after: int) -> None:
-        if state.pending_load is not None:
+        if state.pending_load is not None and not self.loads_async:
             meta.loads.append(state.pending_load)
             state.pending_load = None
         computed_prompt = min(computed_after, state.num_prompt_tokens)

@@ -26,8 +26,9 @@ from tierkv.layout import DType, KVLayout
 
 _KEYS = frozenset({
     "address", "token", "token_file", "write_policy", "priority", "lookup_timeout_s",
-    "load_timeout_s", "save_queue_bytes",
+    "load_timeout_s", "save_queue_bytes", "load_mode",
 })
+LOAD_MODES = ("sync", "async")
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,6 +39,9 @@ class ConnectorSettings:
     and is not asked again for ``lookup_timeout_s * 4``, at least 1 s); ``load_timeout_s``
     bounds a load (a failed load is reported and vLLM recomputes the blocks);
     ``save_queue_bytes`` bounds the blocks waiting to be saved (more are dropped and counted).
+    ``load_mode``: ``sync`` loads blocks in the step that schedules the request, layer by layer
+    as the model reaches each layer; ``async`` loads them between steps while the request waits
+    (vLLM's ``WAITING_FOR_REMOTE_KVS``), so other requests run meanwhile.
     """
 
     address: str = DEFAULT_TARGET
@@ -47,6 +51,7 @@ class ConnectorSettings:
     lookup_timeout_s: float = 0.5
     load_timeout_s: float = 10.0
     save_queue_bytes: int = 512 * 1024 * 1024
+    load_mode: str = "sync"
 
     @classmethod
     def from_extra_config(cls, extra: dict[str, Any] | None) -> ConnectorSettings:
@@ -75,6 +80,7 @@ class ConnectorSettings:
             lookup_timeout_s=_positive(extra, "lookup_timeout_s", 0.5),
             load_timeout_s=_positive(extra, "load_timeout_s", 10.0),
             save_queue_bytes=int(_positive(extra, "save_queue_bytes", 512 * 1024 * 1024)),
+            load_mode=_one_of(extra, "load_mode", LOAD_MODES, "sync"),
         )
 
 
@@ -99,6 +105,13 @@ def _choice(extra: dict[str, Any], key: str, kind: type[E], default: E | None) -
             f"TierKVConnector: {key}={value!r}; choose one of {sorted(m.name.lower() for m in kind)}"
         )
     return found
+
+
+def _one_of(extra: dict[str, Any], key: str, choices: tuple[str, ...], default: str) -> str:
+    value = extra.get(key, default)
+    if value not in choices:
+        raise ConfigError(f"TierKVConnector: {key}={value!r}; choose one of {list(choices)}")
+    return str(value)
 
 
 def _positive(extra: dict[str, Any], key: str, default: float) -> float:

@@ -5,11 +5,13 @@ order: ``[L, H, N, C]`` as vLLM's standardized per-layer view ``[B, H, N, C]`` h
 physical layout is read from the tensors' strides by the index operations; C packs K and V as
 the backend does, which is why the namespace names the backend's layout and device).
 
-* Loads: ``start_load`` fetches each request's blocks from the sidecar into a staging tensor
-  on a worker thread; ``wait_for_layer`` scatters one layer into vLLM's blocks when the model
-  reaches it (one ``index_copy_`` per layer per request). A block the sidecar no longer has, or
-  a sidecar that fails, makes that block and every later one of the request a load error:
-  reported to vLLM, never left looking loaded.
+* Loads (``load_mode="sync"``): ``start_load`` fetches each request's blocks from the sidecar
+  into a staging tensor on a worker thread; ``wait_for_layer`` scatters one layer into vLLM's
+  blocks when the model reaches it (one ``index_copy_`` per layer per request). A block the
+  sidecar no longer has, or a sidecar that fails, makes that block and every later one of the
+  request a load error: reported to vLLM, never left looking loaded. Asynchronous loads fetch
+  and scatter every layer on another thread while the request waits, and report the request
+  received when done.
 * Saves: ``save`` gathers the blocks vLLM computed in this step (one ``index_select`` per layer
   per request, before the step ends, so vLLM may reuse its blocks at once) and queues the put
   on a saver thread. The queue is bounded by ``save_queue_bytes``: saves beyond it, and saves
@@ -78,6 +80,8 @@ class WorkerSide:
         self._layer_index: dict[str, int] = {}
         self._namespace: Namespace | None = None
         self._fetcher = ThreadPoolExecutor(1, thread_name_prefix="tierkv-load")
+        self._async_loader = ThreadPoolExecutor(1, thread_name_prefix="tierkv-async-load")
+        self._received: set[str] = set()  # async loads done (or failed), not yet reported
         self._loads: list[_Load] = []
         self._loaded_layers: set[int] = set()
         self._load_errors: set[int] = set()
@@ -144,6 +148,29 @@ class WorkerSide:
             staging = self._staging(len(op.hashes))
             fetched = self._fetcher.submit(self._fetch, namespace, op, staging)
             self._loads.append(_Load(op, staging, fetched))
+        for op in meta.async_loads:
+            self._async_loader.submit(self._load_between_steps, namespace, op)
+
+    def _load_between_steps(self, namespace: Namespace, op: BlockOp) -> None:
+        """An asynchronous load: every layer, on a worker thread, into blocks vLLM keeps for the
+        waiting request; its errors are recorded before the request is reported received."""
+        try:
+            staging = self._staging(len(op.hashes))
+            load = _Load(op, staging, Future())
+            count = self._fetch(namespace, op, staging)
+            load.fetched.set_result(count)
+            for index in range(len(self._layers)):
+                self._scatter(load, index)
+            load.accounted = True
+            with self._lock:
+                self._account(load, count)
+        except Exception as exc:  # a bug must not leave the request waiting forever
+            log.exception("tierkv: asynchronous load failed: %s", exc)
+            with self._lock:
+                self._load_errors.update(op.block_ids)
+        finally:
+            with self._lock:
+                self._received.add(op.req_id)
 
     def _fetch(self, namespace: Namespace, op: BlockOp, staging: torch.Tensor) -> int:
         layout = namespace.layout
@@ -162,24 +189,33 @@ class WorkerSide:
         if index is None or not self._loads or index in self._loaded_layers:
             return
         self._loaded_layers.add(index)
-        layer = self._layers[index]
         for load in self._loads:
             count = load.fetched.result()
             if not load.accounted:
                 load.accounted = True
-                self._account(load, count)
-            if count == 0:
-                continue
-            ids = torch.tensor(load.op.block_ids[:count], dtype=torch.long, device=layer.device)
-            source = load.staging[:count, index]
-            if self._stream is None:
-                layer.index_copy_(0, ids, source)
-            else:
-                with torch.cuda.stream(self._stream):
-                    layer.index_copy_(0, ids, source.to(layer.device, non_blocking=True))
-                torch.cuda.current_stream(layer.device).wait_stream(self._stream)
+                with self._lock:
+                    self._account(load, count)
+            self._scatter(load, index)
+            if self._stream is not None:  # the forward pass reads the layer next
+                torch.cuda.current_stream(self._layers[index].device).wait_stream(self._stream)
         if len(self._loaded_layers) == len(self._layers):
             self._loads = []
+
+    def _scatter(self, load: _Load, index: int) -> None:
+        """Layer ``index`` of the fetched leading blocks into vLLM's blocks."""
+        count = load.fetched.result()
+        if count == 0:
+            return
+        layer = self._layers[index]
+        ids = torch.tensor(load.op.block_ids[:count], dtype=torch.long, device=layer.device)
+        source = load.staging[:count, index]
+        if self._stream is None:
+            layer.index_copy_(0, ids, source)
+            return
+        with torch.cuda.stream(self._stream):
+            layer.index_copy_(0, ids, source.to(layer.device, non_blocking=True))
+        if threading.current_thread() is not threading.main_thread():
+            self._stream.synchronize()  # an async load is done only when its bytes are
 
     def _account(self, load: _Load, count: int) -> None:
         num_blocks = len(load.op.block_ids)
@@ -197,7 +233,8 @@ class WorkerSide:
 
     def take_load_errors(self) -> set[int]:
         """vLLM block ids whose load failed since the last call."""
-        errors, self._load_errors = self._load_errors, set()
+        with self._lock:
+            errors, self._load_errors = self._load_errors, set()
         return errors
 
     # --- saves ------------------------------------------------------------------------------
@@ -255,8 +292,10 @@ class WorkerSide:
                     self._queued_bytes -= size
                     self._pending_saves[op.req_id] -= 1
 
-    def finished(self, finished_req_ids: set[str]) -> set[str]:
-        """Of the requests vLLM finished (now or before), those whose saves are all done."""
+    def finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
+        """``(saved, received)``: of the requests vLLM finished (now or before), those whose
+        saves are all done; and the requests whose asynchronous loads are done (their failed
+        blocks are in ``take_load_errors`` by then)."""
         with self._lock:
             self._finished_waiting.update(finished_req_ids & self._had_saves)
             done = {r for r in self._finished_waiting if not self._pending_saves.get(r)}
@@ -264,7 +303,8 @@ class WorkerSide:
             self._had_saves -= done
             for req_id in done:
                 self._pending_saves.pop(req_id, None)
-        return done
+            received, self._received = self._received, set()
+        return done, received
 
     def flush(self, timeout_s: float) -> bool:
         """Wait up to ``timeout_s`` for queued saves; True when none is left."""
@@ -283,4 +323,5 @@ class WorkerSide:
         self._saves.put(None)
         self._saver.join(timeout=1.0)
         self._fetcher.shutdown(wait=False, cancel_futures=True)
+        self._async_loader.shutdown(wait=False, cancel_futures=True)
         self._client.close()

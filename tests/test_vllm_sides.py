@@ -1,0 +1,326 @@
+"""The connector's scheduler and worker halves against a real server, without an engine:
+vLLM's calls are played by hand with the objects they carry (requests with vLLM's block
+hashes, scheduler outputs, per-layer cache tensors)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+from service_fixtures import BackgroundServer
+from sidecar import SidecarFactory
+
+from tierkv import Client, ConfigError, KVLayout, Namespace, block_hashes
+from tierkv.integrations.vllm.scheduler import SchedulerSide
+from tierkv.integrations.vllm.settings import BlockGeometry, ConnectorSettings
+from tierkv.integrations.vllm.worker import WorkerSide
+
+BLOCK = 32
+LAYERS = ("model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn")
+LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=64, block_size=BLOCK, dtype="bf16")
+GEOMETRY = BlockGeometry(LAYERS, BLOCK, BLOCK, LAYOUT)
+NAMESPACE = Namespace("vllm:test-model", LAYOUT)
+NUM_VLLM_BLOCKS = 16
+
+
+@pytest.fixture
+def server(tmp_path: Path) -> Iterator[BackgroundServer]:
+    background = BackgroundServer(tmp_path, tokens={}, host_bytes=64 * 1024 * 1024)
+    yield background
+    background.close()
+
+
+def settings_for(target: str, **fields: Any) -> ConnectorSettings:
+    return ConnectorSettings(address=target, **fields)
+
+
+def request(req_id: str, tokens: list[int]) -> SimpleNamespace:
+    """What the connector reads of vLLM's Request."""
+    return SimpleNamespace(request_id=req_id, block_hashes=block_hashes(tokens, BLOCK),
+                           num_tokens=len(tokens), num_prompt_tokens=len(tokens),
+                           num_computed_tokens=0)
+
+
+def tokens(n: int, seed: int = 0) -> list[int]:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(100, 30000, (n,), generator=generator).tolist()
+
+
+def put_prefix(target: str, tokens_: list[int], num_blocks: int) -> torch.Tensor:
+    blocks = torch.randn((num_blocks, *LAYOUT.block_shape)).to(LAYOUT.torch_dtype)
+    with Client(target) as client:
+        client.put(NAMESPACE, block_hashes(tokens_, BLOCK)[:num_blocks], blocks)
+    return blocks
+
+
+def step(new: list[tuple[str, list[int], int, int]] = (),  # type: ignore[assignment]
+         cached: list[tuple[str, list[int] | None, int, int]] = (),  # type: ignore[assignment]
+         resumed: set[str] | None = None) -> SimpleNamespace:
+    """A SchedulerOutput: new requests (id, block ids, computed, scheduled) and running ones
+    (id, new block ids, computed, scheduled)."""
+    return SimpleNamespace(
+        scheduled_new_reqs=[SimpleNamespace(req_id=r, block_ids=(ids,), num_computed_tokens=c)
+                            for r, ids, c, _ in new],
+        scheduled_cached_reqs=SimpleNamespace(
+            req_ids=[r for r, *_ in cached], resumed_req_ids=resumed or set(),
+            new_block_ids=[(ids,) if ids is not None else None for _, ids, _, _ in cached],
+            num_computed_tokens=[c for _, _, c, _ in cached]),
+        num_scheduled_tokens={r: s for r, _, _, s in [*new, *cached]},
+    )
+
+
+# --- scheduler ----------------------------------------------------------------------------------
+
+
+def test_offers_whole_stored_blocks_beyond_what_vllm_has_never_the_last_token(
+    server: BackgroundServer,
+) -> None:
+    target = server.served.unix_target
+    prompt = tokens(5 * BLOCK + 10)
+    put_prefix(target, prompt, 5)
+    side = SchedulerSide(settings_for(target), GEOMETRY, NAMESPACE)
+    try:
+        assert side.num_matched_tokens(request("a", prompt), 0) == 5 * BLOCK
+        assert side.num_matched_tokens(request("a", prompt), 2 * BLOCK) == 3 * BLOCK
+        assert side.num_matched_tokens(request("a", prompt), 5 * BLOCK) == 0
+        # A prompt of exactly five blocks: its last token must be computed, so four load.
+        assert side.num_matched_tokens(request("b", prompt[: 5 * BLOCK]), 0) == 4 * BLOCK
+        assert side.num_matched_tokens(request("c", tokens(200, seed=9)), 0) == 0
+    finally:
+        side.close()
+
+
+def test_plans_loads_then_saves_only_what_the_sidecar_lacks(server: BackgroundServer) -> None:
+    target = server.served.unix_target
+    prompt = tokens(7 * BLOCK + 5)
+    hashes = [bytes(h) for h in block_hashes(prompt, BLOCK)]
+    put_prefix(target, prompt, 3)
+    side = SchedulerSide(settings_for(target), GEOMETRY, NAMESPACE)
+    try:
+        req = request("r", prompt)
+        # vLLM has block 0 itself; the sidecar has blocks 0-2: two are loaded.
+        assert side.num_matched_tokens(req, BLOCK) == 2 * BLOCK
+        side.after_alloc(req, [10, 11, 12, 13], 2 * BLOCK)
+        first = side.build(step(new=[("r", [10, 11, 12, 13], 3 * BLOCK, BLOCK)]))
+        assert first.namespace == NAMESPACE
+        assert [(op.hashes, op.block_ids) for op in first.loads] == [(tuple(hashes[1:3]), (11, 12))]
+        assert [(op.hashes, op.block_ids) for op in first.saves] == [(tuple(hashes[3:4]), (13,))]
+        # The next chunk computes blocks 4-6 and the partial tail: three more saves, no loads.
+        second = side.build(step(cached=[("r", [14, 15, 16, 17], 4 * BLOCK, 3 * BLOCK + 5)]))
+        assert not second.loads and second.namespace == NAMESPACE  # sent with every op
+        assert [(op.hashes, op.block_ids) for op in second.saves] == [
+            (tuple(hashes[4:7]), (14, 15, 16))
+        ]
+        # Preempted and resumed into other blocks: nothing is saved twice.
+        third = side.build(step(cached=[("r", list(range(20, 28)), 0, 7 * BLOCK + 5)],
+                                resumed={"r"}))
+        assert not third.saves
+        assert side.finished(req) is True
+        assert side.finished(request("never-saved", prompt)) is False
+    finally:
+        side.close()
+
+
+def test_a_sidecar_that_is_not_there_answers_zero(tmp_path: Path) -> None:
+    side = SchedulerSide(settings_for(f"unix://{tmp_path}/none.sock"), GEOMETRY, NAMESPACE)
+    try:
+        req = request("a", tokens(4 * BLOCK))
+        assert side.num_matched_tokens(req, 0) == 0
+        assert side.num_lookup_errors == 1
+        assert side.num_matched_tokens(req, 0) == 0  # the breaker: not asked again at once
+        assert side.num_lookup_errors == 1
+    finally:
+        side.close()
+
+
+def test_a_sidecar_that_hangs_answers_zero_within_the_lookup_deadline(
+    sidecar_factory: SidecarFactory,
+) -> None:
+    sidecar = sidecar_factory()
+    prompt = tokens(3 * BLOCK + 1)
+    put_prefix(sidecar.unix_target, prompt, 3)
+    side = SchedulerSide(settings_for(sidecar.unix_target, lookup_timeout_s=0.3), GEOMETRY,
+                         NAMESPACE)
+    assert sidecar.process is not None
+    try:
+        assert side.num_matched_tokens(request("warm", prompt), 0) == 3 * BLOCK
+        os.kill(sidecar.process.pid, signal.SIGSTOP)
+        # 100 hashes: more than the shared-memory presence table answers, so a call is made.
+        long_prompt = tokens(100 * BLOCK + 1, seed=3)
+        started = time.monotonic()
+        assert side.num_matched_tokens(request("slow", long_prompt), 0) == 0
+        assert time.monotonic() - started < 5.0  # a bound on hanging, not a speed target
+        assert side.num_lookup_errors == 1
+    finally:
+        os.kill(sidecar.process.pid, signal.SIGCONT)
+        side.close()
+
+
+# --- worker -------------------------------------------------------------------------------------
+
+
+def caches(device: str = "cpu", fill: bool = True) -> dict[str, torch.Tensor]:
+    shape = (NUM_VLLM_BLOCKS, LAYOUT.num_kv_heads, BLOCK, 2 * LAYOUT.head_dim)
+    return {name: (torch.randn(shape, device=device) if fill else torch.zeros(shape, device=device))
+            .to(LAYOUT.torch_dtype) for name in LAYERS}
+
+
+def meta(loads: list[Any] = (), saves: list[Any] = ()) -> Any:  # type: ignore[assignment]
+    from tierkv.integrations.vllm.scheduler import StepMetadata
+
+    return StepMetadata(namespace=NAMESPACE, loads=list(loads), saves=list(saves))
+
+
+def op(req_id: str, hashes: list[bytes], block_ids: list[int]) -> Any:
+    from tierkv.integrations.vllm.scheduler import BlockOp
+
+    return BlockOp(req_id, tuple(hashes), tuple(block_ids))
+
+
+def round_trip(target: str, device: str) -> None:
+    hashes = [bytes(h) for h in block_hashes(tokens(6 * BLOCK), BLOCK)]
+    source = caches(device)
+    saver = WorkerSide(settings_for(target), GEOMETRY, tp_rank=0)
+    loader = WorkerSide(settings_for(target), GEOMETRY, tp_rank=0)
+    try:
+        saver.register(source)
+        saver.save(meta(saves=[op("r", hashes[:4], [3, 5, 7, 9])]))
+        assert saver.flush(30.0)
+        assert saver.finished({"r"}) == ({"r"}, set()) and saver.counters.blocks_saved == 4
+        target_caches = caches(device, fill=False)
+        loader.register(target_caches)
+        # Blocks 0-3 are stored, 4-5 are not: they and only they are load errors.
+        loader.start_load(meta(loads=[op("q", hashes, [1, 2, 4, 6, 8, 10])]))
+        for name in LAYERS:
+            loader.wait_for_layer(name)
+        assert loader.take_load_errors() == {8, 10}
+        assert loader.counters.blocks_loaded == 4 and loader.counters.blocks_failed == 2
+        for name in LAYERS:
+            assert torch.equal(target_caches[name][[1, 2, 4, 6]].cpu(),
+                               source[name][[3, 5, 7, 9]].cpu())
+            assert not target_caches[name][[8, 10]].any()
+    finally:
+        saver.close()
+        loader.close()
+
+
+def test_blocks_saved_from_one_cache_load_into_another_bit_exact(
+    server: BackgroundServer,
+) -> None:
+    round_trip(server.served.unix_target, "cpu")
+
+
+def test_blocks_round_trip_over_tcp_too(server: BackgroundServer) -> None:
+    round_trip(server.served.tcp_target, "cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_blocks_round_trip_between_gpu_caches(server: BackgroundServer) -> None:
+    round_trip(server.served.unix_target, "cuda")
+
+
+def test_without_a_sidecar_saves_are_dropped_and_loads_fail(tmp_path: Path) -> None:
+    worker = WorkerSide(settings_for(f"unix://{tmp_path}/none.sock", load_timeout_s=1.0),
+                        GEOMETRY, tp_rank=0)
+    try:
+        worker.register(caches())
+        hashes = [bytes(h) for h in block_hashes(tokens(2 * BLOCK), BLOCK)]
+        worker.save(meta(saves=[op("r", hashes, [0, 1])]))
+        assert worker.flush(30.0)
+        assert worker.counters.blocks_dropped == 2 and worker.finished({"r"}) == ({"r"}, set())
+        worker.start_load(meta(loads=[op("q", hashes, [2, 3])]))
+        worker.finish_loads()
+        assert worker.take_load_errors() == {2, 3}
+    finally:
+        worker.close()
+
+
+def test_saves_beyond_the_queue_bound_are_dropped(server: BackgroundServer) -> None:
+    worker = WorkerSide(settings_for(server.served.unix_target,
+                                     save_queue_bytes=LAYOUT.bytes_per_block),
+                        GEOMETRY, tp_rank=0)
+    try:
+        worker.register(caches())
+        hashes = [bytes(h) for h in block_hashes(tokens(3 * BLOCK), BLOCK)]
+        worker.save(meta(saves=[op("r", hashes, [0, 1, 2])]))  # three blocks > the bound
+        assert worker.flush(30.0) and worker.counters.blocks_dropped == 3
+    finally:
+        worker.close()
+
+
+def test_caches_of_another_shape_are_refused(server: BackgroundServer) -> None:
+    worker = WorkerSide(settings_for(server.served.unix_target), GEOMETRY, tp_rank=0)
+    try:
+        wrong = caches()
+        wrong[LAYERS[1]] = wrong[LAYERS[1]][:, :1]
+        with pytest.raises(ConfigError, match=LAYERS[1]):
+            worker.register(wrong)
+        with pytest.raises(ConfigError, match="no cache for layers"):
+            worker.register({LAYERS[0]: caches()[LAYERS[0]]})
+    finally:
+        worker.close()
+
+
+def test_async_loads_are_planned_while_the_request_waits_and_reported_when_done(
+    server: BackgroundServer,
+) -> None:
+    target = server.served.unix_target
+    prompt = tokens(4 * BLOCK + 3)
+    stored = put_prefix(target, prompt, 3)
+    settings = settings_for(target, load_mode="async")
+    side = SchedulerSide(settings, GEOMETRY, NAMESPACE)
+    worker = WorkerSide(settings, GEOMETRY, tp_rank=0)
+    try:
+        worker.register(target_caches := caches(fill=False))
+        req = request("r", prompt)
+        assert side.num_matched_tokens(req, 0) == 3 * BLOCK and side.loads_async
+        side.after_alloc(req, [4, 5, 6, 7, 8], 3 * BLOCK)
+        waiting = side.build(step())  # the request waits: it is not scheduled this step
+        assert not waiting.loads and [o.block_ids for o in waiting.async_loads] == [(4, 5, 6)]
+        worker.start_load(waiting)
+        deadline = time.monotonic() + 30
+        received: set[str] = set()
+        while not received and time.monotonic() < deadline:
+            _, received = worker.finished(set())
+            time.sleep(0.01)
+        assert received == {"r"} and worker.take_load_errors() == set()
+        blocks = stored.view(3, -1)
+        for layer_index, name in enumerate(LAYERS):
+            got = target_caches[name][[4, 5, 6]].reshape(3, 2, -1)
+            want = blocks.view(3, 2, -1)[:, layer_index]
+            assert torch.equal(got.reshape(3, -1), want.reshape(3, -1))
+        # Scheduled once loaded: nothing is loaded again; the blocks it computes are saved.
+        side.after_alloc(req, [4, 5, 6, 7, 8], 0)
+        later = side.build(step(new=[("r", [4, 5, 6, 7, 8], 3 * BLOCK, BLOCK + 3)]))
+        assert not later.loads and not later.async_loads
+        assert [o.block_ids for o in later.saves] == [(7,)]
+    finally:
+        side.close()
+        worker.close()
+
+
+def test_a_failed_async_load_reports_its_blocks_before_the_request(tmp_path: Path) -> None:
+    worker = WorkerSide(settings_for(f"unix://{tmp_path}/none.sock", load_mode="async",
+                                     load_timeout_s=1.0), GEOMETRY, tp_rank=0)
+    try:
+        worker.register(caches())
+        hashes = [bytes(h) for h in block_hashes(tokens(2 * BLOCK), BLOCK)]
+        loads = meta()
+        loads.async_loads.append(op("q", hashes, [2, 3]))
+        worker.start_load(loads)
+        deadline = time.monotonic() + 30
+        received: set[str] = set()
+        while not received and time.monotonic() < deadline:
+            _, received = worker.finished(set())
+            time.sleep(0.01)
+        assert received == {"q"} and worker.take_load_errors() == {2, 3}
+    finally:
+        worker.close()
