@@ -36,6 +36,7 @@ if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
 log = logging.getLogger("tierkv.integrations.vllm")
@@ -93,10 +94,22 @@ class TierKVConnector(KVConnectorBase_V1):  # type: ignore[misc]
         meta.async_loads = step.async_loads
         return meta
 
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        assert self._scheduler is not None
+        self._scheduler.on_output(set(connector_output.invalid_block_ids or ()))
+
     def request_finished(self, request: Request,
                          block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        """Never holds the blocks: saves are copied out of them within their step."""
         assert self._scheduler is not None
-        return self._scheduler.finished(request), None
+        self._scheduler.finished(request)
+        return False, None
+
+    @classmethod
+    def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
+        """Layer-by-layer loads run in ``wait_for_layer_load``, which a full CUDA graph replay
+        would skip: vLLM must capture piecewise graphs."""
+        return True
 
     # --- worker side ----------------------------------------------------------------------------
 
@@ -129,8 +142,7 @@ class TierKVConnector(KVConnectorBase_V1):  # type: ignore[misc]
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         assert self._worker is not None
-        saved, received = self._worker.finished(finished_req_ids)
-        return saved or None, received or None
+        return None, self._worker.finished(finished_req_ids) or None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         assert self._worker is not None

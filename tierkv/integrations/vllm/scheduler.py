@@ -11,8 +11,13 @@ Contracts (vLLM v1's connector API):
 * Loads are synchronous by default (in the step that schedules the request; see the README for
   the measurement), or asynchronous (``load_mode="async"``: while the request waits); saves
   cover the full prompt blocks the sidecar does not hold, in the step vLLM computes them.
-* A request that had saves is kept (``request_finished`` answers True) until the workers report
-  its saves done through ``get_finished``.
+* Blocks computed in the step that loads a request are saved in its next step, once vLLM has
+  told (``update_connector_output``) whether the load failed anywhere (on any TP rank): KV
+  computed over blocks that failed to load is never stored. Failed blocks are saved again once
+  vLLM has recomputed them, and a failed load stops offers for a while (the presence table in
+  shared memory keeps answering for a sidecar that hangs).
+* Saves are copied out of vLLM's blocks within their step, so ``request_finished`` never holds
+  a request's blocks.
 """
 
 from __future__ import annotations
@@ -28,6 +33,11 @@ from tierkv.integrations.vllm.settings import BlockGeometry, ConnectorSettings
 from tierkv.keys import Namespace
 
 log = logging.getLogger("tierkv.integrations.vllm")
+
+# Saves of a request wait this many steps after its (synchronous) load: with vLLM's asynchronous
+# scheduling the next step is planned before the load step's output arrives, the one after it is
+# not. By then ``on_output`` has heard of any block that failed to load, on any TP rank.
+SAVE_DELAY_STEPS = 2
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,7 +70,7 @@ class _Request:
     block_ids: list[int] = field(default_factory=list)
     stored_blocks: int = 0  # leading prompt blocks the sidecar holds or that are being saved
     pending_load: BlockOp | None = None
-    had_saves: bool = False
+    load_step: int | None = None  # the step its last synchronous load was in
 
 
 class SchedulerSide:
@@ -78,6 +88,7 @@ class SchedulerSide:
         self._matched: dict[str, tuple[int, int]] = {}
         self._down_until = 0.0
         self._namespace_sent = False
+        self._num_steps = 0
         self.num_lookup_errors = 0
 
     # --- lookups ----------------------------------------------------------------------------
@@ -174,12 +185,16 @@ class SchedulerSide:
         if not self._namespace_sent or meta.loads or meta.async_loads or meta.saves:
             meta.namespace = self.namespace
             self._namespace_sent = True
+        self._num_steps += 1
         return meta
 
     def _step(self, meta: StepMetadata, state: _Request, computed_after: int) -> None:
         if state.pending_load is not None and not self.loads_async:
             meta.loads.append(state.pending_load)
             state.pending_load = None
+            state.load_step = self._num_steps
+        if state.load_step is not None and self._num_steps - state.load_step < SAVE_DELAY_STEPS:
+            return  # KV computed over a load is saved once the load is known good everywhere
         computed_prompt = min(computed_after, state.num_prompt_tokens)
         end = min(self._num_hashed_blocks(state.request, computed_prompt), len(state.block_ids))
         start = state.stored_blocks
@@ -188,14 +203,26 @@ class SchedulerSide:
                                       tuple(self._hashes(state.request, end)[start:]),
                                       tuple(state.block_ids[start:end])))
             state.stored_blocks = end
-            state.had_saves = True
 
-    def finished(self, request: Any) -> bool:
-        """A request ended; True when vLLM must keep its blocks until the workers report its
-        saves done."""
+    def on_output(self, invalid_block_ids: set[int]) -> None:
+        """vLLM's report of the blocks whose load failed (on any TP rank): vLLM recomputes them,
+        and they (and all after them) are saved again once it has; offers stop for a while."""
+        if not invalid_block_ids:
+            return
+        for state in self._requests.values():
+            for index, block_id in enumerate(state.block_ids):
+                if block_id in invalid_block_ids:
+                    state.stored_blocks = min(state.stored_blocks, index)
+                    break
+        now = time.monotonic()
+        self._down_until = max(self._down_until, now + max(1.0, 4 * self.settings.lookup_timeout_s))
+        log.warning("tierkv: %d blocks failed to load; no hits offered for %.1f s",
+                    len(invalid_block_ids), self._down_until - now)
+
+    def finished(self, request: Any) -> None:
+        """A request ended (finished, aborted, or failed while it waited)."""
         self._matched.pop(request.request_id, None)
-        state = self._requests.pop(request.request_id, None)
-        return state is not None and state.had_saves
+        self._requests.pop(request.request_id, None)
 
     def close(self) -> None:
         self._client.close()

@@ -181,9 +181,12 @@ def namespace_of(vllm_config: Any, kv_cache_config: Any, geometry: BlockGeometry
                  or getattr(cache, "kv_cache_layout", None) or "default")
     device = str(getattr(vllm_config.device_config, "device_type", "") or "auto")
     algorithm = str(cache.prefix_caching_hash_algo)
+    # Weights quantized on the fly change every KV without changing the checkpoint's config.
+    weights = f"{getattr(model, 'dtype', '')}/{getattr(model, 'quantization', None) or 'none'}"
     model_id = "|".join((
         f"vllm:{model.model}@{model.revision or 'main'}",
         f"config={config_digest}",
+        f"weights={weights}",
         f"cache={kv_layout}/{device}/{cache.cache_dtype}",
         f"hash={algorithm}:{none_hash_of(algorithm).hex()[:16]}",
     ))

@@ -14,8 +14,10 @@ the backend does, which is why the namespace names the backend's layout and devi
   received when done.
 * Saves: ``save`` gathers the blocks vLLM computed in this step (one ``index_select`` per layer
   per request, before the step ends, so vLLM may reuse its blocks at once) and queues the put
-  on a saver thread. The queue is bounded by ``save_queue_bytes``: saves beyond it, and saves
-  the sidecar refuses, are dropped and counted; the engine never waits for the sidecar.
+  on a saver thread. The queue is bounded by ``save_queue_bytes``: the leading blocks that fit
+  are kept and the rest of the request is dropped (a block after a missing one could never be
+  found), counted; saves the sidecar refuses are dropped too. The engine never waits for the
+  sidecar, and a sidecar that failed a load is not asked again for a moment.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from dataclasses import dataclass
 import torch
 
 from tierkv.client import Client
-from tierkv.errors import ConfigError, TierKVError
+from tierkv.errors import ConfigError
 from tierkv.integrations.vllm.scheduler import BlockOp, StepMetadata
 from tierkv.integrations.vllm.settings import BlockGeometry, ConnectorSettings
 from tierkv.keys import Namespace
@@ -74,8 +76,13 @@ class WorkerSide:
         self.geometry = geometry
         self.tp_rank = tp_rank
         self.counters = WorkerCounters()
-        self._client = Client(settings.address, token=settings.token,
-                              timeout_s=settings.load_timeout_s, retries=1)
+        # One client per thread that uses one: a client that finds the sidecar's slab replaced
+        # drops its mapping, which must not happen under another thread's copy.
+        self._load_client = self._new_client()
+        self._async_client = self._new_client()
+        self._save_client = self._new_client()
+        self._down_until = 0.0  # after a failed fetch, fetches fail at once until then
+        self._deadline = 0.0  # of this step's synchronous fetches, all together
         self._layers: list[torch.Tensor] = []
         self._layer_index: dict[str, int] = {}
         self._namespace: Namespace | None = None
@@ -86,14 +93,16 @@ class WorkerSide:
         self._loaded_layers: set[int] = set()
         self._load_errors: set[int] = set()
         self._lock = threading.Lock()
-        self._pending_saves: dict[str, int] = {}  # req_id -> saves queued, not yet done
-        self._had_saves: set[str] = set()
-        self._finished_waiting: set[str] = set()
+        self._truncated: set[str] = set()  # requests a save was dropped for: no later ones
         self._queued_bytes = 0
         self._saves: queue.Queue[_Save | None] = queue.Queue()  # None: stop
         self._saver = threading.Thread(target=self._save_loop, name="tierkv-save", daemon=True)
         self._saver.start()
         self._stream: torch.cuda.Stream | None = None
+
+    def _new_client(self) -> Client:
+        return Client(self.settings.address, token=self.settings.token,
+                      timeout_s=self.settings.load_timeout_s, retries=1)
 
     # --- registration -----------------------------------------------------------------------
 
@@ -144,9 +153,12 @@ class WorkerSide:
         self._loads, self._loaded_layers = [], set()
         if namespace is None or not self._layers:
             return
+        # One deadline for the whole step: a hung sidecar stalls a step once, not once a load.
+        self._deadline = time.monotonic() + self.settings.load_timeout_s
         for op in meta.loads:
             staging = self._staging(len(op.hashes))
-            fetched = self._fetcher.submit(self._fetch, namespace, op, staging)
+            fetched = self._fetcher.submit(self._fetch, self._load_client, namespace, op, staging,
+                                           self._deadline)
             self._loads.append(_Load(op, staging, fetched))
         for op in meta.async_loads:
             self._async_loader.submit(self._load_between_steps, namespace, op)
@@ -157,7 +169,8 @@ class WorkerSide:
         try:
             staging = self._staging(len(op.hashes))
             load = _Load(op, staging, Future())
-            count = self._fetch(namespace, op, staging)
+            count = self._fetch(self._async_client, namespace, op, staging,
+                                time.monotonic() + self.settings.load_timeout_s)
             load.fetched.set_result(count)
             for index in range(len(self._layers)):
                 self._scatter(load, index)
@@ -172,13 +185,20 @@ class WorkerSide:
             with self._lock:
                 self._received.add(op.req_id)
 
-    def _fetch(self, namespace: Namespace, op: BlockOp, staging: torch.Tensor) -> int:
+    def _fetch(self, client: Client, namespace: Namespace, op: BlockOp, staging: torch.Tensor,
+               deadline: float) -> int:
+        """How many leading blocks of ``op`` arrived in ``staging`` by ``deadline`` (0 when the
+        sidecar failed, or failed a moment ago: the rest of the step does not wait for it)."""
+        now = time.monotonic()
+        if now < self._down_until or now >= deadline:
+            return 0
         layout = namespace.layout
         try:
-            return self._client.get_into(namespace, list(op.hashes),
-                                         staging.view((len(op.hashes), *layout.block_shape)),
-                                         timeout_s=self.settings.load_timeout_s)
-        except TierKVError as exc:
+            return client.get_into(namespace, list(op.hashes),
+                                   staging.view((len(op.hashes), *layout.block_shape)),
+                                   timeout_s=deadline - now)
+        except Exception as exc:  # whatever it is, the blocks are reported, never raised
+            self._down_until = time.monotonic() + max(1.0, self.settings.lookup_timeout_s * 4)
             log.warning("tierkv load of %d blocks failed (%s); vLLM recomputes them",
                         len(op.hashes), exc)
             return 0
@@ -207,17 +227,18 @@ class WorkerSide:
         if count == 0:
             return
         layer = self._layers[index]
-        ids = torch.tensor(load.op.block_ids[:count], dtype=torch.long, device=layer.device)
         source = load.staging[:count, index]
         if self._stream is None:
-            layer.index_copy_(0, ids, source)
+            layer.index_copy_(0, torch.tensor(load.op.block_ids[:count], dtype=torch.long), source)
             return
-        with torch.cuda.stream(self._stream):
+        with torch.cuda.stream(self._stream):  # the index tensor is made (and freed) on it too
+            ids = torch.tensor(load.op.block_ids[:count], dtype=torch.long, device=layer.device)
             layer.index_copy_(0, ids, source.to(layer.device, non_blocking=True))
         if threading.current_thread() is not threading.main_thread():
             self._stream.synchronize()  # an async load is done only when its bytes are
 
     def _account(self, load: _Load, count: int) -> None:
+        """Counts and load errors of one load (called under ``_lock``)."""
         num_blocks = len(load.op.block_ids)
         self.counters.blocks_loaded += count
         self.counters.bytes_loaded += count * self.geometry.layout.bytes_per_block
@@ -244,28 +265,32 @@ class WorkerSide:
         namespace = self._adopt(meta)
         if namespace is None or not self._layers:
             return
+        block_bytes = self.geometry.layout.bytes_per_block
         for op in meta.saves:
-            size = len(op.hashes) * self.geometry.layout.bytes_per_block
             with self._lock:
-                self._had_saves.add(op.req_id)
-                if self._queued_bytes + size > self.settings.save_queue_bytes:
-                    self.counters.blocks_dropped += len(op.hashes)
-                    continue
-                self._queued_bytes += size
-                self._pending_saves[op.req_id] = self._pending_saves.get(op.req_id, 0) + 1
-            staging = self._gather(op)
-            self._saves.put(_Save(namespace, op, staging, size))
+                # Blocks after a dropped one could never be found (lookups walk a prefix):
+                # save the leading blocks that fit, and nothing of the request after them.
+                room = (self.settings.save_queue_bytes - self._queued_bytes) // block_bytes
+                keep = 0 if op.req_id in self._truncated else min(len(op.hashes), room)
+                if keep < len(op.hashes):
+                    self._truncated.add(op.req_id)
+                    self.counters.blocks_dropped += len(op.hashes) - keep
+                self._queued_bytes += keep * block_bytes
+            if keep:
+                part = BlockOp(op.req_id, op.hashes[:keep], op.block_ids[:keep])
+                self._saves.put(_Save(namespace, part, self._gather(part), keep * block_bytes))
 
     def _gather(self, op: BlockOp) -> torch.Tensor:
         staging = self._staging(len(op.hashes))
         device = self._layers[0].device
-        ids = torch.tensor(op.block_ids, dtype=torch.long, device=device)
         if self._stream is None:
+            ids = torch.tensor(op.block_ids, dtype=torch.long)
             for index, layer in enumerate(self._layers):
                 torch.index_select(layer, 0, ids, out=staging[:, index])
             return staging
         self._stream.wait_stream(torch.cuda.current_stream(device))  # after the step's writes
         with torch.cuda.stream(self._stream):
+            ids = torch.tensor(op.block_ids, dtype=torch.long, device=device)
             for index, layer in enumerate(self._layers):
                 staging[:, index].copy_(layer.index_select(0, ids), non_blocking=True)
         self._stream.synchronize()
@@ -277,34 +302,33 @@ class WorkerSide:
             if item is None:
                 return
             namespace, op, staging, size = item.namespace, item.op, item.staging, item.size_bytes
+            saved = False
             try:
-                self._client.put(namespace, list(op.hashes),
-                                 staging.view((len(op.hashes), *namespace.layout.block_shape)),
-                                 priority=self.settings.priority,
-                                 write_policy=self.settings.write_policy)
-                self.counters.blocks_saved += len(op.hashes)
-                self.counters.bytes_saved += size
-            except TierKVError as exc:
-                self.counters.blocks_dropped += len(op.hashes)
+                self._save_client.put(
+                    namespace, list(op.hashes),
+                    staging.view((len(op.hashes), *namespace.layout.block_shape)),
+                    priority=self.settings.priority, write_policy=self.settings.write_policy,
+                )
+                saved = True
+            except Exception as exc:  # the saver thread outlives any failure of one save
                 log.warning("tierkv save of %d blocks dropped (%s)", len(op.hashes), exc)
             finally:
                 with self._lock:
                     self._queued_bytes -= size
-                    self._pending_saves[op.req_id] -= 1
+                    if saved:
+                        self.counters.blocks_saved += len(op.hashes)
+                        self.counters.bytes_saved += size
+                    else:
+                        self.counters.blocks_dropped += len(op.hashes)
 
-    def finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
-        """``(saved, received)``: of the requests vLLM finished (now or before), those whose
-        saves are all done; and the requests whose asynchronous loads are done (their failed
-        blocks are in ``take_load_errors`` by then)."""
+    def finished(self, finished_req_ids: set[str]) -> set[str]:
+        """The requests whose asynchronous loads are done since the last call (their failed
+        blocks are in ``take_load_errors`` by then). Saves hold no request: they are copied out
+        of vLLM's blocks within their step."""
         with self._lock:
-            self._finished_waiting.update(finished_req_ids & self._had_saves)
-            done = {r for r in self._finished_waiting if not self._pending_saves.get(r)}
-            self._finished_waiting -= done
-            self._had_saves -= done
-            for req_id in done:
-                self._pending_saves.pop(req_id, None)
+            self._truncated -= finished_req_ids
             received, self._received = self._received, set()
-        return done, received
+        return received
 
     def flush(self, timeout_s: float) -> bool:
         """Wait up to ``timeout_s`` for queued saves; True when none is left."""
@@ -316,7 +340,7 @@ class WorkerSide:
             time.sleep(0.01)
         return False
 
-    def close(self, timeout_s: float = 30.0) -> None:
+    def close(self, timeout_s: float = 10.0) -> None:
         """Finish queued saves (for at most ``timeout_s``), then stop."""
         if not self.flush(timeout_s):
             log.warning("tierkv: saves still queued at shutdown were dropped")
@@ -324,4 +348,5 @@ class WorkerSide:
         self._saver.join(timeout=1.0)
         self._fetcher.shutdown(wait=False, cancel_futures=True)
         self._async_loader.shutdown(wait=False, cancel_futures=True)
-        self._client.close()
+        for client in (self._load_client, self._async_client, self._save_client):
+            client.close()
