@@ -276,6 +276,17 @@ def test_caches_of_another_shape_are_refused(server: BackgroundServer) -> None:
         worker.close()
 
 
+def wait_received(worker: WorkerSide, timeout_s: float = 30.0) -> set[str]:
+    """The first non-empty report of finished asynchronous loads."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        received = worker.finished(set())
+        if received:
+            return received
+        time.sleep(0.01)
+    return set()
+
+
 def test_async_loads_are_planned_while_the_request_waits_and_reported_when_done(
     server: BackgroundServer,
 ) -> None:
@@ -293,11 +304,7 @@ def test_async_loads_are_planned_while_the_request_waits_and_reported_when_done(
         waiting = side.build(step())  # the request waits: it is not scheduled this step
         assert not waiting.loads and [o.block_ids for o in waiting.async_loads] == [(4, 5, 6)]
         worker.start_load(waiting)
-        deadline = time.monotonic() + 30
-        received: set[str] = set()
-        while not received and time.monotonic() < deadline:
-            received = worker.finished(set())
-            time.sleep(0.01)
+        received = wait_received(worker)
         assert received == {"r"} and worker.take_load_errors() == set()
         blocks = stored.view(3, -1)
         for layer_index, name in enumerate(LAYERS):
@@ -323,11 +330,7 @@ def test_a_failed_async_load_reports_its_blocks_before_the_request(tmp_path: Pat
         loads = meta()
         loads.async_loads.append(op("q", hashes, [2, 3]))
         worker.start_load(loads)
-        deadline = time.monotonic() + 30
-        received: set[str] = set()
-        while not received and time.monotonic() < deadline:
-            received = worker.finished(set())
-            time.sleep(0.01)
+        received = wait_received(worker)
         assert received == {"q"} and worker.take_load_errors() == {2, 3}
     finally:
         worker.close()
