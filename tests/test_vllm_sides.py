@@ -93,6 +93,14 @@ def test_offers_whole_stored_blocks_beyond_what_vllm_has_never_the_last_token(
         # A prompt of exactly five blocks: its last token must be computed, so four load.
         assert side.num_matched_tokens(request("b", prompt[: 5 * BLOCK]), 0) == 4 * BLOCK
         assert side.num_matched_tokens(request("c", tokens(200, seed=9)), 0) == 0
+        # The block it cannot load is held all the same: it is not saved again.
+        exact = request("b", prompt[: 5 * BLOCK])
+        side.after_alloc(exact, [0, 1, 2, 3, 4], 4 * BLOCK)
+        ids = [0, 1, 2, 3, 4]
+        steps = [side.build(step(new=[("b", ids, 4 * BLOCK, BLOCK)]))]
+        steps += [side.build(step(cached=[("b", None, 5 * BLOCK + i, 1)])) for i in range(3)]
+        assert [len(s.loads) for s in steps] == [1, 0, 0, 0]
+        assert not any(s.saves for s in steps)
     finally:
         side.close()
 

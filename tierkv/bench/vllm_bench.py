@@ -48,14 +48,17 @@ GiB = 1024**3
 MiB = 1024**2
 Progress = Callable[[str], None]
 
-MODES = ("recompute", "vllm_prefix", "tierkv_host", "tierkv_disk", "example")
-"""(a) to (e), the timed columns (``<mode>_ms``: the median over samples)."""
+MODES = ("recompute", "vllm_prefix", "tierkv_host", "tierkv_disk", "example",
+         "tierkv_host_async")
+"""(a) to (e), then (c) with the connector's asynchronous loads: the timed columns
+(``<mode>_ms``: the median over samples)."""
 
 COLUMNS = (
     "length", *(f"{mode}_ms" for mode in MODES), "tierkv_store_ms",
     "host_vs_prefix", "host_vs_prefix_met", "speedup_host_vs_recompute",
     "speedup_host_vs_recompute_met", "disk_vs_prefix", "disk_vs_prefix_met",
-    "host_vs_example", "host_vs_example_met", "tokens_match", "expected_cached_tokens",
+    "async_vs_sync", "host_vs_example", "host_vs_example_met", "tokens_match",
+    "expected_cached_tokens",
     "cached_tokens", "hits_all", "samples_ms",
 )
 """The keys of every row of the JSON."""
@@ -346,6 +349,10 @@ def run_vllm_bench(cfg: VllmBenchConfig, progress: Progress | None = None) -> di
             cfg, "tierkv", extra, [warmup, *_one_per_round(prompts)])), measured)
         sidecar_info["after_host"] = sidecar.tier_stats()
         step("tierkv HOST")
+        host_async = _timed(run_engine(cfg, "tierkv-host-async", _engine_spec(
+            cfg, "tierkv", {**extra, "load_mode": "async"}, [warmup, *_one_per_round(prompts)])),
+            measured)
+        step("tierkv HOST, async loads")
         sidecar.stop()
         sidecar_info["dropped_cache_bytes"] = sidecar.drop_disk_cache()
         sidecar.start()
@@ -369,7 +376,7 @@ def run_vllm_bench(cfg: VllmBenchConfig, progress: Progress | None = None) -> di
     step("example load")
 
     timed = {"recompute": recompute, "vllm_prefix": prefix, "tierkv_host": host,
-             "tierkv_disk": disk, "example": example}
+             "tierkv_disk": disk, "example": example, "tierkv_host_async": host_async}
     rows = [_row(cfg, length, prompts, timed, store) for length in cfg.lengths]
     engines = {name: {"start_s": t.start_s, "counters": t.counters} for name, t in
                [*timed.items(), ("tierkv_store", store), ("example_store", example_store)]}
@@ -390,7 +397,7 @@ def _row(cfg: VllmBenchConfig, length: int, prompts: list[Prompt], timed: dict[s
     samples = {mode: [1000 * timed[mode].times_s[i] for i in index] for mode in MODES}
     med = {mode: statistics.median(values) for mode, values in samples.items()}
     reference = [timed["recompute"].tokens[i] for i in index]
-    loaded = ("tierkv_host", "tierkv_disk", "example")
+    loaded = ("tierkv_host", "tierkv_disk", "example", "tierkv_host_async")
     expected = loadable_tokens(cfg, length)
     cached = {mode: [timed[mode].cached[i] for i in index] for mode in (*loaded, "vllm_prefix")}
     host, prefix = med["tierkv_host"], med["vllm_prefix"]
@@ -406,6 +413,7 @@ def _row(cfg: VllmBenchConfig, length: int, prompts: list[Prompt], timed: dict[s
         else None,
         "disk_vs_prefix": med["tierkv_disk"] / prefix,
         "disk_vs_prefix_met": med["tierkv_disk"] <= DISK_VS_PREFIX_MAX * prefix,
+        "async_vs_sync": med["tierkv_host_async"] / host,
         "host_vs_example": host / med["example"],
         "host_vs_example_met": host < med["example"],
         "tokens_match": {mode: [timed[mode].tokens[i] for i in index] == reference
@@ -461,7 +469,8 @@ def format_table(result: dict[str, Any]) -> str:
     """The medians per length, the ratios, and the targets."""
     header = (f"{'tokens':>6} {'(a) recomp':>10} {'(b) vLLM':>9} {'(c) HOST':>9} "
               f"{'(d) DISK':>9} {'(e) Example':>11}  {'c/b':>5} {'ok':>3}  {'a/c':>6} {'ok':>3}  "
-              f"{'d/b':>5} {'ok':>3}  {'c/e':>5} {'ok':>3}  {'tokens':>6} {'hits':>4}")
+              f"{'d/b':>5} {'ok':>3}  {'c/e':>5} {'ok':>3}  {'tokens':>6} {'hits':>4}  "
+              f"{'(c) async':>9} {'/sync':>5}")
     lines = ["TTFT, ms (median)", header, "-" * len(header)]
     for r in result["rows"]:
         lines.append(
@@ -472,6 +481,7 @@ def format_table(result: dict[str, Any]) -> str:
             f"  {r['disk_vs_prefix']:>5.2f} {_yes(r['disk_vs_prefix_met']):>3}  "
             f"{r['host_vs_example']:>5.2f} {_yes(r['host_vs_example_met']):>3}  "
             f"{_yes(all(r['tokens_match'].values())):>6} {_yes(all(r['hits_all'].values())):>4}"
+            f"  {r['tierkv_host_async_ms']:>9.1f} {r['async_vs_sync']:>5.2f}"
         )
     lines.append("")
     lines += [f"{_yes(t['met']):>3}  {t['target']}" for t in result["targets"]]

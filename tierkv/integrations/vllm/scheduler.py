@@ -115,9 +115,12 @@ class SchedulerSide:
         # At least one token is left to compute: vLLM needs one to produce the next token.
         limit = self._num_hashed_blocks(request, request.num_tokens - 1)
         start = num_computed_tokens // block_size
-        hit = self._lookup(request, limit) if limit > 0 else 0
-        self._matched[request.request_id] = (start, hit)
-        return max(0, hit - start) * block_size
+        # Every full block is looked up, the last one too: what the sidecar holds is not saved
+        # again, even the block that cannot be loaded.
+        held = self._num_hashed_blocks(request, request.num_tokens)
+        held = self._lookup(request, held) if limit > 0 else 0
+        self._matched[request.request_id] = (start, held)
+        return max(0, min(held, limit) - start) * block_size
 
     def _lookup(self, request: Any, num_blocks: int) -> int:
         now = time.monotonic()

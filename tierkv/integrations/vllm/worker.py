@@ -99,6 +99,9 @@ class WorkerSide:
         self._saver = threading.Thread(target=self._save_loop, name="tierkv-save", daemon=True)
         self._saver.start()
         self._stream: torch.cuda.Stream | None = None
+        # Synchronous loads of a step land in this buffer, kept for the next steps: a fresh
+        # one each step costs a page fault per 4 KiB (as much as the copy itself).
+        self._load_buffer: torch.Tensor | None = None
 
     def _new_client(self) -> Client:
         return Client(self.settings.address, token=self.settings.token,
@@ -128,6 +131,15 @@ class WorkerSide:
         if layers and layers[0].device.type == "cuda":
             self._stream = torch.cuda.Stream(device=layers[0].device)  # type: ignore[no-untyped-call]
 
+    def _load_staging(self, num_blocks: int) -> torch.Tensor:
+        """``[num_blocks, L, H, N, C]`` of the reused load buffer (grown when too small)."""
+        if self._load_buffer is None or self._load_buffer.shape[0] < num_blocks:
+            self._load_buffer = self._staging(max(num_blocks, 2 * self._capacity()))
+        return self._load_buffer[:num_blocks]
+
+    def _capacity(self) -> int:
+        return 0 if self._load_buffer is None else int(self._load_buffer.shape[0])
+
     def _staging(self, num_blocks: int) -> torch.Tensor:
         layout = self.geometry.layout
         shape = (num_blocks, layout.num_layers, layout.num_kv_heads, layout.block_size,
@@ -155,8 +167,11 @@ class WorkerSide:
             return
         # One deadline for the whole step: a hung sidecar stalls a step once, not once a load.
         self._deadline = time.monotonic() + self.settings.load_timeout_s
+        buffer = self._load_staging(sum(len(op.hashes) for op in meta.loads))
+        first = 0
         for op in meta.loads:
-            staging = self._staging(len(op.hashes))
+            staging = buffer[first : first + len(op.hashes)]
+            first += len(op.hashes)
             fetched = self._fetcher.submit(self._fetch, self._load_client, namespace, op, staging,
                                            self._deadline)
             self._loads.append(_Load(op, staging, fetched))
