@@ -499,9 +499,11 @@ def save_plot(result: dict[str, Any], path: Path, title: str) -> None:
     labels = {"recompute": "(a) recompute", "vllm_prefix": "(b) vLLM prefix cache",
               "tierkv_host": "(c) tierkv HOST, fresh engine",
               "tierkv_disk": "(d) tierkv DISK, after restart",
-              "example": "(e) ExampleConnector, fresh engine"}
+              "example": "(e) ExampleConnector, fresh engine",
+              "tierkv_host_async": "(c) with asynchronous loads"}
     colors = {"recompute": "tab:grey", "vllm_prefix": "tab:blue", "tierkv_host": "tab:green",
-              "tierkv_disk": "tab:olive", "example": "tab:orange"}
+              "tierkv_disk": "tab:olive", "example": "tab:orange",
+              "tierkv_host_async": "tab:cyan"}
     width = 0.8 / len(MODES)
     fig, ax = plt.subplots(figsize=(10, 5))
     for k, mode in enumerate(MODES):
