@@ -28,7 +28,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tierkv.client import Client
-from tierkv.errors import TierKVError
 from tierkv.integrations.vllm.settings import BlockGeometry, ConnectorSettings
 from tierkv.keys import Namespace
 
@@ -77,11 +76,11 @@ class SchedulerSide:
     """The connector's scheduler-side state; one per engine."""
 
     def __init__(self, settings: ConnectorSettings, geometry: BlockGeometry,
-                 namespace: Namespace, make_client: type[Client] = Client) -> None:
+                 namespace: Namespace) -> None:
         self.settings = settings
         self.geometry = geometry
         self.namespace = namespace
-        self._client = make_client(settings.address, token=settings.token,
+        self._client = Client(settings.address, token=settings.token,
                                    timeout_s=settings.lookup_timeout_s, retries=0)
         self._requests: dict[str, _Request] = {}
         # req_id -> (blocks vLLM had computed, leading prompt blocks the sidecar holds)
@@ -118,7 +117,7 @@ class SchedulerSide:
         # Every full block is looked up, the last one too: what the sidecar holds is not saved
         # again, even the block that cannot be loaded.
         held = self._num_hashed_blocks(request, request.num_tokens)
-        held = self._lookup(request, held) if limit > 0 else 0
+        held = self._lookup(request, held) if held > 0 else 0
         self._matched[request.request_id] = (start, held)
         return max(0, min(held, limit) - start) * block_size
 
@@ -129,7 +128,7 @@ class SchedulerSide:
         try:
             return min(num_blocks, self._client.lookup(self.namespace,
                                                        self._hashes(request, num_blocks)))
-        except TierKVError as exc:
+        except Exception as exc:  # any failure is a miss: the scheduler must go on
             self.num_lookup_errors += 1
             self._down_until = now + max(1.0, 4 * self.settings.lookup_timeout_s)
             log.warning("tierkv lookup failed (%s); answering misses for %.1f s",

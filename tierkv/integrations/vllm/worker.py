@@ -82,7 +82,6 @@ class WorkerSide:
         self._async_client = self._new_client()
         self._save_client = self._new_client()
         self._down_until = 0.0  # after a failed fetch, fetches fail at once until then
-        self._deadline = 0.0  # of this step's synchronous fetches, all together
         self._layers: list[torch.Tensor] = []
         self._layer_index: dict[str, int] = {}
         self._namespace: Namespace | None = None
@@ -166,14 +165,14 @@ class WorkerSide:
         if namespace is None or not self._layers:
             return
         # One deadline for the whole step: a hung sidecar stalls a step once, not once a load.
-        self._deadline = time.monotonic() + self.settings.load_timeout_s
+        deadline = time.monotonic() + self.settings.load_timeout_s
         buffer = self._load_staging(sum(len(op.hashes) for op in meta.loads))
         first = 0
         for op in meta.loads:
             staging = buffer[first : first + len(op.hashes)]
             first += len(op.hashes)
             fetched = self._fetcher.submit(self._fetch, self._load_client, namespace, op, staging,
-                                           self._deadline)
+                                           deadline)
             self._loads.append(_Load(op, staging, fetched))
         for op in meta.async_loads:
             self._async_loader.submit(self._load_between_steps, namespace, op)
