@@ -314,8 +314,16 @@ def _timed(result: dict[str, Any], rounds: list[int]) -> _Timed:
                   dict(result.get("counters", {})))
 
 
+def _fresh_engine(cfg: VllmBenchConfig, name: str, connector: str, extra: dict[str, Any],
+                  warmup: dict[str, Any], prompts: list[Prompt]) -> _Timed:
+    """A new engine that runs the warm-up, then each prompt once (rounds 1.. are timed)."""
+    return _timed(run_engine(cfg, name, _engine_spec(
+        cfg, connector, extra, [warmup, *_one_per_round(prompts)])),
+        list(range(1, len(prompts) + 1)))
+
+
 def run_vllm_bench(cfg: VllmBenchConfig, progress: Progress | None = None) -> dict[str, Any]:
-    """Run the six engines; returns the rows (see ``COLUMNS``) and what else was seen."""
+    """Run the seven engines; returns the rows (see ``COLUMNS``) and what else was seen."""
     step = progress or (lambda message: None)
     build_llama(cfg.model_dir, cfg.shape)
     step("model")
@@ -345,21 +353,18 @@ def run_vllm_bench(cfg: VllmBenchConfig, progress: Progress | None = None) -> di
                                    *_one_per_round(prompts, flush=True)])), measured)
         sidecar_info["after_store"] = sidecar.tier_stats()
         step("tierkv store")
-        host = _timed(run_engine(cfg, "tierkv-host", _engine_spec(
-            cfg, "tierkv", extra, [warmup, *_one_per_round(prompts)])), measured)
+        host = _fresh_engine(cfg, "tierkv-host", "tierkv", extra, warmup, prompts)
         sidecar_info["after_host"] = sidecar.tier_stats()
         step("tierkv HOST")
-        host_async = _timed(run_engine(cfg, "tierkv-host-async", _engine_spec(
-            cfg, "tierkv", {**extra, "load_mode": "async"}, [warmup, *_one_per_round(prompts)])),
-            measured)
+        host_async = _fresh_engine(cfg, "tierkv-host-async", "tierkv",
+                                   {**extra, "load_mode": "async"}, warmup, prompts)
         step("tierkv HOST, async loads")
         sidecar.stop()
         sidecar_info["dropped_cache_bytes"] = sidecar.drop_disk_cache()
         sidecar.start()
         sidecar_info["after_restart"] = sidecar.tier_stats()
         step("sidecar restart")
-        disk = _timed(run_engine(cfg, "tierkv-disk", _engine_spec(
-            cfg, "tierkv", extra, [warmup, *_one_per_round(prompts)])), measured)
+        disk = _fresh_engine(cfg, "tierkv-disk", "tierkv", extra, warmup, prompts)
         sidecar_info["after_disk"] = sidecar.tier_stats()
         step("tierkv DISK")
     finally:
@@ -368,11 +373,9 @@ def run_vllm_bench(cfg: VllmBenchConfig, progress: Progress | None = None) -> di
     shared = cfg.work_dir / "example-storage"
     shared.mkdir(parents=True, exist_ok=True)
     example_extra = {"shared_storage_path": str(shared)}
-    example_store = _timed(run_engine(cfg, "example-store", _engine_spec(
-        cfg, "example", example_extra, [warmup, *_one_per_round(prompts)])), measured)
+    example_store = _fresh_engine(cfg, "example-store", "example", example_extra, warmup, prompts)
     step("example store")
-    example = _timed(run_engine(cfg, "example-load", _engine_spec(
-        cfg, "example", example_extra, [warmup, *_one_per_round(prompts)])), measured)
+    example = _fresh_engine(cfg, "example-load", "example", example_extra, warmup, prompts)
     step("example load")
 
     timed = {"recompute": recompute, "vllm_prefix": prefix, "tierkv_host": host,

@@ -92,11 +92,11 @@ class SchedulerSide:
 
     # --- lookups ----------------------------------------------------------------------------
 
-    def _hashes(self, request: Any, num_blocks: int) -> list[bytes]:
-        """vLLM's hashes of the first ``num_blocks`` blocks (at the connector's block size)."""
+    def _hashes(self, request: Any, end: int, start: int = 0) -> tuple[bytes, ...]:
+        """vLLM's hashes of blocks ``start`` to ``end`` (at the connector's block size)."""
         ratio = self.geometry.block_size // self.geometry.hash_block_size
         hashes = request.block_hashes
-        return [bytes(hashes[(k + 1) * ratio - 1]) for k in range(num_blocks)]
+        return tuple(bytes(hashes[(k + 1) * ratio - 1]) for k in range(start, end))
 
     def _num_hashed_blocks(self, request: Any, num_tokens: int) -> int:
         ratio = self.geometry.block_size // self.geometry.hash_block_size
@@ -154,7 +154,7 @@ class SchedulerSide:
             # request.num_computed_tokens is not updated yet when it calls this.
             start = local
             end = start + num_external_tokens // self.geometry.block_size
-            state.pending_load = BlockOp(req_id, tuple(self._hashes(request, end)[start:]),
+            state.pending_load = BlockOp(req_id, self._hashes(request, end, start),
                                          tuple(block_ids[start:end]))
 
     def build(self, output: Any) -> StepMetadata:
@@ -202,7 +202,7 @@ class SchedulerSide:
         start = state.stored_blocks
         if end > start:
             meta.saves.append(BlockOp(state.request.request_id,
-                                      tuple(self._hashes(state.request, end)[start:]),
+                                      self._hashes(state.request, end, start),
                                       tuple(state.block_ids[start:end])))
             state.stored_blocks = end
 

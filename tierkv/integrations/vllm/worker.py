@@ -48,16 +48,13 @@ class WorkerCounters:
     blocks_failed: int = 0
     blocks_saved: int = 0
     blocks_dropped: int = 0
-    bytes_loaded: int = 0
-    bytes_saved: int = 0
 
 
-@dataclass(slots=True)
+@dataclass(frozen=True, slots=True)
 class _Load:
     op: BlockOp
     staging: torch.Tensor  # [n, L, H, N, C]
-    fetched: Future[int]  # how many leading blocks arrived
-    accounted: bool = False
+    fetched: Future[int]  # how many leading blocks arrived (counted and errors noted by then)
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,7 +62,6 @@ class _Save:
     namespace: Namespace
     op: BlockOp
     staging: torch.Tensor  # [n, L, H, N, C], gathered out of vLLM's blocks
-    size_bytes: int
 
 
 class WorkerSide:
@@ -182,15 +178,10 @@ class WorkerSide:
         waiting request; its errors are recorded before the request is reported received."""
         try:
             staging = self._staging(len(op.hashes))
-            load = _Load(op, staging, Future())
             count = self._fetch(self._async_client, namespace, op, staging,
                                 time.monotonic() + self.settings.load_timeout_s)
-            load.fetched.set_result(count)
             for index in range(len(self._layers)):
-                self._scatter(load, index)
-            load.accounted = True
-            with self._lock:
-                self._account(load, count)
+                self._scatter(op, staging, count, index, wait=True)
         except Exception as exc:  # a bug must not leave the request waiting forever
             log.exception("tierkv: asynchronous load failed: %s", exc)
             with self._lock:
@@ -202,20 +193,24 @@ class WorkerSide:
     def _fetch(self, client: Client, namespace: Namespace, op: BlockOp, staging: torch.Tensor,
                deadline: float) -> int:
         """How many leading blocks of ``op`` arrived in ``staging`` by ``deadline`` (0 when the
-        sidecar failed, or failed a moment ago: the rest of the step does not wait for it)."""
+        sidecar failed, or failed a moment ago: the rest of the step does not wait for it). The
+        blocks that did not arrive are load errors from here on."""
+        count = 0
         now = time.monotonic()
-        if now < self._down_until or now >= deadline:
-            return 0
-        layout = namespace.layout
-        try:
-            return client.get_into(namespace, list(op.hashes),
-                                   staging.view((len(op.hashes), *layout.block_shape)),
-                                   timeout_s=deadline - now)
-        except Exception as exc:  # whatever it is, the blocks are reported, never raised
-            self._down_until = time.monotonic() + max(1.0, self.settings.lookup_timeout_s * 4)
-            log.warning("tierkv load of %d blocks failed (%s); vLLM recomputes them",
-                        len(op.hashes), exc)
-            return 0
+        if self._down_until <= now < deadline:
+            try:
+                count = client.get_into(namespace, list(op.hashes),
+                                        staging.view((len(op.hashes), *namespace.layout.block_shape)),
+                                        timeout_s=deadline - now)
+            except Exception as exc:  # whatever it is, the blocks are reported, never raised
+                self._down_until = time.monotonic() + max(1.0, self.settings.lookup_timeout_s * 4)
+                log.warning("tierkv load of %d blocks failed (%s); vLLM recomputes them",
+                            len(op.hashes), exc)
+        with self._lock:
+            self.counters.blocks_loaded += count
+            self.counters.blocks_failed += len(op.block_ids) - count
+            self._load_errors.update(op.block_ids[count:])
+        return count
 
     def wait_for_layer(self, layer_name: str) -> None:
         """Scatter layer ``layer_name`` of every load of this step into vLLM's blocks."""
@@ -224,41 +219,28 @@ class WorkerSide:
             return
         self._loaded_layers.add(index)
         for load in self._loads:
-            count = load.fetched.result()
-            if not load.accounted:
-                load.accounted = True
-                with self._lock:
-                    self._account(load, count)
-            self._scatter(load, index)
+            self._scatter(load.op, load.staging, load.fetched.result(), index, wait=False)
             if self._stream is not None:  # the forward pass reads the layer next
                 torch.cuda.current_stream(self._layers[index].device).wait_stream(self._stream)
         if len(self._loaded_layers) == len(self._layers):
             self._loads = []
 
-    def _scatter(self, load: _Load, index: int) -> None:
-        """Layer ``index`` of the fetched leading blocks into vLLM's blocks."""
-        count = load.fetched.result()
+    def _scatter(self, op: BlockOp, staging: torch.Tensor, count: int, index: int, *,
+                 wait: bool) -> None:
+        """Layer ``index`` of the ``count`` fetched leading blocks into vLLM's blocks; ``wait``
+        for the GPU copy to finish (an asynchronous load is done only when its bytes are)."""
         if count == 0:
             return
         layer = self._layers[index]
-        source = load.staging[:count, index]
+        source = staging[:count, index]
         if self._stream is None:
-            layer.index_copy_(0, torch.tensor(load.op.block_ids[:count], dtype=torch.long), source)
+            layer.index_copy_(0, torch.tensor(op.block_ids[:count], dtype=torch.long), source)
             return
         with torch.cuda.stream(self._stream):  # the index tensor is made (and freed) on it too
-            ids = torch.tensor(load.op.block_ids[:count], dtype=torch.long, device=layer.device)
+            ids = torch.tensor(op.block_ids[:count], dtype=torch.long, device=layer.device)
             layer.index_copy_(0, ids, source.to(layer.device, non_blocking=True))
-        if threading.current_thread() is not threading.main_thread():
-            self._stream.synchronize()  # an async load is done only when its bytes are
-
-    def _account(self, load: _Load, count: int) -> None:
-        """Counts and load errors of one load (called under ``_lock``)."""
-        num_blocks = len(load.op.block_ids)
-        self.counters.blocks_loaded += count
-        self.counters.bytes_loaded += count * self.geometry.layout.bytes_per_block
-        if count < num_blocks:
-            self.counters.blocks_failed += num_blocks - count
-            self._load_errors.update(load.op.block_ids[count:])
+        if wait:
+            self._stream.synchronize()
 
     def finish_loads(self) -> None:
         """Scatter whatever a step's forward did not ask for (a model that skipped
@@ -292,7 +274,7 @@ class WorkerSide:
                 self._queued_bytes += keep * block_bytes
             if keep:
                 part = BlockOp(op.req_id, op.hashes[:keep], op.block_ids[:keep])
-                self._saves.put(_Save(namespace, part, self._gather(part), keep * block_bytes))
+                self._saves.put(_Save(namespace, part, self._gather(part)))
 
     def _gather(self, op: BlockOp) -> torch.Tensor:
         staging = self._staging(len(op.hashes))
@@ -315,7 +297,8 @@ class WorkerSide:
             item = self._saves.get()
             if item is None:
                 return
-            namespace, op, staging, size = item.namespace, item.op, item.staging, item.size_bytes
+            namespace, op, staging = item.namespace, item.op, item.staging
+            size = len(op.hashes) * namespace.layout.bytes_per_block
             saved = False
             try:
                 self._save_client.put(
@@ -331,7 +314,6 @@ class WorkerSide:
                     self._queued_bytes -= size
                     if saved:
                         self.counters.blocks_saved += len(op.hashes)
-                        self.counters.bytes_saved += size
                     else:
                         self.counters.blocks_dropped += len(op.hashes)
 
