@@ -18,10 +18,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from service.config import ServiceConfig
 from tierkv import codec
 from tierkv.errors import CapacityError
 from tierkv.keys import Namespace
+from tierkv.service.config import ServiceConfig
 from tierkv.store import TieredStore
 from tierkv.wire import tierkv_pb2 as pb
 

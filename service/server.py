@@ -16,9 +16,9 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from service.config import ServiceConfig
-from service.servicer import TierKVServicer, lenient
 from tierkv.codec import decode_put_chunk
+from tierkv.service.config import ServiceConfig
+from tierkv.service.servicer import TierKVServicer, lenient
 from tierkv.store import TieredStore
 from tierkv.wire import tierkv_pb2 as pb
 

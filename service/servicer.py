@@ -24,17 +24,17 @@ from google.protobuf.message import DecodeError
 
 import tierkv
 from service import convert
-from service.auth import Authenticator, client_id_of
-from service.buffers import BufferPool
-from service.config import ServiceConfig
-from service.errors import status_of
-from service.namespaces import NamespaceBook
-from service.stream_put import LeaseFiller
 from tierkv import codec
 from tierkv.codec import RawPutChunk
 from tierkv.config import Tier
 from tierkv.errors import CapacityError, DeadlineExceededError, InvalidArgumentError, TierKVError
 from tierkv.keys import Namespace
+from tierkv.service.auth import Authenticator, client_id_of
+from tierkv.service.buffers import BufferPool
+from tierkv.service.config import ServiceConfig
+from tierkv.service.errors import status_of
+from tierkv.service.namespaces import NamespaceBook
+from tierkv.service.stream_put import LeaseFiller
 from tierkv.store import TieredStore
 from tierkv.store.leases import WriteLease
 from tierkv.store.validation import check_ttl

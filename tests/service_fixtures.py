@@ -23,10 +23,10 @@ import grpc
 import torch
 
 from conftest import BLOCK_BYTES, PAGE_BYTES, TINY_LAYOUT, blocks
-from service.config import ServiceConfig
-from service.server import TierKVServer, create_server
 from tierkv import DiskTierConfig, HostTierConfig, KVLayout, StoreConfig, TieredStore
 from tierkv.checksums import checksum
+from tierkv.service.config import ServiceConfig
+from tierkv.service.server import TierKVServer, create_server
 from tierkv.wire import tierkv_pb2 as pb
 from tierkv.wire import tierkv_pb2_grpc as pb_grpc
 

@@ -13,9 +13,9 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from service.config import ServiceConfig
 from tierkv.cli.main import build_parser, main
 from tierkv.cli.serve_cmd import build_service_config
+from tierkv.service.config import ServiceConfig
 
 
 def test_serve_opens_reports_ready_and_stops_cleanly_on_sigterm(tmp_path: Path) -> None:

@@ -34,11 +34,6 @@ import torch
 from service_fixtures import ALICE_TOKEN, BOB_TOKEN, TOKENS, short_socket_dir
 
 from conftest import BLOCK_BYTES, PAGE_BYTES, TINY_LAYOUT, blocks, keys, same_bytes
-from service import server as server_module
-from service.auth import client_id_of
-from service.config import ServiceConfig
-from service.server import TierKVServer, create_server
-from service.servicer import TierKVServicer
 from tierkv import (
     AsyncClient,
     CapacityError,
@@ -64,6 +59,11 @@ from tierkv.errors import (
     TierKVError,
 )
 from tierkv.hashing import default_seed
+from tierkv.service import server as server_module
+from tierkv.service.auth import client_id_of
+from tierkv.service.config import ServiceConfig
+from tierkv.service.server import TierKVServer, create_server
+from tierkv.service.servicer import TierKVServicer
 from tierkv.wire import tierkv_pb2 as pb
 from tierkv.wire import tierkv_pb2_grpc as pb_grpc
 

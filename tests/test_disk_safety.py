@@ -24,7 +24,6 @@ import pytest
 from service_fixtures import ALICE_TOKEN, BackgroundServer
 
 from conftest import TINY_LAYOUT, blocks, keys, same_bytes
-from service.errors import status_of
 from tierkv import (
     CapacityError,
     Client,
@@ -41,6 +40,7 @@ from tierkv.cli.main import build_parser, main
 from tierkv.cli.serve_cmd import build_config
 from tierkv.config import DiskCorruptAction
 from tierkv.errors import ConfigError, SessionNotFoundError
+from tierkv.service.errors import status_of
 from tierkv.tiers.disk import DiskIOError
 
 WRITE_THROUGH = WritePolicy.WRITE_THROUGH

@@ -56,9 +56,9 @@ from service_fixtures import (
 )
 
 from conftest import BLOCK_BYTES, TINY_LAYOUT, keys
-from service.config import ServiceConfig
-from service.server import TierKVServer
 from tierkv import KVLayout, Namespace, StoreClosedError, TieredStore, block_hashes
+from tierkv.service.config import ServiceConfig
+from tierkv.service.server import TierKVServer
 from tierkv.wire import tierkv_pb2 as pb
 from tierkv.wire import tierkv_pb2_grpc as pb_grpc
 

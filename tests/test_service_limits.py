@@ -32,10 +32,10 @@ from service_fixtures import (
 )
 
 from conftest import BLOCK_BYTES, keys
-from service.auth import Authenticator
-from service.config import ServiceConfig, load_tokens
 from tierkv.codec import RawPutChunk
 from tierkv.errors import ConfigError, TierKVError
+from tierkv.service.auth import Authenticator
+from tierkv.service.config import ServiceConfig, load_tokens
 from tierkv.wire import tierkv_pb2 as pb
 
 Code = grpc.StatusCode

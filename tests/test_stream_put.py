@@ -1,4 +1,4 @@
-"""A Put stream copied straight into a write lease's HOST pages (``service.stream_put``).
+"""A Put stream copied straight into a write lease's HOST pages (``tierkv.service.stream_put``).
 
 Real stores with two pages a block, fragmented on purpose so that leased blocks lie on scattered
 pages; chunk sizes that cut pages, blocks and spans anywhere; blocks stored already (whose bytes
@@ -16,8 +16,8 @@ from hypothesis import strategies as st
 from service_fixtures import split
 
 from conftest import BLOCK_BYTES, StoreFactory, blocks, keys, same_bytes
-from service.stream_put import LeaseFiller
 from tierkv import InvalidArgumentError, Namespace, Tier, TieredStore
+from tierkv.service.stream_put import LeaseFiller
 
 NUM_BLOCKS = 6
 

@@ -117,8 +117,8 @@ def build_config(args: argparse.Namespace) -> StoreConfig:
 
 def build_service_config(args: argparse.Namespace) -> Any:
     """The service configuration the flags describe."""
-    from service.config import ServiceConfig, TlsConfig, load_tokens
     from tierkv.errors import ConfigError
+    from tierkv.service.config import ServiceConfig, TlsConfig, load_tokens
 
     listen = args.listen
     if listen is None:
@@ -161,7 +161,7 @@ def _remove_stale_socket(path: Path) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Serve until SIGINT or SIGTERM."""
-    from service.allocator import tune_for_bulk_messages
+    from tierkv.service.allocator import tune_for_bulk_messages
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(message)s")
     tune_for_bulk_messages()
@@ -172,7 +172,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 async def _serve(config: StoreConfig, service_config: Any, stats_interval_s: float) -> None:
-    from service.server import TierKVServer
+    from tierkv.service.server import TierKVServer
     from tierkv.store import TieredStore
 
     server = TierKVServer(service_config)
