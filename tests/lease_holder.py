@@ -1,7 +1,7 @@
 """A same-host client that takes a write lease and then hangs, for the dead-client tests.
 
 ``python lease_holder.py TARGET NUM_BLOCKS``: describes the server, holds its client lock file
-the way the SDK does (``tierkv.store.liveness.ClientLock``), allocates ``NUM_BLOCKS`` tiny
+the way the SDK does (``tierkv.shm.liveness.ClientLock``), allocates ``NUM_BLOCKS`` tiny
 blocks, prints ``leased`` and sleeps until it is killed.
 """
 
@@ -15,7 +15,7 @@ import grpc
 from conftest import TINY_LAYOUT, key
 from tierkv.codec import namespace_to_wire
 from tierkv.keys import Namespace
-from tierkv.store.liveness import ClientLock
+from tierkv.shm.liveness import ClientLock
 from tierkv.wire import tierkv_pb2 as pb
 from tierkv.wire import tierkv_pb2_grpc as pb_grpc
 

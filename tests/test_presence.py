@@ -12,7 +12,7 @@ from service_fixtures import ALICE_TOKEN, BOB_TOKEN, BackgroundServer
 
 from conftest import StoreFactory, blocks, keys
 from tierkv import Client, Namespace, ServiceUnavailableError
-from tierkv.store.presence import PresenceTable, PresenceView, fingerprint
+from tierkv.shm.presence import PresenceTable, PresenceView, fingerprint
 
 
 @pytest.fixture

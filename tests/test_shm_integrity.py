@@ -34,7 +34,7 @@ from service_fixtures import (
 
 from conftest import BLOCK_BYTES, TINY_LAYOUT, keys, same_bytes
 from tierkv import AsyncClient, HostTierConfig, Namespace, StoreConfig, TieredStore
-from tierkv.store.liveness import ClientLock, ClientWatch, Liveness
+from tierkv.shm.liveness import ClientLock, ClientWatch, Liveness
 from tierkv.wire import tierkv_pb2 as pb
 
 Code = grpc.StatusCode

@@ -34,8 +34,8 @@ from tierkv.errors import (
     TierKVError,
 )
 from tierkv.keys import Namespace
-from tierkv.store.liveness import ClientLock
-from tierkv.store.presence import PresenceView
+from tierkv.shm.liveness import ClientLock
+from tierkv.shm.presence import PresenceView
 from tierkv.wire import tierkv_pb2 as pb
 from tierkv.wire import tierkv_pb2_grpc as pb_grpc
 
@@ -305,7 +305,7 @@ class ClientBase:
 
     def _adopt(self, info: pb.DescribeResponse) -> None:
         """Take the server's facts: map its slab and presence table when on the same host, and
-        hold this client's lock file while the slab is mapped (``tierkv.store.liveness``)."""
+        hold this client's lock file while the slab is mapped (``tierkv.shm.liveness``)."""
         self._info = info
         self._slab = shm_mapping_for(info, self.settings.use_shm)
         self._presence = presence_view_for(info, self._slab)

@@ -24,9 +24,9 @@ from tierkv.errors import CapacityError, TierKVError
 from tierkv.eviction import Residency
 from tierkv.migration import CopyEngine
 from tierkv.paging import Location
+from tierkv.shm.presence import PresenceTable, fingerprint
 from tierkv.store.ledger import DOOMED, DiskLedger, Entry, Ledger, NamespaceState, PagedLedger
 from tierkv.store.pins import PinTable
-from tierkv.store.presence import PresenceTable, fingerprint
 from tierkv.tiers.disk import DiskTier, DiskWrite
 
 log = logging.getLogger(__name__)

@@ -42,7 +42,7 @@ class LeaseMethods:
 
         ``slab_id``: the slab the caller has mapped (``host_slab_id``); another one raises
         ``StaleSlabError``. ``client_id``: names the caller's lock file (see
-        ``tierkv.store.liveness``), so that its leases end at once when it dies."""
+        ``tierkv.shm.liveness``), so that its leases end at once when it dies."""
         state = self._state(namespace)
         self._check_slab(slab_id)
         return self._leases.acquire(state, check_hashes(hashes), ttl_s, owner, client_id)
@@ -118,7 +118,7 @@ class LeaseMethods:
     @property
     def client_lock_prefix(self) -> str:
         """Same-host clients hold ``/dev/shm/<this><client id>`` locked while they map the slab
-        (``tierkv.store.liveness``)."""
+        (``tierkv.shm.liveness``)."""
         return f"{self._host.shm_name}-client-"
 
     @property

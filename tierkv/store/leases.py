@@ -23,7 +23,7 @@ Decisions:
    wrote there). The checksum is kept with the block and handed to readers with a read lease.
 5. A write lease's pages may still be written by its client after the lease expired (a stalled
    writer). The server watches same-host clients through their lock files
-   (``tierkv.store.liveness``): an expired lease of a live client keeps its pages out of the
+   (``tierkv.shm.liveness``): an expired lease of a live client keeps its pages out of the
    free pool (quarantined) until the client is gone, for at most ``QUARANTINE_S``; every lease
    of a client that is gone is ended at once. Whatever still slips through (a client the server
    cannot watch) is caught by the checksums: a late write turns a hit into a miss, never into
@@ -47,9 +47,9 @@ from tierkv.errors import (
     LeaseStateError,
 )
 from tierkv.paging import BlockExtents, Location, iter_extents, location_num_pages
+from tierkv.shm.liveness import ClientWatch, Liveness
 from tierkv.store.core import StoreCore
 from tierkv.store.ledger import DOOMED, Entry, NamespaceState
-from tierkv.store.liveness import ClientWatch, Liveness
 from tierkv.store.moves import Mover
 from tierkv.store.validation import check_ttl
 from tierkv.store.writes import PutPlan, Writer

@@ -28,15 +28,15 @@ from tierkv.errors import (
 )
 from tierkv.hashing import DEFAULT_ALGORITHM, HashAlgorithm, block_hashes
 from tierkv.keys import Namespace
+from tierkv.shm.liveness import ClientWatch
+from tierkv.shm.presence import PresenceTable
 from tierkv.store import namespaces, recovery
 from tierkv.store.async_api import AsyncMethods
 from tierkv.store.core import StoreCore
 from tierkv.store.lease_api import LeaseMethods
 from tierkv.store.leases import Leases
 from tierkv.store.ledger import NamespaceState, PagedLedger
-from tierkv.store.liveness import ClientWatch
 from tierkv.store.moves import Mover
-from tierkv.store.presence import PresenceTable
 from tierkv.store.reads import Reader
 from tierkv.store.sessions import ResumedSession, SessionInfo, SessionTable, TokenIds
 from tierkv.store.stats import StoreStats, snapshot
@@ -425,7 +425,7 @@ class TieredStore(AsyncMethods, LeaseMethods):
 
     def presence_info(self, tenant: str) -> tuple[str, bytes]:
         """``(shared-memory name, tenant key)`` of the presence table, or ``("", b"")`` when it
-        is off (see ``tierkv.store.presence``)."""
+        is off (see ``tierkv.shm.presence``)."""
         if self._presence is None or not self._presence.enabled:
             return "", b""
         return self._presence.name, self._presence.tenant_key(tenant)

@@ -115,7 +115,7 @@ class HostSlab(PagedSlab):
 @contextlib.contextmanager
 def sweep_lock() -> Iterator[None]:
     """Serialises the creation of segments and lock files (slabs here, clients' lock files in
-    ``tierkv.store.liveness``) with sweeping, among the processes of this host: a sweep never
+    ``tierkv.shm.liveness``) with sweeping, among the processes of this host: a sweep never
     sees a file between its creation and its lock."""
     # Read-only is enough for flock, and lets every user of the host take it.
     fd = os.open(SHM_DIR / _SWEEP_LOCK, os.O_RDONLY | os.O_CREAT | os.O_CLOEXEC, 0o644)
