@@ -23,12 +23,12 @@ import torch
 from google.protobuf.message import DecodeError
 
 import tierkv
-from service import convert
 from tierkv import codec
 from tierkv.codec import RawPutChunk
 from tierkv.config import Tier
 from tierkv.errors import CapacityError, DeadlineExceededError, InvalidArgumentError, TierKVError
 from tierkv.keys import Namespace
+from tierkv.service import convert
 from tierkv.service.auth import Authenticator, client_id_of
 from tierkv.service.buffers import BufferPool
 from tierkv.service.config import ServiceConfig
