@@ -29,7 +29,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from tierkv.tiers.host import SHM_DIR, sweep_lock, try_lock
+from tierkv.shm.segments import SHM_DIR, sweep_lock, try_lock
 
 _CLIENT_ID = re.compile(r"[0-9A-Za-z_-]{1,64}")
 # A live client is probed again after this long (a probe is three system calls).
