@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from tierkv.config import Priority, StoreConfig, WritePolicy
 from tierkv.errors import ConfigError, StaleSlabError
 from tierkv.keys import Namespace
-from tierkv.store.core import StoreCore
+from tierkv.store.books import StoreCore
 from tierkv.store.leases import Leases, ReadLease, WriteLease
 from tierkv.store.ledger import NamespaceState
 from tierkv.store.validation import check_hashes

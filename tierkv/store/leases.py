@@ -48,7 +48,7 @@ from tierkv.errors import (
 )
 from tierkv.paging import BlockExtents, Location, iter_extents, location_num_pages
 from tierkv.shm.liveness import ClientWatch, Liveness
-from tierkv.store.core import StoreCore
+from tierkv.store.books import StoreCore
 from tierkv.store.ledger import DOOMED, Entry, NamespaceState
 from tierkv.store.moves import Mover
 from tierkv.store.validation import check_ttl

@@ -25,7 +25,7 @@ import torch
 from tierkv.config import Tier
 from tierkv.errors import CapacityError, TierKVError
 from tierkv.paging import Location, location_num_pages
-from tierkv.store.core import StoreCore
+from tierkv.store.books import StoreCore
 from tierkv.store.ledger import DOOMED, Entry, NamespaceState, PagedLedger
 from tierkv.tiers.paged import PagedSlab
 from tierkv.tiers.records import RecordStatus, encode_record

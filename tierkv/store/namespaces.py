@@ -17,7 +17,7 @@ import weakref
 from collections.abc import Collection
 
 from tierkv.keys import Namespace
-from tierkv.store.core import StoreCore
+from tierkv.store.books import StoreCore
 from tierkv.store.ledger import NamespaceState
 from tierkv.tiers.disk import DiskWrite
 

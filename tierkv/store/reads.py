@@ -19,7 +19,7 @@ import torch
 
 from tierkv.checksums import block_checksums
 from tierkv.config import Tier
-from tierkv.store.core import StoreCore
+from tierkv.store.books import StoreCore
 from tierkv.store.ledger import DOOMED, Entry, NamespaceState, PagedLedger
 from tierkv.store.moves import Mover
 from tierkv.store.validation import check_out

@@ -30,7 +30,7 @@ from tierkv.config import Priority, Tier
 from tierkv.errors import InvalidArgumentError, TierKVError
 from tierkv.keys import BlockKey, Namespace
 from tierkv.layout import KVLayout
-from tierkv.store.core import StoreCore
+from tierkv.store.books import StoreCore
 from tierkv.store.ledger import Entry, NamespaceState
 from tierkv.tiers.records import record_size
 

@@ -6,7 +6,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from tierkv.config import Tier
-from tierkv.store.core import StoreCore
+from tierkv.store.books import StoreCore
 
 
 @dataclass(frozen=True, slots=True)

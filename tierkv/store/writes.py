@@ -21,7 +21,7 @@ from tierkv.checksums import block_checksums
 from tierkv.config import Priority, Tier, WritePolicy
 from tierkv.errors import IntegrityError, TierKVError
 from tierkv.paging import Location
-from tierkv.store.core import StoreCore
+from tierkv.store.books import StoreCore
 from tierkv.store.ledger import DOOMED, Entry, NamespaceState
 from tierkv.store.moves import Mover
 from tierkv.tiers.records import encode_record

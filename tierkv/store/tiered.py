@@ -32,7 +32,7 @@ from tierkv.shm.liveness import ClientWatch
 from tierkv.shm.presence import PresenceTable
 from tierkv.store import namespaces, recovery
 from tierkv.store.async_api import AsyncMethods
-from tierkv.store.core import StoreCore
+from tierkv.store.books import StoreCore
 from tierkv.store.lease_api import LeaseMethods
 from tierkv.store.leases import Leases
 from tierkv.store.ledger import NamespaceState, PagedLedger
