@@ -1,69 +1,32 @@
-"""Shared fixtures: tiny layouts and stores with real tiers (shared memory, LMDB in tmp_path)."""
+"""Shared fixtures: tiny layouts and stores with real tiers (shared memory, LMDB in tmp_path).
+
+Nothing imports this module by name (every folder's ``conftest.py`` is a module named
+``conftest``): the helpers tests import are in ``tiny_blocks``."""
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-import torch
 
 from tierkv import (
     DiskTierConfig,
     GpuTierConfig,
     HostTierConfig,
-    KVLayout,
     Namespace,
     StoreConfig,
     TieredStore,
 )
+from tiny_blocks import BLOCK_BYTES, PAGE_BYTES, TINY_LAYOUT, StoreFactory
 
 # The `tierkv serve` subprocess harness and its `sidecar_factory` fixture.
 pytest_plugins = ["sidecar"]
-
-# 2 layers x 2 (K,V) x 4 tokens x 2 heads x 8 dims x fp16 = 512 bytes a block.
-TINY_LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=8, block_size=4)
-BLOCK_BYTES = TINY_LAYOUT.bytes_per_block
-PAGE_BYTES = 256  # two pages a block: exercises multi-page and scattered placement
-
-
-def key(i: int, salt: str = "") -> bytes:
-    """A deterministic 32-byte block hash for test block ``i``."""
-    return hashlib.sha256(f"block-{salt}-{i}".encode()).digest()
-
-
-def keys(n: int, start: int = 0, salt: str = "") -> list[bytes]:
-    """Hashes of test blocks ``start .. start + n - 1``."""
-    return [key(i, salt) for i in range(start, start + n)]
-
-
-def blocks(n: int, seed: int = 0, layout: KVLayout = TINY_LAYOUT) -> torch.Tensor:
-    """``n`` blocks of random bits (every byte pattern, NaNs included, must round-trip)."""
-    generator = torch.Generator().manual_seed(seed)
-    raw = torch.randint(0, 256, (n, layout.bytes_per_block), dtype=torch.uint8, generator=generator)
-    return raw.view(layout.torch_dtype).reshape(n, *layout.block_shape)
-
-
-def block_for(i: int, layout: KVLayout = TINY_LAYOUT) -> torch.Tensor:
-    """The one block whose content is derived from ``i`` (so any reader can check it)."""
-    return blocks(1, seed=i, layout=layout)[0]
-
-
-def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Bit-exact equality (NaN-safe: compares the raw bytes)."""
-    return a.shape == b.shape and torch.equal(
-        a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8)
-    )
-
 
 @pytest.fixture
 def namespace() -> Namespace:
     """A namespace with the tiny layout."""
     return Namespace("test-model", TINY_LAYOUT)
-
-
-StoreFactory = Callable[..., TieredStore]
 
 
 @pytest.fixture

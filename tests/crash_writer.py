@@ -31,7 +31,7 @@ from tierkv import (
     WritePolicy,
 )
 
-# Same geometry as conftest.TINY_LAYOUT (512 bytes a block); kept here so that this script
+# Same geometry as tiny_blocks.TINY_LAYOUT (512 bytes a block); kept here so that this script
 # does not import the test suite.
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=8, block_size=4)
 NAMESPACE = Namespace("test-model", LAYOUT)

@@ -32,7 +32,6 @@ from typing import Any
 
 import lmdb
 
-from conftest import TINY_LAYOUT, blocks, keys, same_bytes
 from tierkv import (
     DiskTierConfig,
     HostTierConfig,
@@ -44,6 +43,7 @@ from tierkv import (
     WritePolicy,
 )
 from tierkv.errors import SessionNotFoundError
+from tiny_blocks import TINY_LAYOUT, blocks, keys, same_bytes
 
 # 8 KiB blocks: their records live in LMDB overflow pages, the tiny ones inside leaf pages.
 OTHER_LAYOUT = KVLayout(num_layers=2, num_kv_heads=4, head_dim=32, block_size=4)

@@ -12,12 +12,12 @@ import time
 
 import grpc
 
-from conftest import TINY_LAYOUT, key
 from tierkv.codec import namespace_to_wire
 from tierkv.keys import Namespace
 from tierkv.shm.liveness import ClientLock
 from tierkv.wire import tierkv_pb2 as pb
 from tierkv.wire import tierkv_pb2_grpc as pb_grpc
+from tiny_blocks import TINY_LAYOUT, key
 
 
 def main() -> None:

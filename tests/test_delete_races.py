@@ -5,8 +5,8 @@ from __future__ import annotations
 import threading
 from pathlib import Path
 
-from conftest import StoreFactory, block_for, key
 from tierkv import Namespace
+from tiny_blocks import StoreFactory, block_for, key
 
 
 def test_blocks_deleted_while_being_demoted_stay_deleted_after_a_restart(

@@ -21,9 +21,9 @@ from typing import Any
 
 import disk_fault_worker as worker
 
-from conftest import blocks, keys, same_bytes
 from tierkv import Client
 from tierkv.errors import NotFoundError
+from tiny_blocks import blocks, keys, same_bytes
 
 WORKER = Path(worker.__file__)
 SEED = 7

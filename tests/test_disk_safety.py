@@ -23,7 +23,6 @@ import msgpack
 import pytest
 from service_fixtures import ALICE_TOKEN, BackgroundServer
 
-from conftest import TINY_LAYOUT, blocks, keys, same_bytes
 from tierkv import (
     CapacityError,
     Client,
@@ -42,6 +41,7 @@ from tierkv.config import DiskCorruptAction
 from tierkv.errors import ConfigError, SessionNotFoundError
 from tierkv.service.errors import status_of
 from tierkv.tiers.disk import DiskIOError
+from tiny_blocks import TINY_LAYOUT, blocks, keys, same_bytes
 
 WRITE_THROUGH = WritePolicy.WRITE_THROUGH
 # 64 KiB blocks: a few of them fill the 8 MiB filesystem quickly.

@@ -11,7 +11,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import BLOCK_BYTES, PAGE_BYTES, TINY_LAYOUT, blocks, keys, same_bytes
 from tierkv import (
     DiskTierConfig,
     GpuTierConfig,
@@ -22,6 +21,7 @@ from tierkv import (
     TieredStore,
     WritePolicy,
 )
+from tiny_blocks import BLOCK_BYTES, PAGE_BYTES, TINY_LAYOUT, blocks, keys, same_bytes
 
 pytestmark = [
     pytest.mark.gpu,

@@ -13,9 +13,9 @@ from transformers import (
     Qwen2Config,
 )
 
-from conftest import StoreFactory, same_bytes
 from tierkv import KVLayout, Namespace, block_hashes
 from tierkv.layout import PRESETS, DType
+from tiny_blocks import StoreFactory, same_bytes
 
 
 def test_published_configs_match_the_presets() -> None:

@@ -11,7 +11,6 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import BLOCK_BYTES, StoreFactory, blocks, keys, same_bytes
 from tierkv import (
     CapacityError,
     InvalidArgumentError,
@@ -23,6 +22,7 @@ from tierkv import (
     WritePolicy,
 )
 from tierkv.checksums import block_checksums
+from tiny_blocks import BLOCK_BYTES, StoreFactory, blocks, keys, same_bytes
 
 
 class FakeClock:

@@ -22,17 +22,6 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import (
-    BLOCK_BYTES,
-    PAGE_BYTES,
-    TINY_LAYOUT,
-    StoreFactory,
-    block_for,
-    blocks,
-    key,
-    keys,
-    same_bytes,
-)
 from tierkv import (
     CapacityError,
     DiskFullError,
@@ -47,6 +36,17 @@ from tierkv import (
     WritePolicy,
 )
 from tierkv.tiers.records import encode_record
+from tiny_blocks import (
+    BLOCK_BYTES,
+    PAGE_BYTES,
+    TINY_LAYOUT,
+    StoreFactory,
+    block_for,
+    blocks,
+    key,
+    keys,
+    same_bytes,
+)
 
 WRITE_THROUGH = WritePolicy.WRITE_THROUGH
 CRASH_WRITER = Path(__file__).with_name("crash_writer.py")

@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 from service_fixtures import ALICE_TOKEN, BOB_TOKEN, BackgroundServer
 
-from conftest import StoreFactory, blocks, keys
 from tierkv import Client, Namespace, ServiceUnavailableError
 from tierkv.shm.presence import PresenceTable, PresenceView, fingerprint
+from tiny_blocks import StoreFactory, blocks, keys
 
 
 @pytest.fixture

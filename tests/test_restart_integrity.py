@@ -18,9 +18,9 @@ import pytest
 import torch
 from sidecar import Sidecar, SidecarFactory, stream_client
 
-from conftest import TINY_LAYOUT, block_for, key, same_bytes
 from tierkv import AsyncClient, Client, Namespace, WritePolicy
 from tierkv.errors import ServiceUnavailableError
+from tiny_blocks import TINY_LAYOUT, block_for, key, same_bytes
 
 NAMESPACE = Namespace("restart-model", TINY_LAYOUT)
 FLAGS = ("--host-bytes", "1MiB", "--page-bytes", "256", "--disk-bytes", "64MiB")

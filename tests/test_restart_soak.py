@@ -25,7 +25,6 @@ import pytest
 import torch
 from sidecar import Sidecar, SidecarFactory
 
-from conftest import TINY_LAYOUT, block_for, key, same_bytes
 from tierkv import AsyncClient, Client, Namespace, WritePolicy
 from tierkv.errors import (
     CapacityError,
@@ -34,6 +33,7 @@ from tierkv.errors import (
     NotFoundError,
     ServiceUnavailableError,
 )
+from tiny_blocks import TINY_LAYOUT, block_for, key, same_bytes
 
 NAMESPACE = Namespace("soak-model", TINY_LAYOUT)
 FLAGS = ("--host-bytes", "2MiB", "--page-bytes", "512", "--disk-bytes", "64MiB")

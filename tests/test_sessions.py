@@ -19,7 +19,6 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import BLOCK_BYTES, PAGE_BYTES, TINY_LAYOUT, StoreFactory, blocks, same_bytes
 from tierkv import (
     DiskFullError,
     DiskTierConfig,
@@ -35,6 +34,7 @@ from tierkv import (
 )
 from tierkv.errors import SessionNotFoundError
 from tierkv.store.sessions import ResumedSession, SessionInfo
+from tiny_blocks import BLOCK_BYTES, PAGE_BYTES, TINY_LAYOUT, StoreFactory, blocks, same_bytes
 
 BLOCK_SIZE = TINY_LAYOUT.block_size  # 4 tokens a block
 WRITE_THROUGH = WritePolicy.WRITE_THROUGH

@@ -32,10 +32,10 @@ from service_fixtures import (
     write_extents,
 )
 
-from conftest import BLOCK_BYTES, TINY_LAYOUT, keys, same_bytes
 from tierkv import AsyncClient, HostTierConfig, Namespace, StoreConfig, TieredStore
 from tierkv.shm.liveness import ClientLock, ClientWatch, Liveness
 from tierkv.wire import tierkv_pb2 as pb
+from tiny_blocks import BLOCK_BYTES, TINY_LAYOUT, keys, same_bytes
 
 Code = grpc.StatusCode
 NS = wire_namespace()

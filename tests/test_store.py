@@ -7,7 +7,6 @@ import time
 import pytest
 import torch
 
-from conftest import TINY_LAYOUT, StoreFactory, blocks, keys, same_bytes
 from tierkv import (
     CapacityError,
     ConfigError,
@@ -21,6 +20,7 @@ from tierkv import (
     UnknownNamespaceError,
     WritePolicy,
 )
+from tiny_blocks import TINY_LAYOUT, StoreFactory, blocks, keys, same_bytes
 
 
 class FakeClock:

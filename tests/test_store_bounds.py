@@ -7,12 +7,12 @@ pins stayed counted. Namespaces were stored for good.
 
 from __future__ import annotations
 
-from conftest import StoreFactory, blocks, keys
 from tierkv import Namespace, TieredStore
 from tierkv.config import Priority
 from tierkv.store.ledger import Entry
 from tierkv.store.pins import PinTable
 from tierkv.store.recovery import namespace_state
+from tiny_blocks import StoreFactory, blocks, keys
 
 
 class FakeClock:

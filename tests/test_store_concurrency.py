@@ -20,17 +20,6 @@ from typing import Any, ClassVar
 import pytest
 import torch
 
-from conftest import (
-    BLOCK_BYTES,
-    PAGE_BYTES,
-    TINY_LAYOUT,
-    StoreFactory,
-    block_for,
-    blocks,
-    key,
-    keys,
-    same_bytes,
-)
 from tierkv import (
     CapacityError,
     DiskTierConfig,
@@ -45,6 +34,17 @@ from tierkv import (
     WritePolicy,
 )
 from tierkv.tiers.records import record_size
+from tiny_blocks import (
+    BLOCK_BYTES,
+    PAGE_BYTES,
+    TINY_LAYOUT,
+    StoreFactory,
+    block_for,
+    blocks,
+    key,
+    keys,
+    same_bytes,
+)
 
 RECORD_BYTES = record_size(bytes(48), TINY_LAYOUT.fingerprint, BLOCK_BYTES)
 JOIN_TIMEOUT_S = 60.0  # far beyond any legitimate wait (the store waits at most 5 s for room)

@@ -37,7 +37,6 @@ from hypothesis.stateful import (
     rule,
 )
 
-from conftest import BLOCK_BYTES, PAGE_BYTES, TINY_LAYOUT, block_for, key, same_bytes
 from tierkv import (
     CapacityError,
     DiskTierConfig,
@@ -52,6 +51,7 @@ from tierkv import (
     WritePolicy,
 )
 from tierkv.tiers.records import record_size
+from tiny_blocks import BLOCK_BYTES, PAGE_BYTES, TINY_LAYOUT, block_for, key, same_bytes
 
 NUM_KEYS = 10
 KEYS = [key(i, "property") for i in range(NUM_KEYS)]

@@ -11,8 +11,8 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from conftest import BLOCK_BYTES, TINY_LAYOUT, StoreFactory, blocks, keys, same_bytes
 from tierkv import InvalidArgumentError, Namespace, Tier, TieredStore
+from tiny_blocks import BLOCK_BYTES, TINY_LAYOUT, StoreFactory, blocks, keys, same_bytes
 
 CAPACITY_BLOCKS = 6
 

@@ -22,13 +22,13 @@ from typing import Any
 import grpc
 import torch
 
-from conftest import BLOCK_BYTES, PAGE_BYTES, TINY_LAYOUT, blocks
 from tierkv import DiskTierConfig, HostTierConfig, KVLayout, StoreConfig, TieredStore
 from tierkv.checksums import checksum
 from tierkv.service.config import ServiceConfig
 from tierkv.service.server import TierKVServer, create_server
 from tierkv.wire import tierkv_pb2 as pb
 from tierkv.wire import tierkv_pb2_grpc as pb_grpc
+from tiny_blocks import BLOCK_BYTES, PAGE_BYTES, TINY_LAYOUT, blocks
 
 ALICE_TOKEN = "t" * 32
 BOB_TOKEN = "u" * 32

@@ -35,10 +35,10 @@ from service_fixtures import (
     wire_namespace,
 )
 
-from conftest import TINY_LAYOUT, keys
 from tierkv import KVLayout
 from tierkv.wire import tierkv_pb2 as pb
 from tierkv.wire import tierkv_pb2_grpc as pb_grpc
+from tiny_blocks import TINY_LAYOUT, keys
 
 Code = grpc.StatusCode
 TIMEOUT_S = 30.0

@@ -29,9 +29,9 @@ from client_worker import BLOCK_BYTES as WORKER_BLOCK_BYTES
 from client_worker import block_content as worker_block_content
 from sidecar import Sidecar, SidecarFactory, shm_client, stream_client
 
-from conftest import TINY_LAYOUT, block_for, key, same_bytes
 from tierkv import CapacityError, Namespace, Priority, WritePolicy, block_hashes
 from tierkv.errors import ServiceUnavailableError, TierKVError
+from tiny_blocks import TINY_LAYOUT, block_for, key, same_bytes
 
 TESTS = Path(__file__).parent
 E2E_SECONDS = float(os.environ.get("TIERKV_E2E_SECONDS", "30"))

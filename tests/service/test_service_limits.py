@@ -31,12 +31,12 @@ from service_fixtures import (
     wire_namespace,
 )
 
-from conftest import BLOCK_BYTES, keys
 from tierkv.codec import RawPutChunk
 from tierkv.errors import ConfigError, TierKVError
 from tierkv.service.auth import Authenticator
 from tierkv.service.config import ServiceConfig, load_tokens
 from tierkv.wire import tierkv_pb2 as pb
+from tiny_blocks import BLOCK_BYTES, keys
 
 Code = grpc.StatusCode
 NS = wire_namespace()

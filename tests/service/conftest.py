@@ -1,0 +1,132 @@
+"""Fixtures of the service tests: real servers on port 0 and a Unix socket, and clients of them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import pytest_asyncio
+from client_harness import (
+    KINDS,
+    PATHS,
+    RECORD_OVERHEAD,
+    AnyClient,
+    AsyncFacade,
+    LiveServer,
+    ServerFactory,
+    path_settings,
+)
+from rpc_calls import Bench, put
+from service_fixtures import (
+    Served,
+    payload,
+    serving,
+)
+
+from tierkv import (
+    Client,
+    DiskTierConfig,
+    GpuTierConfig,
+    HostTierConfig,
+    StoreConfig,
+)
+from tiny_blocks import BLOCK_BYTES, PAGE_BYTES, keys
+
+
+@pytest_asyncio.fixture
+async def served(tmp_path: Path) -> AsyncIterator[Served]:
+    """A server with 64 tiny blocks of HOST and 1024 of disk; tokens for alice and bob."""
+    async with serving(tmp_path / "store")as handle:
+        yield handle
+
+
+@pytest_asyncio.fixture
+async def small(tmp_path: Path) -> AsyncIterator[Served]:
+    """A server with only 8 tiny blocks of HOST (eviction to disk is easy to cause)."""
+    async with serving(tmp_path / "store", host_blocks=8)as handle:
+        yield handle
+
+
+@pytest_asyncio.fixture
+async def bench(served: Served) -> Bench:
+    stub = served.stub()
+    stored, fresh = keys(4, salt="stored"), keys(4, salt="fresh")
+    await put(stub, stored, payload(4, seed=71))
+    return Bench(served, stub, stored, fresh)
+
+
+@pytest.fixture
+def make_server(tmp_path: Path) -> Iterator[ServerFactory]:
+    """Start servers: ``host_bytes``, ``page_bytes``, ``disk_bytes`` (0: no disk tier),
+    ``gpu_bytes`` (an emulated GPU tier), and any ``ServiceConfig`` field."""
+    servers: list[LiveServer] = []
+
+    def build(host_bytes: int = 64 * BLOCK_BYTES, page_bytes: int = PAGE_BYTES,
+              disk_bytes: int = 4096 * (BLOCK_BYTES + RECORD_OVERHEAD), gpu_bytes: int = 0,
+              **service_fields: Any) -> LiveServer:
+        root = tmp_path / f"server-{len(servers)}"
+        disk = DiskTierConfig(root / "disk", disk_bytes, map_slack_bytes=16 << 20) if disk_bytes else None
+        config = StoreConfig(
+            host=HostTierConfig(host_bytes, page_bytes),
+            gpu=GpuTierConfig(gpu_bytes, page_bytes, "emulated"),
+            disk=disk,
+        )
+        server = LiveServer(root, config, **service_fields)
+        servers.append(server)
+        return server
+
+    yield build
+    for server in servers:
+        server.close()
+
+
+@pytest.fixture
+def connect() -> Iterator[Callable[..., AnyClient]]:
+    """``connect(target, kind, **settings)``: a ``Client`` or an ``AsyncFacade``, closed at the
+    end of the test."""
+    opened: list[AnyClient] = []
+
+    def make(target: str, kind: str = "sync", **settings: Any) -> AnyClient:
+        client = Client(target, **settings) if kind == "sync" else AsyncFacade(target, **settings)
+        opened.append(client)
+        return client
+
+    yield make
+    for client in opened:
+        client.close()
+
+
+@pytest.fixture
+def open_client(connect: Callable[..., AnyClient]) -> Callable[..., AnyClient]:
+    """``open_client(server, path, kind, **overrides)``: a client of ``server`` on ``path``."""
+
+    def make(server: LiveServer, path: str, kind: str = "sync", **overrides: Any) -> AnyClient:
+        target, settings = path_settings(server, path)
+        return connect(target, kind, **{**settings, **overrides})
+
+    return make
+
+
+@pytest.fixture(params=KINDS)
+def kind(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
+
+
+@pytest.fixture(params=PATHS)
+def path(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
+
+
+@pytest.fixture
+def server(make_server: ServerFactory) -> LiveServer:
+    """The default server: 64 tiny blocks of HOST, a disk tier of 4096."""
+    return make_server()
+
+
+@pytest.fixture
+def client(server: LiveServer, open_client: Callable[..., AnyClient], kind: str, path: str) -> AnyClient:
+    """A client of the default server, of each kind, on each path."""
+    return open_client(server, path, kind)
