@@ -53,9 +53,13 @@ def _handlers(servicer: TierKVServicer) -> grpc.GenericRpcHandler:
 
 
 class TierKVServer:
-    """A started-or-not gRPC server around one ``TieredStore``."""
+    """A started-or-not gRPC server around one ``TieredStore``.
 
-    def __init__(self, config: ServiceConfig) -> None:
+    ``servicer`` answers the TierKV calls; by default a ``TierKVServicer(config)``. Passing one in
+    lets a caller (a test's recording spy, say) wrap the real servicer without patching this
+    module; it must have been built with the same ``config``."""
+
+    def __init__(self, config: ServiceConfig, servicer: TierKVServicer | None = None) -> None:
         self.config = config
         options = [
             ("grpc.max_receive_message_length", config.max_message_bytes),
@@ -63,7 +67,7 @@ class TierKVServer:
             ("grpc.so_reuseport", 0),
         ]
         self.grpc_server = grpc.aio.server(options=options)
-        self.servicer = TierKVServicer(config)
+        self.servicer = servicer if servicer is not None else TierKVServicer(config)
         self.grpc_server.add_generic_rpc_handlers((_handlers(self.servicer),))
         self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.grpc_server)
@@ -138,10 +142,12 @@ class TierKVServer:
 
 
 async def create_server(
-    config: ServiceConfig, store: TieredStore | None = None
+    config: ServiceConfig, store: TieredStore | None = None,
+    servicer: TierKVServicer | None = None,
 ) -> tuple[TierKVServer, int]:
-    """A bound, started server (serving ``store`` if given) and its first TCP port."""
-    server = TierKVServer(config)
+    """A bound, started server (serving ``store`` if given, answering through ``servicer`` if
+    given, else a ``TierKVServicer(config)``) and its first TCP port."""
+    server = TierKVServer(config, servicer)
     port = server.bind()
     await server.start()
     if store is not None:

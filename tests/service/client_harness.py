@@ -14,7 +14,6 @@ from pathlib import Path
 from typing import Any
 
 import grpc
-import pytest
 import torch
 from service_fixtures import ALICE_TOKEN, TOKENS, short_socket_dir
 
@@ -25,7 +24,6 @@ from tierkv import (
     StoreConfig,
     TieredStore,
 )
-from tierkv.service import server as server_module
 from tierkv.service.auth import client_id_of
 from tierkv.service.config import ServiceConfig
 from tierkv.service.server import TierKVServer, create_server
@@ -102,10 +100,8 @@ class LiveServer:
         service_fields.setdefault("tokens", TOKENS)
         config = ServiceConfig(listen=(f"unix://{self.socket_dir}/s.sock", "127.0.0.1:0"),
                                **service_fields)
-        with pytest.MonkeyPatch.context() as patch:
-            patch.setattr(server_module, "TierKVServicer", SpyServicer)
-            self.server: TierKVServer
-            self.server, self.port = self.call(create_server(config, self.store))
+        self.server: TierKVServer
+        self.server, self.port = self.call(create_server(config, self.store, SpyServicer(config)))
         assert isinstance(self.server.servicer, SpyServicer)
         self.spy: SpyServicer = self.server.servicer
         self.root = root
