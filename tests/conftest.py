@@ -9,6 +9,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+from harness import SidecarFactory, SidecarPool
 
 from tierkv import (
     DiskTierConfig,
@@ -20,8 +21,6 @@ from tierkv import (
 )
 from tiny_blocks import BLOCK_BYTES, PAGE_BYTES, TINY_LAYOUT, StoreFactory
 
-# The `tierkv serve` subprocess harness and its `sidecar_factory` fixture.
-pytest_plugins = ["sidecar"]
 
 @pytest.fixture
 def namespace() -> Namespace:
@@ -64,3 +63,13 @@ def make_store(tmp_path: Path) -> Iterator[StoreFactory]:
     yield build
     for store in stores:
         store.close(flush=False)
+
+
+@pytest.fixture
+def sidecar_factory(tmp_path: Path) -> Iterator[SidecarFactory]:
+    """``start(*flags, disk_path=None, socket_dir=None)``: a started ``tierkv serve`` (the
+    subprocess harness, ``tests/service/harness.py``); every one is stopped at the end of the
+    test."""
+    pool = SidecarPool(tmp_path)
+    yield pool.start
+    pool.close()

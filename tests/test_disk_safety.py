@@ -21,7 +21,7 @@ import grpc
 import lmdb
 import msgpack
 import pytest
-from service_fixtures import ALICE_TOKEN, BackgroundServer
+from harness import ALICE_TOKEN, BackgroundServer
 
 from tierkv import (
     CapacityError,

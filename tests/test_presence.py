@@ -8,7 +8,7 @@ import secrets
 from pathlib import Path
 
 import pytest
-from service_fixtures import ALICE_TOKEN, BOB_TOKEN, BackgroundServer
+from harness import ALICE_TOKEN, BOB_TOKEN, BackgroundServer
 
 from tierkv import Client, Namespace, ServiceUnavailableError
 from tierkv.shm.presence import PresenceTable, PresenceView, fingerprint

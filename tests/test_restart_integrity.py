@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from sidecar import Sidecar, SidecarFactory, stream_client
+from harness import Sidecar, SidecarFactory, stream_client
 
 from tierkv import AsyncClient, Client, Namespace, WritePolicy
 from tierkv.errors import ServiceUnavailableError

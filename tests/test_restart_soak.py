@@ -23,7 +23,7 @@ from typing import Any
 
 import pytest
 import torch
-from sidecar import Sidecar, SidecarFactory
+from harness import Sidecar, SidecarFactory
 
 from tierkv import AsyncClient, Client, Namespace, WritePolicy
 from tierkv.errors import (

@@ -18,16 +18,15 @@ import grpc
 import pytest
 import pytest_asyncio
 import torch
+from harness import Served, serving
 from service_fixtures import (
     ALICE,
-    Served,
     aiter_of,
     commit_request,
     get_blocks,
     mapped_slab,
     payload,
     put_chunks,
-    serving,
     wire_namespace,
     write_extents,
 )

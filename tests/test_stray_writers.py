@@ -21,8 +21,8 @@ import grpc
 import numpy as np
 import pytest
 import torch
+from harness import Sidecar, SidecarFactory, stream_client
 from service_fixtures import mapped_slab
-from sidecar import Sidecar, SidecarFactory, stream_client
 
 from tierkv import KVLayout, Namespace, WritePolicy
 from tierkv.checksums import checksum

@@ -18,8 +18,7 @@ from typing import Any
 
 import pytest
 import torch
-from service_fixtures import BackgroundServer
-from sidecar import SidecarFactory
+from harness import BackgroundServer, SidecarFactory
 from test_vllm_sides import (
     BLOCK,
     GEOMETRY,

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from sidecar import Sidecar, SidecarPool
+from harness import Sidecar, SidecarPool
 from vllm_engines import (
     ALPHA,
     BETA,
@@ -72,7 +72,7 @@ def reference(workdir: Path, model: Path) -> EngineResult:
 def tier_stats(sidecar: Sidecar, token: str = ALPHA) -> dict[str, Any]:
     with Client(sidecar.unix_target, token=token) as client:
         stats = client.stats()
-    return {t.tier: t for t in stats.tiers} | {"puts": stats.puts}
+    return {tier.label: t for tier, t in stats.tiers.items()} | {"puts": stats.puts}
 
 
 @pytest.fixture(scope="module")

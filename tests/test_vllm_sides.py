@@ -14,8 +14,7 @@ from typing import Any
 
 import pytest
 import torch
-from service_fixtures import BackgroundServer
-from sidecar import SidecarFactory
+from harness import BackgroundServer, SidecarFactory
 
 from tierkv import Client, ConfigError, KVLayout, Namespace, block_hashes
 from tierkv.integrations.vllm.scheduler import SchedulerSide

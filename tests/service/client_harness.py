@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import contextlib
-import shutil
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -15,18 +13,15 @@ from typing import Any
 
 import grpc
 import torch
-from service_fixtures import ALICE_TOKEN, TOKENS, short_socket_dir
+from harness import ALICE_TOKEN, BackgroundServer
 
 from tierkv import (
     AsyncClient,
     KVLayout,
     Namespace,
-    StoreConfig,
-    TieredStore,
 )
 from tierkv.service.auth import client_id_of
 from tierkv.service.config import ServiceConfig
-from tierkv.service.server import TierKVServer, create_server
 from tierkv.service.servicer import TierKVServicer
 from tierkv.wire import tierkv_pb2 as pb
 from tierkv.wire import tierkv_pb2_grpc as pb_grpc
@@ -88,45 +83,14 @@ for _name in ("Describe", "Lookup", "Pin", "Unpin", "Delete", "Stats", "Put", "A
     setattr(SpyServicer, _name, _spied(_name))
 
 
-class LiveServer:
-    """A real server (spy servicer) on its own event loop in a background thread."""
+class LiveServer(BackgroundServer):
+    """The in-process harness (``BackgroundServer``) with a ``SpyServicer``: ``spy`` tells which
+    RPCs each client made."""
 
-    def __init__(self, root: Path, store_config: StoreConfig, **service_fields: Any) -> None:
-        self.loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-        self._thread.start()
-        self.socket_dir = short_socket_dir()
-        self.store = TieredStore(store_config)
-        service_fields.setdefault("tokens", TOKENS)
-        config = ServiceConfig(listen=(f"unix://{self.socket_dir}/s.sock", "127.0.0.1:0"),
-                               **service_fields)
-        self.server: TierKVServer
-        self.server, self.port = self.call(create_server(config, self.store, SpyServicer(config)))
-        assert isinstance(self.server.servicer, SpyServicer)
-        self.spy: SpyServicer = self.server.servicer
-        self.root = root
-
-    def call(self, coroutine: Any, timeout_s: float = 60.0) -> Any:
-        return asyncio.run_coroutine_threadsafe(coroutine, self.loop).result(timeout_s)
-
-    @property
-    def unix_target(self) -> str:
-        return f"unix://{self.socket_dir}/s.sock"
-
-    @property
-    def tcp_target(self) -> str:
-        return f"127.0.0.1:{self.port}"
-
-    def close(self) -> None:
-        try:
-            self.call(self.server.stop())
-        finally:
-            self.store.close(flush=False)
-            self.loop.call_soon_threadsafe(self.loop.stop)
-            self._thread.join(10)
-            with contextlib.suppress(RuntimeError):
-                self.loop.close()
-            shutil.rmtree(self.socket_dir, ignore_errors=True)
+    def __init__(self, root: Path, **serve_args: Any) -> None:
+        super().__init__(root, servicer=SpyServicer, **serve_args)
+        assert isinstance(self.served.server.servicer, SpyServicer)
+        self.spy: SpyServicer = self.served.server.servicer
 
 
 ServerFactory = Callable[..., LiveServer]

@@ -19,19 +19,12 @@ from client_harness import (
     ServerFactory,
     path_settings,
 )
+from harness import Served, serving
 from rpc_calls import Bench, put
-from service_fixtures import (
-    Served,
-    payload,
-    serving,
-)
+from service_fixtures import payload
 
 from tierkv import (
     Client,
-    DiskTierConfig,
-    GpuTierConfig,
-    HostTierConfig,
-    StoreConfig,
 )
 from tiny_blocks import BLOCK_BYTES, PAGE_BYTES, keys
 
@@ -67,14 +60,9 @@ def make_server(tmp_path: Path) -> Iterator[ServerFactory]:
     def build(host_bytes: int = 64 * BLOCK_BYTES, page_bytes: int = PAGE_BYTES,
               disk_bytes: int = 4096 * (BLOCK_BYTES + RECORD_OVERHEAD), gpu_bytes: int = 0,
               **service_fields: Any) -> LiveServer:
-        root = tmp_path / f"server-{len(servers)}"
-        disk = DiskTierConfig(root / "disk", disk_bytes, map_slack_bytes=16 << 20) if disk_bytes else None
-        config = StoreConfig(
-            host=HostTierConfig(host_bytes, page_bytes),
-            gpu=GpuTierConfig(gpu_bytes, page_bytes, "emulated"),
-            disk=disk,
-        )
-        server = LiveServer(root, config, **service_fields)
+        server = LiveServer(tmp_path / f"server-{len(servers)}", host_bytes=host_bytes,
+                            page_bytes=page_bytes, disk_bytes=disk_bytes, disk_blocks=0,
+                            gpu_bytes=gpu_bytes, **service_fields)
         servers.append(server)
         return server
 

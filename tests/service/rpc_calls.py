@@ -11,16 +11,8 @@ from typing import Any
 
 import grpc
 import pytest
-from service_fixtures import (
-    ALICE,
-    Served,
-    aiter_of,
-    code_of,
-    get_blocks,
-    payload,
-    put_chunks,
-    wire_namespace,
-)
+from harness import Served
+from service_fixtures import ALICE, aiter_of, code_of, get_blocks, payload, put_chunks, wire_namespace
 
 from tierkv import KVLayout
 from tierkv.wire import tierkv_pb2 as pb

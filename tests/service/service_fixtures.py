@@ -1,38 +1,25 @@
-"""Shared helpers for the gRPC service tests: real servers around real stores, wire namespaces,
-block payloads, and a server running on its own event loop for synchronous (hypothesis) tests.
-
-Every server here is a real ``create_server`` on a Unix socket and ``127.0.0.1:0`` in front of
-a ``TieredStore`` with a shared-memory HOST slab and an LMDB disk tier in a temporary folder.
+"""What the gRPC service tests send and check: wire namespaces, block payloads, Put streams,
+a plausible request of every RPC, status codes, and the shared-memory slab as a same-host client
+maps it. The servers themselves are in ``harness``.
 """
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import mmap
 import os
-import shutil
-import tempfile
-import threading
 from collections.abc import AsyncIterator, Iterable, Iterator
-from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import grpc
 import torch
+from harness import ALICE_TOKEN, BOB_TOKEN
 
-from tierkv import DiskTierConfig, HostTierConfig, KVLayout, StoreConfig, TieredStore
+from tierkv import KVLayout
 from tierkv.checksums import checksum
-from tierkv.service.config import ServiceConfig
-from tierkv.service.server import TierKVServer, create_server
 from tierkv.wire import tierkv_pb2 as pb
 from tierkv.wire import tierkv_pb2_grpc as pb_grpc
-from tiny_blocks import BLOCK_BYTES, PAGE_BYTES, TINY_LAYOUT, blocks
-
-ALICE_TOKEN = "t" * 32
-BOB_TOKEN = "u" * 32
-TOKENS = {ALICE_TOKEN: "alice", BOB_TOKEN: "bob"}
+from tiny_blocks import BLOCK_BYTES, TINY_LAYOUT, blocks
 
 # What a call may answer with besides OK (the proto's error rules). UNKNOWN and INTERNAL mean a
 # handler raised something nobody mapped: always a server bug.
@@ -43,14 +30,6 @@ ALLOWED_ERRORS = frozenset({
     grpc.StatusCode.RESOURCE_EXHAUSTED,
     grpc.StatusCode.UNAUTHENTICATED,
 })
-
-# Client channels: let the client send and receive more than 4 MiB, so that the *server's*
-# limits are what a test sees.
-CHANNEL_OPTIONS = [
-    ("grpc.max_send_message_length", -1),
-    ("grpc.max_receive_message_length", -1),
-]
-
 
 def bearer(token: str) -> tuple[tuple[str, str], ...]:
     """Call metadata carrying ``token``."""
@@ -116,98 +95,6 @@ def put_chunks(
     return [pb.PutChunk(header=header, data=pieces[0])] + [pb.PutChunk(data=p) for p in pieces[1:]]
 
 
-def store_config(
-    root: Path, host_blocks: int = 64, disk_blocks: int = 1024, page_bytes: int = PAGE_BYTES,
-    host_bytes: int | None = None, disk_bytes: int | None = None,
-) -> StoreConfig:
-    """A store with ``host_blocks`` tiny blocks of HOST (or ``host_bytes``) and a disk tier of
-    ``disk_blocks`` tiny blocks (or ``disk_bytes``; no disk tier when both are 0)."""
-    disk = None
-    if disk_bytes or disk_blocks:
-        disk = DiskTierConfig(root / "disk", disk_bytes or disk_blocks * (BLOCK_BYTES + 128),
-                              map_slack_bytes=16 << 20)
-    host = HostTierConfig(host_bytes or host_blocks * BLOCK_BYTES, page_bytes)
-    return StoreConfig(host=host, disk=disk)
-
-
-def short_socket_dir() -> Path:
-    """A short folder for a Unix socket (their paths are limited to 107 bytes)."""
-    return Path(tempfile.mkdtemp(prefix="tkv-", dir="/tmp"))
-
-
-@dataclass
-class Served:
-    """A running server, its store, and client channels to it (closed by ``close``)."""
-
-    server: TierKVServer
-    store: TieredStore
-    port: int
-    socket_dir: Path
-    channels: list[grpc.aio.Channel] = field(default_factory=list)
-
-    @property
-    def tcp_target(self) -> str:
-        return f"127.0.0.1:{self.port}"
-
-    @property
-    def unix_target(self) -> str:
-        return f"unix://{self.socket_dir}/s.sock"
-
-    def stub(self, unix: bool = False) -> pb_grpc.TierKVStub:
-        """A TierKV stub on a new aio channel (TCP, or the Unix socket)."""
-        return pb_grpc.TierKVStub(self.channel(unix))
-
-    def channel(self, unix: bool = False) -> grpc.aio.Channel:
-        channel = grpc.aio.insecure_channel(
-            self.unix_target if unix else self.tcp_target, options=CHANNEL_OPTIONS
-        )
-        self.channels.append(channel)
-        return channel
-
-    async def close(self) -> None:
-        for channel in self.channels:
-            await channel.close()
-        await self.server.stop()
-        self.store.close(flush=False)  # idempotent: stop() closed it already
-        shutil.rmtree(self.socket_dir, ignore_errors=True)
-
-
-async def serve(
-    root: Path, *, tokens: dict[str, str] | None = None, host_blocks: int = 64,
-    disk_blocks: int = 1024, page_bytes: int = PAGE_BYTES, host_bytes: int | None = None,
-    disk_bytes: int | None = None, **service_fields: Any,
-) -> Served:
-    """Start a real server on a Unix socket and ``127.0.0.1:0`` in front of a fresh store."""
-    root.mkdir(parents=True, exist_ok=True)
-    store = TieredStore(
-        store_config(root, host_blocks, disk_blocks, page_bytes, host_bytes, disk_bytes)
-    )
-    socket_dir = short_socket_dir()
-    config = ServiceConfig(
-        listen=(f"unix://{socket_dir}/s.sock", "127.0.0.1:0"),
-        tokens=dict(TOKENS if tokens is None else tokens),
-        **service_fields,
-    )
-    try:
-        server, port = await create_server(config, store)
-    except BaseException:
-        store.close(flush=False)
-        shutil.rmtree(socket_dir, ignore_errors=True)
-        raise
-    assert port > 0
-    return Served(server, store, port, socket_dir)
-
-
-@contextlib.asynccontextmanager
-async def serving(root: Path, **serve_args: Any) -> AsyncIterator[Served]:
-    """``serve`` for ``async with``: the server is closed at the end."""
-    handle = await serve(root, **serve_args)
-    try:
-        yield handle
-    finally:
-        await handle.close()
-
-
 async def get_blocks(
     stub: pb_grpc.TierKVStub, namespace: pb.Namespace, hashes: list[bytes],
     metadata: Any = ALICE,
@@ -232,33 +119,6 @@ async def aiter_of(messages: Iterable[Any]) -> AsyncIterator[Any]:
     """An async iterator over ``messages`` (for stream-in calls)."""
     for message in messages:
         yield message
-
-
-class BackgroundServer:
-    """A server on its own event loop in a thread, for synchronous clients (hypothesis)."""
-
-    def __init__(self, root: Path, **serve_args: Any) -> None:
-        self.loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-        self._thread.start()
-        self.served: Served = self.call(serve(root, **serve_args))
-
-    def call(self, coroutine: Any, timeout_s: float = 60.0) -> Any:
-        """Run ``coroutine`` on the server's loop and wait for its result."""
-        return asyncio.run_coroutine_threadsafe(coroutine, self.loop).result(timeout_s)
-
-    @property
-    def target(self) -> str:
-        return self.served.tcp_target
-
-    def close(self) -> None:
-        try:
-            self.call(self.served.close())
-        finally:
-            self.loop.call_soon_threadsafe(self.loop.stop)
-            self._thread.join(10)
-            with contextlib.suppress(RuntimeError):
-                self.loop.close()
 
 
 # --- every RPC, uniformly -----------------------------------------------------------------------

@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+from harness import ALICE_TOKEN, Served
 from rpc_calls import (
     NS,
     Code,
@@ -21,11 +22,9 @@ from rpc_calls import (
 )
 from service_fixtures import (
     ALICE,
-    ALICE_TOKEN,
     ALL_RPCS,
     BOB,
     LEASE_RPCS,
-    Served,
     bearer,
     code_of,
     commit_request,

@@ -18,6 +18,7 @@ from typing import Any
 
 import grpc
 import pytest
+from harness import Served, serving
 from rpc_calls import (
     INVALID,
     NS,
@@ -39,7 +40,6 @@ from service_fixtures import (
     HASH_RPCS,
     LEASE_RPCS,
     NAMESPACE_RPCS,
-    Served,
     aiter_of,
     code_of,
     invoke,
@@ -47,7 +47,6 @@ from service_fixtures import (
     payload,
     put_chunks,
     request_for,
-    serving,
     wire_namespace,
     write_extents,
 )

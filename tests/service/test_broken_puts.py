@@ -14,6 +14,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
+from harness import Served, serving
 from rpc_calls import (
     NS,
     Bench,
@@ -26,15 +27,7 @@ from rpc_calls import (
     tier,
     unchanged,
 )
-from service_fixtures import (
-    ALICE,
-    Served,
-    aiter_of,
-    payload,
-    put_chunks,
-    serving,
-    wire_namespace,
-)
+from service_fixtures import ALICE, aiter_of, payload, put_chunks, wire_namespace
 
 from tierkv.wire import tierkv_pb2 as pb
 from tiny_blocks import BLOCK_BYTES, keys

@@ -30,7 +30,7 @@ from client_harness import (
     ns,
     patterned_blocks,
 )
-from service_fixtures import BOB_TOKEN
+from harness import BOB_TOKEN
 
 from tierkv import (
     Namespace,
@@ -133,7 +133,7 @@ def test_stats_report_the_server_tiers_and_counters(
     server: LiveServer, client: AnyClient
 ) -> None:
     before = client.stats()
-    tiers = {t.tier: t for t in before.tiers}
+    tiers = {tier.label: t for tier, t in before.tiers.items()}
     assert set(tiers) == {"host", "disk"}
     assert tiers["host"].capacity_bytes == 64 * BLOCK_BYTES
     assert tiers["disk"].capacity_bytes == 4096 * (BLOCK_BYTES + RECORD_OVERHEAD)
@@ -142,7 +142,7 @@ def test_stats_report_the_server_tiers_and_counters(
     client.put(namespace, hashes, patterned_blocks(5, seed=12))
     client.get(namespace, hashes)
     after = client.stats()
-    host = {t.tier: t for t in after.tiers}["host"]
+    host = after.tiers[Tier.HOST]
     assert host.num_blocks == 5 and host.used_bytes == 5 * BLOCK_BYTES
     assert after.puts == before.puts + 1 and after.num_namespaces == 1
     assert after.num_leases == 0
@@ -176,7 +176,7 @@ def test_sessions_save_resume_list_delete(
     assert len(hashes) == 10
     assert client.put(namespace, hashes[:6], patterned_blocks(6, seed=13), priority=Priority.SESSION,
                       write_policy=WritePolicy.WRITE_THROUGH) == 6
-    disk = {t.tier: t for t in client.stats().tiers}["disk"]
+    disk = client.stats().tiers[Tier.DISK]
     assert disk.num_blocks == 6, "write_through puts are on disk when acknowledged"
 
     assert client.save_session(namespace, "chat-1", token_ids) == 42

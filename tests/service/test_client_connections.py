@@ -40,7 +40,7 @@ from client_harness import (
     shm_mappings,
     wire_ns,
 )
-from service_fixtures import ALICE_TOKEN, BOB_TOKEN
+from harness import ALICE_TOKEN, BOB_TOKEN
 
 from tierkv import (
     AsyncClient,

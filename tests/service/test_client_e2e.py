@@ -27,7 +27,7 @@ import pytest
 import torch
 from client_worker import BLOCK_BYTES as WORKER_BLOCK_BYTES
 from client_worker import block_content as worker_block_content
-from sidecar import Sidecar, SidecarFactory, shm_client, stream_client
+from harness import Sidecar, SidecarFactory, shm_client, stream_client
 
 from tierkv import CapacityError, Namespace, Priority, WritePolicy, block_hashes
 from tierkv.errors import ServiceUnavailableError, TierKVError
@@ -304,10 +304,10 @@ def test_sixteen_concurrent_clients_see_only_exact_blocks_and_tier_budgets_hold(
                 except TierKVError as exc:
                     tally.failures.append(f"stats: {exc!r}")
                     return
-                for tier in stats.tiers:
+                for tier in stats.tiers.values():
                     if tier.used_bytes > tier.capacity_bytes:
                         tally.failures.append(
-                            f"{tier.tier}: {tier.used_bytes} B used of {tier.capacity_bytes} B"
+                            f"{tier.tier.label}: {tier.used_bytes} B used of {tier.capacity_bytes} B"
                         )
                 tally.count("stats samples")
                 time.sleep(0.02)
@@ -333,7 +333,7 @@ def test_sixteen_concurrent_clients_see_only_exact_blocks_and_tier_budgets_hold(
     assert ops.get("stats samples", 0) >= min(10, E2E_SECONDS * 5), ops
     with stream_client(sidecar) as client:
         stats = client.stats()
-    tiers = {t.tier: t for t in stats.tiers}
+    tiers = {tier.label: t for tier, t in stats.tiers.items()}
     assert set(tiers) == {"host", "disk"}
     assert all(t.used_bytes <= t.capacity_bytes for t in tiers.values())
     # The budgets were exercised: HOST demoted to disk, and disk evicted.

@@ -31,7 +31,7 @@ from client_harness import (
     ns,
     patterned_blocks,
 )
-from service_fixtures import BOB_TOKEN
+from harness import BOB_TOKEN
 
 from tiny_blocks import BLOCK_BYTES, TINY_LAYOUT, keys, same_bytes
 

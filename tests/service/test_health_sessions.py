@@ -16,26 +16,14 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+from harness import TOKENS, Served, short_socket_dir, store_config
 from rpc_calls import (
     NS,
     Code,
     expect,
     put,
 )
-from service_fixtures import (
-    ALICE,
-    ALL_RPCS,
-    BOB,
-    TOKENS,
-    Served,
-    aiter_of,
-    code_of,
-    get_blocks,
-    payload,
-    request_for,
-    short_socket_dir,
-    store_config,
-)
+from service_fixtures import ALICE, ALL_RPCS, BOB, aiter_of, code_of, get_blocks, payload, request_for
 
 from tierkv import StoreClosedError, TieredStore, block_hashes
 from tierkv.service.config import ServiceConfig

@@ -12,6 +12,7 @@ import os
 from pathlib import Path
 
 import pytest
+from harness import Served
 from rpc_calls import (
     NS,
     Code,
@@ -25,7 +26,6 @@ from rpc_calls import (
 from service_fixtures import (
     ALICE,
     LEASE_RPCS,
-    Served,
     commit_request,
     get_blocks,
     invoke,

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import pytest_asyncio
+from harness import Served, serving
 from rpc_calls import (
     BIG_LAYOUT,
     NS,
@@ -26,17 +27,7 @@ from rpc_calls import (
     stats,
     tier,
 )
-from service_fixtures import (
-    ALICE,
-    ALL_RPCS,
-    Served,
-    aiter_of,
-    get_blocks,
-    payload,
-    put_chunks,
-    serving,
-    wire_namespace,
-)
+from service_fixtures import ALICE, ALL_RPCS, aiter_of, get_blocks, payload, put_chunks, wire_namespace
 
 from tierkv import KVLayout
 from tierkv.wire import tierkv_pb2 as pb

@@ -16,6 +16,7 @@ import grpc
 import pytest
 import pytest_asyncio
 import torch
+from harness import Served, serve, serving, store_config
 from rpc_calls import (
     BIG_LAYOUT,
     NS,
@@ -27,18 +28,7 @@ from rpc_calls import (
     stats,
     tier,
 )
-from service_fixtures import (
-    ALICE,
-    Served,
-    bearer,
-    get_blocks,
-    payload,
-    put_chunks,
-    serve,
-    serving,
-    store_config,
-    wire_namespace,
-)
+from service_fixtures import ALICE, bearer, get_blocks, payload, put_chunks, wire_namespace
 
 from tierkv import KVLayout, Namespace, StoreClosedError, TieredStore
 from tierkv.wire import tierkv_pb2 as pb

@@ -17,19 +17,8 @@ from typing import Any
 
 import grpc
 import pytest
-from service_fixtures import (
-    ALICE,
-    ALICE_TOKEN,
-    BOB,
-    TOKENS,
-    Served,
-    code_of,
-    invoke,
-    payload,
-    put_chunks,
-    serving,
-    wire_namespace,
-)
+from harness import ALICE_TOKEN, TOKENS, Served, serving
+from service_fixtures import ALICE, BOB, code_of, invoke, payload, put_chunks, wire_namespace
 
 from tierkv.codec import RawPutChunk
 from tierkv.errors import ConfigError, TierKVError

@@ -20,20 +20,10 @@ from typing import Any
 
 import grpc
 import pytest
+from harness import CHANNEL_OPTIONS, BackgroundServer
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
-from service_fixtures import (
-    ALICE,
-    ALL_RPCS,
-    ALLOWED_ERRORS,
-    BOB,
-    CHANNEL_OPTIONS,
-    BackgroundServer,
-    bearer,
-    payload,
-    put_chunks,
-    wire_namespace,
-)
+from service_fixtures import ALICE, ALL_RPCS, ALLOWED_ERRORS, BOB, bearer, payload, put_chunks, wire_namespace
 
 from tierkv import KVLayout
 from tierkv.wire import tierkv_pb2 as pb

@@ -20,8 +20,8 @@ from pathlib import Path
 
 import grpc
 import pytest
-from service_fixtures import CHANNEL_OPTIONS, wire_namespace
-from sidecar import SidecarFactory
+from harness import CHANNEL_OPTIONS, SidecarFactory
+from service_fixtures import wire_namespace
 
 from tierkv import KVLayout
 from tierkv.wire import tierkv_pb2 as pb
