@@ -10,6 +10,7 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 import torch
+from fake_clock import FakeClock
 
 from tierkv import (
     CapacityError,
@@ -23,14 +24,6 @@ from tierkv import (
 )
 from tierkv.checksums import block_checksums
 from tiny_blocks import BLOCK_BYTES, StoreFactory, blocks, keys, same_bytes
-
-
-class FakeClock:
-    def __init__(self) -> None:
-        self.now_s = 100.0
-
-    def __call__(self) -> float:
-        return self.now_s
 
 
 @pytest.fixture
@@ -158,7 +151,7 @@ def test_a_lease_belongs_to_its_owner(make_store: StoreFactory, namespace: Names
 def test_leases_expire_and_give_their_pages_back(
     make_store: StoreFactory, namespace: Namespace
 ) -> None:
-    clock = FakeClock()
+    clock = FakeClock(100.0)
     store = make_store(host_blocks=4, clock=clock)
     store.register(namespace)
     write = store.allocate(namespace, keys(2), ttl_s=5)

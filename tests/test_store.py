@@ -6,6 +6,7 @@ import time
 
 import pytest
 import torch
+from fake_clock import FakeClock
 
 from tierkv import (
     CapacityError,
@@ -21,16 +22,6 @@ from tierkv import (
     WritePolicy,
 )
 from tiny_blocks import TINY_LAYOUT, StoreFactory, blocks, keys, same_bytes
-
-
-class FakeClock:
-    """A clock the test moves by hand."""
-
-    def __init__(self) -> None:
-        self.now_s = 1000.0
-
-    def __call__(self) -> float:
-        return self.now_s
 
 
 def wait_for(condition: object, timeout_s: float = 5.0) -> None:

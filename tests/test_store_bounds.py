@@ -7,22 +7,14 @@ pins stayed counted. Namespaces were stored for good.
 
 from __future__ import annotations
 
+from fake_clock import FakeClock
+
 from tierkv import Namespace, TieredStore
 from tierkv.config import Priority
 from tierkv.store.ledger import Entry
 from tierkv.store.pins import PinTable
 from tierkv.store.recovery import namespace_state
 from tiny_blocks import StoreFactory, blocks, keys
-
-
-class FakeClock:
-    """A clock the test moves by hand."""
-
-    def __init__(self) -> None:
-        self.now_s = 1000.0
-
-    def __call__(self) -> float:
-        return self.now_s
 
 
 def entries(namespace: Namespace, n: int) -> list[Entry]:

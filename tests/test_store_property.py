@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from fake_clock import FakeClock
 from hypothesis import HealthCheck, Phase, event, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
@@ -115,15 +116,6 @@ def check_settled(stats: StoreStats, num_found: int) -> None:
         assert tier_stats.num_blocks <= num_found, (tier_stats, num_found)
     assert num_found <= sum(t.num_blocks for t in stats.tiers.values())
 
-
-class FakeClock:
-    """Time for pin TTLs; only the machine moves it."""
-
-    def __init__(self) -> None:
-        self.now_s = 1000.0
-
-    def __call__(self) -> float:
-        return self.now_s
 
 
 @dataclass
