@@ -34,10 +34,7 @@ from tierkv.service.buffers import BufferPool
 from tierkv.service.config import ServiceConfig
 from tierkv.service.errors import status_of
 from tierkv.service.namespaces import NamespaceBook
-from tierkv.service.stream_put import LeaseFiller
-from tierkv.store import TieredStore
-from tierkv.store.leases import WriteLease
-from tierkv.store.validation import check_ttl
+from tierkv.store import LeaseWriter, TieredStore, WriteLease, check_ttl
 from tierkv.wire import tierkv_pb2 as pb
 from tierkv.wire import tierkv_pb2_grpc as pb_grpc
 
@@ -322,8 +319,7 @@ class TierKVServicer(pb_grpc.TierKVServicer):
         lease = await self._allocate_for_stream(namespace, hashes, header, caller)
         committing = False
         try:
-            with self.store.host_slab_view() as slab:
-                filler = LeaseFiller(slab, lease, block_bytes, total_bytes)
+            with self.store.lease_writer(lease, caller.owner) as filler:
                 await self._fill(filler, first, chunks)
             if not filler.complete:
                 raise InvalidArgumentError(
@@ -348,7 +344,7 @@ class TierKVServicer(pb_grpc.TierKVServicer):
             raise _silent_stream(idle_s) from None
 
     async def _fill(
-        self, filler: LeaseFiller, first: RawPutChunk, chunks: AsyncIterator[RawPutChunk]
+        self, filler: LeaseWriter, first: RawPutChunk, chunks: AsyncIterator[RawPutChunk]
     ) -> None:
         """Copy the stream's chunks into the lease as they come; a stream silent for
         ``put_idle_timeout_s`` ends with ``DeadlineExceededError`` (its lease pages are HOST
@@ -372,11 +368,12 @@ class TierKVServicer(pb_grpc.TierKVServicer):
         self, namespace: Namespace, hashes: Sequence[bytes], header: pb.PutHeader, caller: Caller
     ) -> WriteLease:
         """A lease that never expires (its pages are written from this process, see
-        ``TieredStore.allocate``), aborted even when the call is cancelled mid-allocation."""
+        ``TieredStore.allocate_in_process``), aborted even when the call is cancelled
+        mid-allocation."""
         allocation = asyncio.ensure_future(self._run(
-            self.store.allocate, namespace, hashes, None, caller.owner,
+            self.store.allocate_in_process, namespace, hashes, caller.owner,
             priority=convert.priority_from(header.priority),
-            write_policy=convert.write_policy_from(header.write_policy), expires=False,
+            write_policy=convert.write_policy_from(header.write_policy),
         ))
         try:
             return await asyncio.shield(allocation)

@@ -156,7 +156,7 @@ def test_a_write_lease_outlives_the_pruning_of_its_namespace(
 ) -> None:
     store = make_store()
     store.register(namespace)
-    lease = store.allocate(namespace, keys(2), expires=False)
+    lease = store.allocate_in_process(namespace, keys(2))
     assert store.prune_namespaces() == [namespace]  # no block yet: it goes
     store.register(namespace)  # takes back the state the lease holds, not a second one
     assert store.commit(lease.lease_id) == 2

@@ -19,8 +19,14 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 
 Location = int | tuple[int, ...]
-# (byte offset in a slab, length) runs of one block, in block byte order.
-BlockExtents = list[tuple[int, int]]
+Extent = tuple[int, int]
+"""``(slab byte offset, length)``: one run of a block's bytes in a slab."""
+BlockExtents = list[Extent]
+"""A block's extents in block byte order (what a lease hands a same-host client, per block)."""
+CopySpan = tuple[int, int, int]
+"""``(slab byte offset, buffer byte offset, length)``: one copy between a slab and a buffer of
+blocks laid back to back. Every copy of whole blocks between a slab and a buffer is planned as
+a list of these by ``copy_spans``, the one place spans are made and merged."""
 
 _COUNT_BITS = 32
 _COUNT_MASK = (1 << _COUNT_BITS) - 1
@@ -47,16 +53,35 @@ def iter_extents(location: Location) -> Iterator[tuple[int, int]]:
             yield unpack_extent(extent)
 
 
+def block_extents(location: Location, page_bytes: int, block_bytes: int) -> BlockExtents:
+    """The extents of the ``block_bytes`` bytes of a block at ``location`` in a slab of
+    ``page_bytes`` pages (its last page may be only partly the block's)."""
+    return list(_byte_extents(location, page_bytes, block_bytes))
+
+
+def _byte_extents(location: Location, page_bytes: int, block_bytes: int) -> Iterator[Extent]:
+    remaining = block_bytes
+    for start, count in iter_extents(location):
+        length = min(remaining, count * page_bytes)
+        yield start * page_bytes, length
+        remaining -= length
+
+
 def copy_spans(
-    extents: Sequence[BlockExtents], block_indices: Sequence[int], block_bytes: int
-) -> list[tuple[int, int, int]]:
-    """``(slab offset, buffer offset, length)`` copies between a slab and a buffer of whole
-    blocks, where block ``block_indices[i]`` of the buffer lies at ``extents[i]`` of the slab;
-    adjacent runs are merged into one copy."""
-    spans: list[tuple[int, int, int]] = []
-    for block_extents, index in zip(extents, block_indices, strict=True):
-        buffer_offset = index * block_bytes
-        for slab_offset, length in block_extents:
+    locations: Sequence[Location],
+    page_bytes: int,
+    block_bytes: int,
+    buffer_indices: Sequence[int] | None = None,
+) -> list[CopySpan]:
+    """The copies between a slab of ``page_bytes`` pages and a buffer of whole blocks, where
+    the block at ``locations[i]`` pairs with the buffer's block ``buffer_indices[i]`` (default
+    ``i``). Spans adjacent in both the slab and the buffer are merged into one copy, so a batch
+    placed in one run of pages moves in one copy."""
+    spans: list[CopySpan] = []
+    for index, location in enumerate(locations):
+        slot = index if buffer_indices is None else buffer_indices[index]
+        buffer_offset = slot * block_bytes
+        for slab_offset, length in _byte_extents(location, page_bytes, block_bytes):
             if spans:
                 last_slab, last_buffer, last_length = spans[-1]
                 if last_slab + last_length == slab_offset and last_buffer + last_length == buffer_offset:

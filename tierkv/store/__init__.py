@@ -1,6 +1,22 @@
-"""The embedded, in-process tiered store."""
+"""The embedded, in-process tiered store.
 
+What is exported here is the store's public API: the server (``tierkv.service``) and every
+other user import from this package only, never from its modules.
+"""
+
+from tierkv.store.lease_writer import LeaseWriter
+from tierkv.store.leases import ReadLease, WriteLease
 from tierkv.store.stats import StoreStats, TierStats
 from tierkv.store.tiered import TieredStore
+from tierkv.store.validation import check_lookup_hashes, check_ttl
 
-__all__ = ["StoreStats", "TierStats", "TieredStore"]
+__all__ = [
+    "LeaseWriter",
+    "ReadLease",
+    "StoreStats",
+    "TierStats",
+    "TieredStore",
+    "WriteLease",
+    "check_lookup_hashes",
+    "check_ttl",
+]

@@ -4,6 +4,10 @@
 must be called with ``core.lock`` held; every other method takes the lock itself. Moving bytes
 between tiers is ``tierkv.store.moves``'s job.
 
+An entry is marked busy (``mark_busy_locked``) by every copy that reads it and released
+(``release_busy_locked``) when that copy is done; a copy that ends in the call that began it
+holds its marks in a ``busy()`` scope. Nothing else changes ``Entry.readers``.
+
 Decisions:
 1. Record deletes are queued and ride in the next disk write, in order and in the same
    transaction as the puts that reuse their bytes, so the committed disk never exceeds its
@@ -16,7 +20,8 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 from tierkv.config import StoreConfig, Tier
@@ -30,6 +35,21 @@ from tierkv.store.pins import PinTable
 from tierkv.tiers.disk import DiskTier, DiskWrite
 
 log = logging.getLogger(__name__)
+
+
+class BusyMarks:
+    """The entries one ``StoreCore.busy`` scope marked busy (released at its end)."""
+
+    __slots__ = ("_core", "entries")
+
+    def __init__(self, core: StoreCore) -> None:
+        self._core = core
+        self.entries: list[Entry] = []
+
+    def add_locked(self, entry: Entry) -> None:
+        """Mark ``entry`` busy until the scope ends (the store lock held)."""
+        self._core.mark_busy_locked(entry)
+        self.entries.append(entry)
 
 
 @dataclass(eq=False)
@@ -163,14 +183,35 @@ class StoreCore:
         if entry.priority != DOOMED:
             self.doom_locked(entry)
 
-    def release_reader_locked(self, entry: Entry) -> None:
-        """One read of ``entry`` is done."""
+    # --- busy marks -------------------------------------------------------------------------
+
+    def mark_busy_locked(self, entry: Entry) -> None:
+        """One more copy reads ``entry`` (``ledger`` decision 2): until it is released, none of
+        its copies is evicted and no page of it is freed or reused."""
+        entry.readers += 1
+
+    def release_busy_locked(self, entry: Entry) -> None:
+        """One copy that read ``entry`` is done (a deleted entry goes with its last one)."""
         entry.readers -= 1
         if entry.readers == 0:
             if entry.priority == DOOMED:
                 self._drop_all_locked(entry)
                 self.submit_deletes_locked()  # the delete() that doomed it did not wait for these
             self.changed.notify_all()
+
+    @contextmanager
+    def busy(self) -> Iterator[BusyMarks]:
+        """A scope for one copy: the entries marked through the ``BusyMarks`` it gives (with
+        the lock held, in the same critical section that chose them, so that none is evicted
+        in between) are released when the scope ends, however it ends."""
+        marks = BusyMarks(self)
+        try:
+            yield marks
+        finally:
+            if marks.entries:
+                with self.lock:
+                    for entry in marks.entries:
+                        self.release_busy_locked(entry)
 
     def _drop_all_locked(self, entry: Entry) -> None:
         for tier in Tier:

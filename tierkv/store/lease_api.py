@@ -12,6 +12,7 @@ from tierkv.config import Priority, StoreConfig, WritePolicy
 from tierkv.errors import ConfigError, StaleSlabError
 from tierkv.keys import Namespace
 from tierkv.store.books import StoreCore
+from tierkv.store.lease_writer import LeaseWriter
 from tierkv.store.leases import Leases, ReadLease, WriteLease
 from tierkv.store.ledger import NamespaceState
 from tierkv.store.validation import check_hashes
@@ -58,25 +59,45 @@ class LeaseMethods:
     def allocate(
         self, namespace: Namespace, hashes: Sequence[bytes], ttl_s: float | None = None,
         owner: str = "", *, priority: Priority = Priority.NORMAL,
-        write_policy: WritePolicy | None = None, expires: bool = True, slab_id: bytes = b"",
-        client_id: str = "",
+        write_policy: WritePolicy | None = None, slab_id: bytes = b"", client_id: str = "",
     ) -> WriteLease:
         """Reserve HOST pages for writing the blocks of ``hashes`` in place; ``commit`` (with
         the checksum of each block written) or ``abort`` before the lease expires. Same errors
-        as ``put``; ``slab_id`` and ``client_id`` as for ``acquire``.
-
-        ``expires=False`` is for a writer in this process that always ends the lease itself
-        (the server's stream Put aborts it in a ``finally``): such a lease is never reaped, so
-        its pages cannot be handed to another block while that writer is still copying, and
-        its commit needs no checksums (the pages are hashed instead)."""
+        as ``put``; ``slab_id`` and ``client_id`` as for ``acquire``."""
         state = self._state(namespace)
         keys = check_hashes(hashes)
         self._check_slab(slab_id)
+        return self._leases.allocate(state, keys, ttl_s, owner, Priority(priority),
+                                     self._lease_policy(write_policy), client_id=client_id)
+
+    def allocate_in_process(
+        self, namespace: Namespace, hashes: Sequence[bytes], owner: str = "", *,
+        priority: Priority = Priority.NORMAL, write_policy: WritePolicy | None = None,
+    ) -> WriteLease:
+        """A write lease that this process fills itself through ``lease_writer`` (the server's
+        stream Put). It never expires (``expires_in_s`` is infinite), so its pages cannot be
+        handed to another block while the writer is still copying: end it yourself, ``commit``
+        or ``abort`` in a ``finally``. Its commit takes the writer's checksums (or, given none,
+        hashes the pages). Otherwise as ``allocate``."""
+        state = self._state(namespace)
+        keys = check_hashes(hashes)
+        return self._leases.allocate(state, keys, None, owner, Priority(priority),
+                                     self._lease_policy(write_policy), in_process=True)
+
+    def lease_writer(self, lease: WriteLease, owner: str = "") -> LeaseWriter:
+        """A ``LeaseWriter`` that copies the blocks of ``lease`` (of ``allocate_in_process``),
+        given as one byte stream in block order, into their pages, hashing each block as it
+        lands; use it in a ``with`` block, then ``commit(lease.lease_id, owner,
+        writer.checksums)``. ``LeaseNotFoundError`` if the lease is not live, ``LeaseStateError``
+        for a client's lease (only its client writes its pages)."""
+        self._check_open()
+        return self._leases.lease_writer(lease.lease_id, owner)
+
+    def _lease_policy(self, write_policy: WritePolicy | None) -> WritePolicy:
         policy = write_policy or self.config.write_policy
         if policy is WritePolicy.WRITE_THROUGH and self._core.disk is None:
             raise ConfigError("allocate: write_through needs a disk tier (--disk-path)")
-        return self._leases.allocate(state, keys, ttl_s, owner, Priority(priority), policy,
-                                     expires=expires, client_id=client_id)
+        return policy
 
     def commit(self, lease_id: bytes, owner: str = "", checksums: Sequence[int] | None = None
                ) -> int:
@@ -130,13 +151,6 @@ class LeaseMethods:
     def host_shm_name(self) -> str:
         """Name of the HOST slab's shared-memory segment (for same-host clients)."""
         return self._host.shm_name
-
-    def host_slab_view(self) -> memoryview:
-        """The HOST slab's bytes, writable: what same-host clients map, for a writer in this
-        process that fills the extents of its own write lease. Release the view (``with``)
-        when done: the slab cannot be unmapped while views of it are alive."""
-        self._check_open()
-        return self._host.tensor.numpy().data
 
     @property
     def host_pinned(self) -> bool:

@@ -46,9 +46,10 @@ from tierkv.errors import (
     LeaseNotFoundError,
     LeaseStateError,
 )
-from tierkv.paging import BlockExtents, Location, iter_extents, location_num_pages
+from tierkv.paging import BlockExtents, Location, block_extents, copy_spans, location_num_pages
 from tierkv.shm.liveness import ClientWatch, Liveness
 from tierkv.store.books import StoreCore
+from tierkv.store.lease_writer import LeaseWriter
 from tierkv.store.ledger import DOOMED, Entry, NamespaceState
 from tierkv.store.moves import Mover
 from tierkv.store.validation import check_ttl
@@ -169,9 +170,9 @@ class Leases:
                 core.ledgers[top].counters.hits += 1
                 num_cached += 1
                 if len(planned) < max_blocks:
-                    entry.readers += 1
+                    core.mark_busy_locked(entry)
                     planned.append(entry)
-        self._bring_into_host(planned)
+        self.mover.promote(planned, Tier.HOST)
         leased: list[Entry] = []
         blocks: list[BlockExtents] = []
         checksums: list[int] = []
@@ -180,7 +181,7 @@ class Leases:
                 node = entry.host
                 if len(leased) < len(blocks) or node is None or entry.priority == DOOMED:
                     blocks.append([])  # the leading run ends here; the rest is not leased
-                    core.release_reader_locked(entry)
+                    core.release_busy_locked(entry)
                     continue
                 leased.append(entry)
                 blocks.append(self._extents(node.location, entry.ns.block_bytes))
@@ -188,23 +189,6 @@ class Leases:
             lease_id = self._new_id()
             self._active[lease_id] = _Read(owner, client_id, self._clock() + ttl, leased)
         return ReadLease(lease_id, blocks[: len(leased)], num_cached, ttl, checksums)
-
-    def _bring_into_host(self, entries: list[Entry]) -> None:
-        by_source: dict[Tier, list[Entry]] = {}
-        with self.core.lock:
-            for entry in entries:
-                top = entry.top_tier()
-                if top is not None and entry.host is None:
-                    by_source.setdefault(top, []).append(entry)
-        for source, batch in by_source.items():
-            # No waiting: the lease already holds blocks of HOST itself. When the whole batch
-            # does not fit (other leases hold pages), bring in what does, head first.
-            done = self.mover.copy_between(batch, source, Tier.HOST, wait=False)
-            for entry in batch:
-                if entry in done:
-                    continue
-                if not self.mover.copy_between([entry], source, Tier.HOST, wait=False):
-                    break  # HOST is full: the leased run ends here
 
     def release(self, lease_id: bytes, owner: str, corrupt_indices: Sequence[int] = ()) -> None:
         """End a read lease: its blocks may be evicted again. ``corrupt_indices``: leased blocks
@@ -220,18 +204,20 @@ class Leases:
         finally:
             with self.core.lock:
                 for entry in lease.entries:
-                    self.core.release_reader_locked(entry)
+                    self.core.release_busy_locked(entry)
 
     # --- writes -------------------------------------------------------------------------------
 
     def allocate(
         self, state: NamespaceState, keys: list[bytes], ttl_s: float | None, owner: str,
-        priority: Priority, policy: WritePolicy, *, expires: bool = True, client_id: str = "",
+        priority: Priority, policy: WritePolicy, *, in_process: bool = False,
+        client_id: str = "",
     ) -> WriteLease:
         """Reserve HOST pages for the blocks of ``keys`` that need bytes (see the module
-        docstring; ``expires=False``: never reaped, see ``TieredStore.allocate``). Raises
-        ``CapacityError`` when they do not fit; nothing is then reserved."""
-        ttl = _check_lease_ttl(ttl_s) if expires else math.inf
+        docstring; ``in_process``: filled through ``lease_writer``, never reaped, see
+        ``TieredStore.allocate_in_process``). Raises ``CapacityError`` when they do not fit;
+        nothing is then reserved."""
+        ttl = math.inf if in_process else _check_lease_ttl(ttl_s)
         host = self.core.paged[Tier.HOST]
         with self.core.lock:
             if host.allocator.num_free_pages < len(keys) * host.pages_for(state.block_bytes):
@@ -245,12 +231,32 @@ class Leases:
             Tier.HOST, [state.block_bytes] * len(write_indices), plan.own
         )
         lease = _Write(owner, client_id, self._clock() + ttl, state, keys, priority, plan,
-                       dict(zip(write_indices, locations, strict=True)), verify=expires)
+                       dict(zip(write_indices, locations, strict=True)), verify=not in_process)
         with self.core.lock:
             lease_id = self._new_id()
             self._active[lease_id] = lease
         blocks = [self._extents(location, state.block_bytes) for location in locations]
         return WriteLease(lease_id, write_indices, blocks, ttl)
+
+    def lease_writer(self, lease_id: bytes, owner: str) -> LeaseWriter:
+        """A ``LeaseWriter`` into the pages of ``owner``'s live in-process write lease
+        (``LeaseNotFoundError`` if there is none; ``LeaseStateError`` for a client's lease,
+        whose pages only that client writes)."""
+        host = self.core.paged[Tier.HOST].slab
+        with self.core.lock:  # no reaping here: an in-process lease never expires
+            lease = self._active.get(lease_id)
+            if lease is None or lease.owner != owner or not isinstance(lease, _Write):
+                raise LeaseNotFoundError(f"no write lease {lease_id.hex()}")
+            if lease.verify:
+                raise LeaseStateError(
+                    f"lease {lease_id.hex()} is a client's: only a lease of allocate_in_process "
+                    "is written by the store"
+                )
+            indices, locations = list(lease.locations), list(lease.locations.values())
+            block_bytes, num_blocks = lease.state.block_bytes, len(lease.keys)
+        spans = copy_spans(locations, host.page_bytes, block_bytes, indices)
+        return LeaseWriter(host.tensor.numpy().data, spans, indices, block_bytes,
+                           num_blocks * block_bytes)
 
     def commit(self, lease_id: bytes, owner: str, checksums: Sequence[int] | None = None) -> int:
         """Make a write lease's blocks visible (write-through records first); returns the blocks
@@ -348,7 +354,7 @@ class Leases:
             self._remember_locked(lease_id, lease.owner, "expired")
             if isinstance(lease, _Read):
                 for entry in lease.entries:
-                    self.core.release_reader_locked(entry)
+                    self.core.release_busy_locked(entry)
             elif lease.verify and state_of(lease.client_id) is Liveness.ALIVE:
                 self._quarantine.append(_Quarantined(lease.client_id, now + QUARANTINE_S,
                                                      list(lease.locations.values())))
@@ -389,14 +395,7 @@ class Leases:
         return secrets.token_bytes(16)
 
     def _extents(self, location: Location, block_bytes: int) -> BlockExtents:
-        page_bytes = self.core.paged[Tier.HOST].slab.page_bytes
-        extents: BlockExtents = []
-        remaining = block_bytes
-        for start, count in iter_extents(location):
-            length = min(remaining, count * page_bytes)
-            extents.append((start * page_bytes, length))
-            remaining -= length
-        return extents
+        return block_extents(location, self.core.paged[Tier.HOST].slab.page_bytes, block_bytes)
 
 
 def _check_lease_ttl(ttl_s: float | None) -> float:

@@ -97,13 +97,13 @@ class Mover:
             if node.owner.readers:
                 busy_pages += num_pages
                 continue
-            node.owner.readers += 1
+            self.core.mark_busy_locked(node.owner)
             victims.append(node.owner)
             pages += num_pages
             if pages >= pages_needed:
                 return victims, 0
         for entry in victims:
-            self.core.release_reader_locked(entry)
+            self.core.release_busy_locked(entry)
         pinned_pages = sum(
             location_num_pages(node.location)
             for node in (e.residency(ledger.tier) for e in self.core.pins.entries())
@@ -153,7 +153,7 @@ class Mover:
                 elif entry.priority != DOOMED and entry.residency(tier) is not None:
                     core.drop_locked(entry, tier)
                     ledger.counters.evictions += 1
-                core.release_reader_locked(entry)
+                core.release_busy_locked(entry)
         return all_freed
 
     def _has_copy_below(self, entry: Entry, tier: Tier) -> bool:
@@ -182,6 +182,46 @@ class Mover:
             else:
                 self.core.counters.demotions += len(done)
                 self.core.ledgers[destination].counters.demotions_in += len(done)
+        return done
+
+    def promote(self, entries: Sequence[Entry], destination: Tier) -> set[Entry]:
+        """Give each of ``entries`` (a chain, head first) that has no copy in paged
+        ``destination`` one there, copied from its fastest copy; returns those copied. The one
+        way blocks are brought up a tier: reads promote what they served, ``prefetch`` and
+        read leases bring blocks up (a lease brings GPU-only blocks into HOST too).
+
+        Deleted entries are skipped. Only what the tier can hold at all is tried, head first;
+        when a batch does not fit at once (other blocks hold the room), its leading blocks
+        that do fit are brought up one at a time. It never waits for room and never drops a
+        block to make it: the entries are busy-marked here for the copy (and a lease holds
+        others itself), so waiting could wait for them. Raises what the copy raises.
+        """
+        core = self.core
+        ledger = core.paged[destination]
+        by_source: dict[Tier, list[Entry]] = {}
+        done: set[Entry] = set()
+        with core.busy() as marks:
+            with core.lock:
+                room_pages = ledger.allocator.num_pages
+                for entry in entries:
+                    top = entry.top_tier()
+                    if (top is None or entry.priority == DOOMED
+                            or entry.residency(destination) is not None):
+                        continue
+                    room_pages -= ledger.pages_for(entry.ns.block_bytes)
+                    if room_pages < 0:
+                        break
+                    marks.add_locked(entry)
+                    by_source.setdefault(top, []).append(entry)
+            for source, batch in by_source.items():
+                done |= self.copy_between(batch, source, destination, wait=False)
+                for entry in batch:
+                    if entry in done:
+                        continue
+                    one = self.copy_between([entry], source, destination, wait=False)
+                    if not one:
+                        break  # the tier is full: the chain brought up ends here
+                    done |= one
         return done
 
     def _copy_paged(

@@ -1,11 +1,12 @@
 """The read path: ``get_into``, promotion on read, and ``prefetch``.
 
 Decisions:
-1. A get pins (``readers``) every block it will copy, under the lock, then copies without it;
-   pages of a block being read are never freed or reused until the copy is done.
+1. A get marks busy (``StoreCore.busy``) every block it will copy, under the lock, then copies
+   without it; pages of a block being read are never freed or reused until the copy is done.
 2. It returns the longest leading run that was copied intact: a block whose disk record fails
    its checks ends the run there (and is dropped and counted), it never comes back as data.
-3. Blocks served from a lower tier are promoted one tier up in the background.
+3. Blocks served from a lower tier are promoted one tier up in the background
+   (``Mover.promote``).
 """
 
 from __future__ import annotations
@@ -19,8 +20,8 @@ import torch
 
 from tierkv.checksums import block_checksums
 from tierkv.config import Tier
-from tierkv.store.books import StoreCore
-from tierkv.store.ledger import DOOMED, Entry, NamespaceState, PagedLedger
+from tierkv.store.books import BusyMarks, StoreCore
+from tierkv.store.ledger import Entry, NamespaceState, PagedLedger
 from tierkv.store.moves import Mover
 from tierkv.store.validation import check_out
 
@@ -43,19 +44,17 @@ class Reader:
     def get_into(self, state: NamespaceState, keys: list[bytes], out: torch.Tensor) -> int:
         """See ``TieredStore.get_into``."""
         flat = check_out(state.namespace.layout, out, len(keys))
-        plan = self._plan_reads(state, keys)
-        num_ok = 0
-        try:
+        with self.core.busy() as marks:
+            plan = self._plan_reads(state, keys, marks)
             num_ok = self._copy_out(plan, state.block_bytes, flat)
-        finally:
-            with self.core.lock:
-                for _, entry, _ in plan:
-                    self.core.release_reader_locked(entry)
         if self.core.config.promote_on_read:
             self._promote_later(plan[:num_ok])
         return num_ok
 
-    def _plan_reads(self, state: NamespaceState, keys: list[bytes]) -> list[Planned]:
+    def _plan_reads(self, state: NamespaceState, keys: list[bytes], marks: BusyMarks
+                    ) -> list[Planned]:
+        """The leading stored blocks of ``keys`` and the tier each is read from, busy-marked
+        in ``marks``; counts hits and misses and touches the chain tail first."""
         core = self.core
         plan: list[Planned] = []
         with core.lock:
@@ -69,7 +68,7 @@ class Reader:
                 if entry is None or tier is None:
                     break
                 core.ledgers[tier].counters.hits += 1
-                entry.readers += 1
+                marks.add_locked(entry)
                 plan.append((index, entry, tier))
             for _, entry, _ in reversed(plan):  # tail first: the head ends most recently used
                 core.touch_locked(entry)
@@ -155,7 +154,7 @@ class Reader:
                 # Disk reads run on the disk tier's reader threads, the rest on the store's.
                 disk = self.core.disk
                 executor = disk.readers if source is Tier.DISK and disk is not None else self._executor
-                future = executor.submit(self._promote, entries, source, destination)
+                future = executor.submit(self._promote, entries, destination)
             except RuntimeError:  # the store is closing: promotion is only an optimisation
                 return
             with self._background_lock:
@@ -186,39 +185,15 @@ class Reader:
                 return upper
         return None
 
-    def _promote(self, entries: list[Entry], source: Tier, destination: Tier) -> int:
-        core = self.core
-        with core.lock:
-            todo = [
-                e for e in entries
-                if e.priority != DOOMED and e.residency(source) is not None
-                and e.residency(destination) is None
-            ]
-            # Promote only what the tier can hold at all, head of the chain first.
-            ledger = core.paged[destination]
-            room = ledger.allocator.num_pages
-            fitting: list[Entry] = []
-            for entry in todo:
-                room -= ledger.pages_for(entry.ns.block_bytes)
-                if room < 0:
-                    break
-                fitting.append(entry)
-            todo = fitting
-            for entry in todo:
-                entry.readers += 1
+    def _promote(self, entries: list[Entry], destination: Tier) -> int:
+        """``Mover.promote``, for work that has no caller to raise to; returns how many made
+        it."""
         try:
-            # No waiting: this promotion holds blocks itself, and must never destroy any.
-            done = self.mover.copy_between(todo, source, destination, wait=False) if todo else set()
-            return len(done)
+            return len(self.mover.promote(entries, destination))
         except Exception:
             # Background work has no caller to raise to; log it with its traceback.
-            log.exception("promoting %d blocks %s -> %s failed", len(todo), source.label,
-                          destination.label)
+            log.exception("promoting %d blocks to %s failed", len(entries), destination.label)
             return 0
-        finally:
-            with core.lock:
-                for entry in todo:
-                    core.release_reader_locked(entry)
 
     def prefetch(self, state: NamespaceState, keys: list[bytes], tier: Tier) -> int:
         """See ``TieredStore.prefetch``."""
@@ -232,8 +207,8 @@ class Reader:
                     break
                 if top > tier:
                     by_source.setdefault(top, []).append(entry)
-        for source, entries in by_source.items():
-            self._promote(entries, source, tier)
+        for entries in by_source.values():
+            self._promote(entries, tier)
         num_ready = 0
         with core.lock:
             for key in keys:

@@ -245,18 +245,13 @@ class Writer:
                 candidates = [node.owner for node in ledger.lru.iter_lru()]
                 candidates += [e for e in core.pins.entries() if e.residency(tier) is not None]
             for start in range(0, len(candidates), _FLUSH_BATCH):
-                with core.lock:
-                    batch = [
-                        e for e in candidates[start : start + _FLUSH_BATCH]
-                        if e.disk is None and e.priority != DOOMED
-                        and e.residency(tier) is not None
-                    ]
-                    for entry in batch:
-                        entry.readers += 1
-                try:  # a batch that does not fit comes back empty (copy_between says so)
-                    num_written += len(self.mover.copy_between(batch, tier, Tier.DISK)) if batch else 0
-                finally:
+                with core.busy() as marks:
                     with core.lock:
-                        for entry in batch:
-                            core.release_reader_locked(entry)
+                        for entry in candidates[start : start + _FLUSH_BATCH]:
+                            if (entry.disk is None and entry.priority != DOOMED
+                                    and entry.residency(tier) is not None):
+                                marks.add_locked(entry)
+                    batch = marks.entries
+                    # A batch that does not fit comes back empty (copy_between says so).
+                    num_written += len(self.mover.copy_between(batch, tier, Tier.DISK)) if batch else 0
         return num_written

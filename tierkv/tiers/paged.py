@@ -1,8 +1,8 @@
 """A paged slab: one flat uint8 tensor cut into fixed pages (the GPU and HOST tiers).
 
-The slab copies whole blocks between itself and a caller's buffer. Copies of blocks whose pages
-and buffer bytes are both adjacent are merged, so a batch placed in one run of pages moves in one
-copy.
+The slab copies whole blocks between itself and a caller's buffer along ``CopySpan``s planned
+by ``tierkv.paging.copy_spans`` (which merges adjacent copies, so a batch placed in one run of
+pages moves in one copy).
 """
 
 from __future__ import annotations
@@ -12,10 +12,7 @@ from collections.abc import Sequence
 import torch
 
 from tierkv.checksums import checksums
-from tierkv.paging import Location, iter_extents
-
-# (slab byte offset, buffer byte offset, length)
-CopySpan = tuple[int, int, int]
+from tierkv.paging import CopySpan, Location, block_extents, copy_spans, iter_extents
 
 
 class PagedSlab:
@@ -43,31 +40,10 @@ class PagedSlab:
         block_bytes: int,
         buffer_indices: Sequence[int] | None = None,
     ) -> list[CopySpan]:
-        """Merged copy spans between the slab and a buffer of blocks laid back to back.
-
-        Block ``i`` of ``locations`` pairs with the buffer's block ``buffer_indices[i]``
-        (default ``i``).
-        """
-        spans: list[CopySpan] = []
-        page = self.page_bytes
-        for index, location in enumerate(locations):
-            slot = index if buffer_indices is None else buffer_indices[index]
-            buffer_offset = slot * block_bytes
-            remaining = block_bytes
-            for start, count in iter_extents(location):
-                length = min(remaining, count * page)
-                slab_offset = start * page
-                if spans:
-                    last_slab, last_buf, last_len = spans[-1]
-                    if last_slab + last_len == slab_offset and last_buf + last_len == buffer_offset:
-                        spans[-1] = (last_slab, last_buf, last_len + length)
-                        buffer_offset += length
-                        remaining -= length
-                        continue
-                spans.append((slab_offset, buffer_offset, length))
-                buffer_offset += length
-                remaining -= length
-        return spans
+        """Merged copy spans between the slab and a buffer of blocks laid back to back
+        (``tierkv.paging.copy_spans``): block ``i`` of ``locations`` pairs with the buffer's
+        block ``buffer_indices[i]`` (default ``i``)."""
+        return copy_spans(locations, self.page_bytes, block_bytes, buffer_indices)
 
     def write(self, spans: Sequence[CopySpan], source: torch.Tensor, non_blocking: bool) -> None:
         """Copy ``source`` (flat uint8) into the slab along ``spans``."""
@@ -99,16 +75,11 @@ class PagedSlab:
         """The checksums of the blocks at ``locations`` (CPU slabs only; large batches on all
         cores)."""
         array = self.tensor.numpy()
-        blocks = []
-        for location in locations:
-            parts = []
-            remaining = block_bytes
-            for start, count in iter_extents(location):
-                length = min(remaining, count * self.page_bytes)
-                offset = start * self.page_bytes
-                parts.append(array[offset : offset + length])
-                remaining -= length
-            blocks.append(parts)
+        blocks = [
+            [array[offset : offset + length]
+             for offset, length in block_extents(location, self.page_bytes, block_bytes)]
+            for location in locations
+        ]
         return checksums(blocks)
 
     def close(self) -> None:

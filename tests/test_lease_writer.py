@@ -1,4 +1,5 @@
-"""A Put stream copied straight into a write lease's HOST pages (``tierkv.service.stream_put``).
+"""A byte stream copied straight into a write lease's HOST pages by the store
+(``TieredStore.allocate_in_process`` and ``lease_writer``: the server's stream Put).
 
 Real stores with two pages a block, fragmented on purpose so that leased blocks lie on scattered
 pages; chunk sizes that cut pages, blocks and spans anywhere; blocks stored already (whose bytes
@@ -15,8 +16,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from service_fixtures import split
 
-from tierkv import InvalidArgumentError, Namespace, Tier, TieredStore
-from tierkv.service.stream_put import LeaseFiller
+from tierkv import InvalidArgumentError, LeaseStateError, Namespace, Tier, TieredStore
 from tiny_blocks import BLOCK_BYTES, StoreFactory, blocks, keys, same_bytes
 
 NUM_BLOCKS = 6
@@ -33,9 +33,9 @@ def stream(store: TieredStore, namespace: Namespace, hashes: list[bytes], data: 
            chunk_sizes: list[int]) -> int:
     """Allocate, feed ``data`` in chunks of ``chunk_sizes`` (cycled), commit."""
     raw = data.contiguous().view(torch.uint8).reshape(-1).numpy().tobytes()
-    lease = store.allocate(namespace, hashes, expires=False)
-    with store.host_slab_view() as slab:
-        filler = LeaseFiller(slab, lease, BLOCK_BYTES, len(raw))
+    lease = store.allocate_in_process(namespace, hashes)
+    with store.lease_writer(lease) as filler:
+        assert filler.total_bytes == len(raw)
         for piece in split(raw, chunk_sizes):
             filler.write(memoryview(piece))
         assert filler.complete
@@ -69,10 +69,10 @@ def test_more_bytes_than_the_blocks_hold_are_refused(
     store = make_store()
     store.register(namespace)
     hashes = keys(2)
-    lease = store.allocate(namespace, hashes, expires=False)
+    lease = store.allocate_in_process(namespace, hashes)
     raw = memoryview(bytes(3 * BLOCK_BYTES))
-    with store.host_slab_view() as slab:
-        filler = LeaseFiller(slab, lease, BLOCK_BYTES, 2 * BLOCK_BYTES)
+    with store.lease_writer(lease) as filler:
+        assert filler.total_bytes == 2 * BLOCK_BYTES
         filler.write(raw[: BLOCK_BYTES + 1])
         assert not filler.complete
         with pytest.raises(InvalidArgumentError, match="more than"):
@@ -89,7 +89,7 @@ def test_a_lease_that_does_not_expire_outlives_every_ttl(
     now = [100.0]
     store = make_store(clock=lambda: now[0])
     store.register(namespace)
-    lease = store.allocate(namespace, keys(2), expires=False)
+    lease = store.allocate_in_process(namespace, keys(2))
     assert math.isinf(lease.expires_in_s)
     now[0] += 10**9
     assert store.expire_leases() == 0
@@ -97,3 +97,15 @@ def test_a_lease_that_does_not_expire_outlives_every_ttl(
     store.abort(lease.lease_id)
     assert store.num_leases == 0
     assert store.stats().tiers[Tier.HOST].used_bytes == 0
+
+
+def test_only_an_in_process_lease_is_written_by_the_store(
+    make_store: StoreFactory, namespace: Namespace
+) -> None:
+    """A client's lease is written by that client alone (and checked against its checksums)."""
+    store = make_store()
+    store.register(namespace)
+    lease = store.allocate(namespace, keys(2))
+    with pytest.raises(LeaseStateError, match="allocate_in_process"):
+        store.lease_writer(lease)
+    store.abort(lease.lease_id)
