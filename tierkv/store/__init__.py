@@ -1,7 +1,8 @@
 """The embedded, in-process tiered store.
 
 What is exported here is the store's public API: the server (``tierkv.service``) and every
-other user import from this package only, never from its modules.
+other user import from this package only, never from its modules. ``DiskIOError`` is raised by
+store calls when the disk fails (the other errors are in ``tierkv.errors``).
 """
 
 from tierkv.store.lease_writer import LeaseWriter
@@ -9,8 +10,10 @@ from tierkv.store.leases import ReadLease, WriteLease
 from tierkv.store.stats import StoreStats, TierStats
 from tierkv.store.tiered import TieredStore
 from tierkv.store.validation import check_lookup_hashes, check_ttl
+from tierkv.tiers.disk import DiskIOError
 
 __all__ = [
+    "DiskIOError",
     "LeaseWriter",
     "ReadLease",
     "StoreStats",

@@ -12,7 +12,9 @@ A client on the same host maps the HOST slab (shared memory) and copies blocks i
 Decisions:
 1. A lease expires ``ttl_s`` after it was granted (at least ``MIN_LEASE_TTL_S``: a lease is
    never born expired): a client that dies never leaks pages. Any lease call, and ``expire``,
-   reaps expired leases.
+   reaps expired leases. The one exception is a lease this process fills itself
+   (``allocate_in_process`` and ``lease_writer``, the server's stream Put): it never expires,
+   so its pages are never reused under the writer, which ends the lease itself.
 2. A lease belongs to its ``owner`` (the server passes tenant and client id); another owner's
    lease id is unknown to it (``LeaseNotFoundError``), so a lease only ever covers its own pages.
 3. Finished leases are remembered for a while, so that a double commit or a commit after expiry
