@@ -1,4 +1,5 @@
-"""PageAllocator: no page is handed out twice, every page comes back, batches stay adjacent."""
+"""PageAllocator: no page is handed out twice, every page comes back, batches stay adjacent;
+block extents stop where the block does and copy spans merge only what is adjacent on both sides."""
 
 from __future__ import annotations
 
@@ -7,7 +8,14 @@ import random
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tierkv.paging import PageAllocator, iter_extents, location_num_pages
+from tierkv.paging import (
+    PageAllocator,
+    block_extents,
+    copy_spans,
+    iter_extents,
+    location_num_pages,
+    pack_extent,
+)
 
 
 def pages_of(location: int | tuple[int, ...]) -> list[int]:
@@ -77,3 +85,18 @@ def test_random_alloc_free_never_double_books(ops: list[tuple[bool, list[int]]],
     for location in held:
         allocator.free(location)
     assert allocator.try_allocate([32]) is not None  # everything came back and coalesced
+
+
+def test_block_extents_cover_the_block_only() -> None:
+    """A block of 2.5 pages on scattered pages: its last extent stops where the block does."""
+    location = (pack_extent(4, 2), pack_extent(9, 1))
+    assert block_extents(location, 100, 250) == [(400, 200), (900, 50)]
+
+
+def test_copy_spans_merge_what_is_adjacent_in_both_slab_and_buffer() -> None:
+    run = [pack_extent(0, 2), pack_extent(2, 2)]  # two blocks back to back in one run
+    assert copy_spans(run, 100, 200) == [(0, 0, 400)]
+    # The same pages into buffer slots 1 and 3: adjacent in the slab only, so two copies.
+    assert copy_spans(run, 100, 200, [1, 3]) == [(0, 200, 200), (200, 600, 200)]
+    scattered = [(pack_extent(6, 1), pack_extent(2, 1))]
+    assert copy_spans(scattered, 100, 200) == [(600, 0, 100), (200, 100, 100)]
