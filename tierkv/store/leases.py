@@ -174,7 +174,14 @@ class Leases:
                 if len(planned) < max_blocks:
                     core.mark_busy_locked(entry)
                     planned.append(entry)
-        self.mover.promote(planned, Tier.HOST)
+        try:
+            self.mover.promote(planned, Tier.HOST)
+        except BaseException:
+            # Nothing is leased: the marks go, or the blocks could never be evicted again.
+            with core.lock:
+                for entry in planned:
+                    core.release_busy_locked(entry)
+            raise
         leased: list[Entry] = []
         blocks: list[BlockExtents] = []
         checksums: list[int] = []
