@@ -36,8 +36,7 @@ from tierkv.errors import (
 from tierkv.hashing import ExtraKeys, MultiModalItem, block_hashes
 from tierkv.keys import BlockHash, BlockKey, Namespace, NamespaceId
 from tierkv.layout import DType, KVLayout
-from tierkv.store import StoreStats, TieredStore, TierStats
-from tierkv.store.leases import ReadLease, WriteLease
+from tierkv.store import ReadLease, StoreStats, TieredStore, TierStats, WriteLease
 
 __all__ = [
     "AsyncClient",
