@@ -5,11 +5,16 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from tierkv.config import MiB
 from tierkv.errors import ConfigError, InvalidArgumentError
 from tierkv.hashing import DEFAULT_ALGORITHM, HashAlgorithm, check_algorithm, default_seed
-
-DEFAULT_LISTEN = ("unix:///tmp/tierkv.sock", "127.0.0.1:50051")
-MiB = 1024 * 1024
+from tierkv.wire.limits import (
+    CHUNK_BYTES,
+    DEFAULT_LISTEN,
+    MAX_HASHES_PER_CALL,
+    MAX_MESSAGE_BYTES,
+    MESSAGE_HEADER_ROOM_BYTES,
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,9 +59,9 @@ class ServiceConfig:
     tls: TlsConfig | None = None
     hash_seed: str = field(default_factory=default_seed)
     hash_algo: HashAlgorithm = DEFAULT_ALGORITHM
-    max_hashes_per_call: int = 65536
-    chunk_bytes: int = 1 * MiB
-    max_message_bytes: int = 4 * MiB
+    max_hashes_per_call: int = MAX_HASHES_PER_CALL
+    chunk_bytes: int = CHUNK_BYTES
+    max_message_bytes: int = MAX_MESSAGE_BYTES
     max_put_bytes: int = 1024 * MiB
     max_namespaces: int = 4096
     max_namespaces_per_tenant: int = 1024
@@ -74,7 +79,7 @@ class ServiceConfig:
             raise ConfigError(f"--hash-algo: {exc}") from None
         if not isinstance(self.hash_seed, str):
             raise ConfigError(f"--hash-seed: a str, got {type(self.hash_seed).__name__}")
-        if not 0 < self.chunk_bytes <= self.max_message_bytes - 64 * 1024:
+        if not 0 < self.chunk_bytes <= self.max_message_bytes - MESSAGE_HEADER_ROOM_BYTES:
             raise ConfigError("chunk_bytes must leave room for the message header under 4 MiB")
         if self.max_hashes_per_call < 1 or self.num_workers < 1:
             raise ConfigError("max_hashes_per_call and num_workers must be positive")

@@ -1,4 +1,5 @@
-"""tierkv exceptions -> gRPC status codes (one place, one table)."""
+"""What a failed call answers: the status code of ``tierkv.wire.status``'s table, a message
+short enough for gRPC, and a log line for anything that is not the caller's doing."""
 
 from __future__ import annotations
 
@@ -6,39 +7,19 @@ import logging
 
 import grpc
 
-from tierkv.errors import (
-    CapacityError,
-    DeadlineExceededError,
-    IntegrityError,
-    InvalidArgumentError,
-    LeaseNotFoundError,
-    LeaseStateError,
-    SessionNotFoundError,
-    StaleSlabError,
-    StoreClosedError,
-    TierKVError,
-)
-from tierkv.tiers.disk import DiskIOError
+from tierkv.errors import IntegrityError, TierKVError
+from tierkv.store import DiskIOError
+from tierkv.wire.status import code_of
 
 log = logging.getLogger(__name__)
 # gRPC clients refuse status messages over 8-16 KiB (they travel as metadata), and a message
 # may quote the caller's input: 1 KiB says enough.
 _MAX_MESSAGE_CHARS = 1024
-
-# Checked in order: the first class that matches decides.
-_CODES: tuple[tuple[type[BaseException], grpc.StatusCode], ...] = (
-    (InvalidArgumentError, grpc.StatusCode.INVALID_ARGUMENT),
-    (CapacityError, grpc.StatusCode.RESOURCE_EXHAUSTED),
-    (LeaseNotFoundError, grpc.StatusCode.NOT_FOUND),
-    (SessionNotFoundError, grpc.StatusCode.NOT_FOUND),
-    (LeaseStateError, grpc.StatusCode.FAILED_PRECONDITION),
-    (StoreClosedError, grpc.StatusCode.UNAVAILABLE),
-    (DeadlineExceededError, grpc.StatusCode.DEADLINE_EXCEEDED),
-    (StaleSlabError, grpc.StatusCode.ABORTED),
-    (IntegrityError, grpc.StatusCode.DATA_LOSS),
-    # The device failed a write with room left: retrying (UNAVAILABLE) cannot help.
-    (DiskIOError, grpc.StatusCode.DATA_LOSS),
-    (ValueError, grpc.StatusCode.INVALID_ARGUMENT),
+# The disk tier's own error (not in tierkv.errors, so the wire cannot name it) is served as
+# the error it stands for: the device failed a write with room left, so retrying
+# (UNAVAILABLE) cannot help; DATA_LOSS says so.
+_SERVED_AS: tuple[tuple[type[TierKVError], type[TierKVError]], ...] = (
+    (DiskIOError, IntegrityError),
 )
 
 
@@ -47,9 +28,10 @@ def status_of(exc: BaseException) -> tuple[grpc.StatusCode, str]:
     message = str(exc)
     if len(message) > _MAX_MESSAGE_CHARS:
         message = message[:_MAX_MESSAGE_CHARS] + "..."
-    for kind, code in _CODES:
-        if isinstance(exc, kind):
-            return code, message
+    kind = next((as_ for served, as_ in _SERVED_AS if isinstance(exc, served)), type(exc))
+    code = code_of(kind)
+    if code is not None:
+        return code, message
     if isinstance(exc, TierKVError):  # a disk that failed, not the caller's input
         log.error("store error: %s", exc)
         return grpc.StatusCode.UNAVAILABLE, message

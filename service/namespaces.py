@@ -18,12 +18,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from tierkv import codec
 from tierkv.errors import CapacityError
 from tierkv.keys import Namespace
 from tierkv.service.config import ServiceConfig
 from tierkv.store import TieredStore
 from tierkv.wire import tierkv_pb2 as pb
+from tierkv.wire.namespaces import namespace_from
 
 _MAX_CACHED = 4096
 
@@ -51,7 +51,7 @@ class NamespaceBook:
         Raises ``InvalidArgumentError`` for a malformed ``spec``."""
         namespace = self.cached(store, spec, tenant)
         if namespace is None:
-            namespace = codec.namespace_from_wire(spec, tenant)
+            namespace = namespace_from(spec, tenant)
             if not store.is_registered(namespace):
                 return None
             self._remember(spec, tenant, namespace)
@@ -62,7 +62,7 @@ class NamespaceBook:
         the tenant's share or the server's limit is full of namespaces that hold something."""
         namespace = self.cached(store, spec, tenant)
         if namespace is None:
-            namespace = codec.namespace_from_wire(spec, tenant)
+            namespace = namespace_from(spec, tenant)
             if not store.is_registered(namespace):
                 self._make_room(store, tenant)
                 store.register(namespace)

@@ -15,7 +15,6 @@ import functools
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, TypeVar
 
 import grpc
@@ -23,7 +22,6 @@ import torch
 from google.protobuf.message import DecodeError
 
 import tierkv
-from tierkv import codec
 from tierkv.codec import RawPutChunk
 from tierkv.config import Tier
 from tierkv.errors import CapacityError, DeadlineExceededError, InvalidArgumentError, TierKVError
@@ -37,6 +35,9 @@ from tierkv.service.namespaces import NamespaceBook
 from tierkv.store import LeaseWriter, TieredStore, WriteLease, check_ttl
 from tierkv.wire import tierkv_pb2 as pb
 from tierkv.wire import tierkv_pb2_grpc as pb_grpc
+from tierkv.wire.convert import lookup_to, read_lease_to, stats_to, write_lease_to
+from tierkv.wire.limits import host_id
+from tierkv.wire.namespaces import namespace_to
 
 R = TypeVar("R")
 # Plain lookups of up to this many hashes (a 128K-token prompt in blocks of 16) run on the event
@@ -54,13 +55,6 @@ class Caller:
     tenant: str
     owner: str
     client_id: str = ""
-
-
-def _host_id() -> str:
-    try:
-        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
-    except OSError:
-        return ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -150,7 +144,7 @@ class TierKVServicer(pb_grpc.TierKVServicer):
         self._store: TieredStore | None = None
         self._executor = ThreadPoolExecutor(config.num_workers, "tierkv-rpc")
         self._buffers = BufferPool(2 * config.max_put_bytes)
-        self._host_id = _host_id()
+        self._host_id = host_id()
         self._namespaces = NamespaceBook(config)
         self._closing: set[asyncio.Future[None]] = set()  # Put streams closed after their answer
 
@@ -226,8 +220,7 @@ class TierKVServicer(pb_grpc.TierKVServicer):
         simple = not request.prefetch and not request.pin_ttl_s
         inline_limit = min(_INLINE_LOOKUP_HASHES, self.config.max_hashes_per_call)
         if namespace is not None and simple and len(request.hashes) <= inline_limit:
-            return pb.LookupResponse(**convert.tier_counts(self.store.locate(namespace,
-                                                                             request.hashes)))
+            return lookup_to(self.store.locate(namespace, request.hashes))
         return await self._run(self._lookup, request, caller)
 
     def _lookup(self, request: pb.LookupRequest, caller: Caller) -> pb.LookupResponse:
@@ -246,8 +239,7 @@ class TierKVServicer(pb_grpc.TierKVServicer):
             store.prefetch(namespace, hashes, Tier.HOST).result()
         if request.pin_ttl_s:
             num_pinned = store.pin(namespace, hashes, request.pin_ttl_s)
-        return pb.LookupResponse(num_pinned=num_pinned,
-                                 **convert.tier_counts(store.locate(namespace, hashes)))
+        return lookup_to(store.locate(namespace, hashes), num_pinned)
 
     @unary
     async def Pin(self, request: pb.PinRequest, context: Any, caller: Caller) -> Any:
@@ -274,7 +266,7 @@ class TierKVServicer(pb_grpc.TierKVServicer):
     @unary
     async def Stats(self, request: pb.StatsRequest, context: Any, caller: Caller) -> Any:
         stats = await self._run(self.store.stats)
-        return convert.stats_to(stats, self.store.num_leases)
+        return stats_to(stats, self.store.num_leases)
 
     # --- stream data path -----------------------------------------------------------------
 
@@ -452,7 +444,7 @@ class TierKVServicer(pb_grpc.TierKVServicer):
 
     def _acquire(self, request: pb.AcquireRequest, caller: Caller) -> pb.LeaseResponse:
         namespace, hashes = self._blocks(request, caller)
-        return convert.lease_to(self.store.acquire(
+        return read_lease_to(self.store.acquire(
             namespace, hashes, convert.ttl_from(request.lease_ttl_s), caller.owner,
             slab_id=request.slab_id, client_id=caller.client_id,
         ), self.store.host_slab_id)
@@ -473,7 +465,7 @@ class TierKVServicer(pb_grpc.TierKVServicer):
 
     def _allocate(self, request: pb.AllocateRequest, caller: Caller) -> pb.LeaseResponse:
         namespace, hashes = self._blocks(request, caller)
-        return convert.lease_to(self.store.allocate(
+        return write_lease_to(self.store.allocate(
             namespace, hashes, convert.ttl_from(request.lease_ttl_s), caller.owner,
             priority=convert.priority_from(request.priority),
             write_policy=convert.write_policy_from(request.write_policy),
@@ -504,7 +496,7 @@ class TierKVServicer(pb_grpc.TierKVServicer):
         resumed = await self._run(self.store.resume_session, caller.tenant, request.session_id,
                                   self.config.hash_seed, self.config.hash_algo)
         return pb.ResumeSessionResponse(
-            namespace=codec.namespace_to_wire(resumed.namespace), token_ids=resumed.token_ids,
+            namespace=namespace_to(resumed.namespace), token_ids=resumed.token_ids,
             num_cached_tokens=resumed.num_cached_tokens,
         )
 

@@ -1,6 +1,13 @@
-"""The client SDK of the ``tierkv serve`` sidecar: ``Client`` (blocking) and ``AsyncClient``."""
+"""The client SDK of the ``tierkv serve`` sidecar: ``Client`` (blocking) and ``AsyncClient``.
+
+Both run the same logic (``tierkv.client.flows``); what their calls give back beside plain
+values: ``ServerStats`` (``stats``), ``LookupDetail`` (``lookup_detail``), ``ServerInfo``
+(``describe``).
+"""
 
 from tierkv.client.aio import AsyncClient
+from tierkv.client.results import ServerStats
 from tierkv.client.sync import Client
+from tierkv.wire.convert import LookupDetail, ServerInfo
 
-__all__ = ["AsyncClient", "Client"]
+__all__ = ["AsyncClient", "Client", "LookupDetail", "ServerInfo", "ServerStats"]

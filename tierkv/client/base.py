@@ -19,16 +19,12 @@ import numpy as np
 import torch
 
 from tierkv.checksums import CopyParts, copy_with_checksums
-from tierkv.codec import encode_put_chunk, namespace_to_wire
+from tierkv.codec import encode_put_chunk
 from tierkv.config import Priority, WritePolicy
 from tierkv.errors import (
-    AuthenticationError,
-    CapacityError,
-    DeadlineExceededError,
     IntegrityError,
     InvalidArgumentError,
     LeaseStateError,
-    NotFoundError,
     ServiceUnavailableError,
     StaleSlabError,
     TierKVError,
@@ -38,41 +34,18 @@ from tierkv.shm.liveness import ClientLock
 from tierkv.shm.presence import PresenceView
 from tierkv.wire import tierkv_pb2 as pb
 from tierkv.wire import tierkv_pb2_grpc as pb_grpc
+from tierkv.wire.convert import ServerInfo, extents_from
+from tierkv.wire.enums import priority_to, write_policy_to
+from tierkv.wire.limits import CHUNK_BYTES, DEFAULT_TARGET, MAX_MESSAGE_BYTES, host_id
+from tierkv.wire.namespaces import namespace_to
+from tierkv.wire.status import RETRYABLE_CODES, error_of
 
-DEFAULT_TARGET = "unix:///tmp/tierkv.sock"
-CHUNK_BYTES = 1024 * 1024
-MAX_MESSAGE_BYTES = 4 * 1024 * 1024
-
-_ERRORS: dict[grpc.StatusCode, type[TierKVError]] = {
-    grpc.StatusCode.INVALID_ARGUMENT: InvalidArgumentError,
-    grpc.StatusCode.RESOURCE_EXHAUSTED: CapacityError,
-    grpc.StatusCode.NOT_FOUND: NotFoundError,
-    grpc.StatusCode.FAILED_PRECONDITION: LeaseStateError,
-    grpc.StatusCode.UNAUTHENTICATED: AuthenticationError,
-    grpc.StatusCode.UNAVAILABLE: ServiceUnavailableError,
-    grpc.StatusCode.CANCELLED: ServiceUnavailableError,  # (by a server that is stopping)
-    grpc.StatusCode.DEADLINE_EXCEEDED: DeadlineExceededError,
-    grpc.StatusCode.ABORTED: StaleSlabError,
-    grpc.StatusCode.DATA_LOSS: IntegrityError,
-}
-_RETRYABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED})
 # A write lease is not written into once this share of its TTL has passed (the copy itself
 # takes time; a lease that expires under the copy is refused at commit anyway).
 _LEASE_MARGIN = 0.8
 # What the shared-memory path retries once after describing the server again: its slab was
 # replaced (a restart), or what the client wrote did not arrive intact.
 REMAP_ERRORS = (StaleSlabError, IntegrityError)
-_POLICIES: dict[WritePolicy | None, pb.WritePolicy] = {
-    None: pb.WRITE_POLICY_UNSPECIFIED,
-    WritePolicy.WRITE_BACK: pb.WRITE_POLICY_WRITE_BACK,
-    WritePolicy.WRITE_THROUGH: pb.WRITE_POLICY_WRITE_THROUGH,
-}
-_PRIORITIES: dict[Priority, pb.Priority] = {
-    Priority.LOW: pb.PRIORITY_LOW,
-    Priority.NORMAL: pb.PRIORITY_NORMAL,
-    Priority.HIGH: pb.PRIORITY_HIGH,
-    Priority.SESSION: pb.PRIORITY_SESSION,
-}
 
 
 @dataclass(frozen=True, slots=True)
@@ -118,31 +91,14 @@ class ClientSettings:
 
 
 def error_from(exc: grpc.RpcError) -> TierKVError:
-    """The tierkv exception a failed call stands for."""
+    """The tierkv exception a failed call stands for (``tierkv.wire.status``)."""
     code = exc.code()
-    kind = _ERRORS.get(code, TierKVError)
-    return kind(f"{code.name}: {exc.details()}")
+    return error_of(code)(f"{code.name}: {exc.details()}")
 
 
 def is_retryable(exc: grpc.RpcError) -> bool:
-    """UNAVAILABLE (the call did not reach a serving server) and CANCELLED (a server that is
-    shutting down cancelled it: whatever it started dies with that server) are retried."""
-    return bool(exc.code() in _RETRYABLE)
-
-
-def namespace_wire(namespace: Namespace) -> pb.Namespace:
-    """The wire namespace (its tenant is the server's to decide)."""
-    return namespace_to_wire(namespace)
-
-
-def policy_wire(policy: WritePolicy | None) -> pb.WritePolicy:
-    """The wire enum of a write policy (None: the server's default)."""
-    return _POLICIES[policy]
-
-
-def priority_wire(priority: Priority) -> pb.Priority:
-    """The wire enum of a priority."""
-    return _PRIORITIES[Priority(priority)]
+    """Whether a failed call is sent again (``tierkv.wire.status.RETRYABLE_CODES``)."""
+    return bool(exc.code() in RETRYABLE_CODES)
 
 
 def block_bytes_of(blocks: torch.Tensor, namespace: Namespace) -> torch.Tensor:
@@ -159,8 +115,18 @@ def block_bytes_of(blocks: torch.Tensor, namespace: Namespace) -> torch.Tensor:
 PUT_METHOD = "/tierkv.v1.TierKV/Put"
 
 
-def open_channel(channels: Any, target: str, settings: ClientSettings) -> tuple[Any, Any, Any]:
-    """``(channel, stub, put stream)`` to ``target``; ``channels`` is the ``grpc`` or the
+@dataclass(frozen=True, slots=True)
+class Connection:
+    """What a call goes through: the stub, the Put stream of pre-serialized chunks (no
+    protobuf copy of the bulk bytes) and the metadata every call carries."""
+
+    stub: Any
+    put_stream: Any
+    metadata: tuple[tuple[str, str], ...]
+
+
+def open_channel(channels: Any, target: str, settings: ClientSettings) -> tuple[Any, Connection]:
+    """``(channel, connection)`` to ``target``; ``channels`` is the ``grpc`` or the
     ``grpc.aio`` module (the same factories). TLS when ``settings`` has root certificates."""
     if settings.root_certificates is not None:
         credentials = grpc.ssl_channel_credentials(settings.root_certificates)
@@ -168,11 +134,10 @@ def open_channel(channels: Any, target: str, settings: ClientSettings) -> tuple[
     else:
         channel = channels.insecure_channel(target, settings.channel_options)
     stub = pb_grpc.TierKVStub(channel)  # type: ignore[no-untyped-call]
-    # Put streams pre-serialized chunks (no protobuf copy of the bulk bytes).
     put_stream = channel.stream_unary(
         PUT_METHOD, request_serializer=None, response_deserializer=pb.CountResponse.FromString
     )
-    return channel, stub, put_stream
+    return channel, Connection(stub, put_stream, settings.metadata)
 
 
 def put_chunks(
@@ -182,19 +147,11 @@ def put_chunks(
     """The Put stream, serialized (see ``tierkv.codec.encode_put_chunk``): the header with the
     first slice, then slices of ``CHUNK_BYTES``."""
     data = flat.numpy().data
-    header = pb.PutHeader(namespace=namespace_wire(namespace), hashes=list(hashes),
-                          write_policy=policy_wire(policy), priority=priority_wire(priority))
+    header = pb.PutHeader(namespace=namespace_to(namespace), hashes=list(hashes),
+                          write_policy=write_policy_to(policy), priority=priority_to(priority))
     yield encode_put_chunk(header, data[:CHUNK_BYTES])
     for start in range(CHUNK_BYTES, len(data), CHUNK_BYTES):
         yield encode_put_chunk(None, data[start : start + CHUNK_BYTES])
-
-
-def local_host_id() -> str:
-    """This machine's boot id (what the server reports as ``host_id``)."""
-    try:
-        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
-    except OSError:
-        return ""
 
 
 class SlabMapping:
@@ -233,11 +190,11 @@ class SlabMapping:
         for extents, index in zip(blocks, block_indices, strict=True):
             offset = index * block_bytes
             block: list[tuple[np.ndarray, np.ndarray]] = []
-            for extent in extents.extents:
-                in_slab = self.array[extent.offset : extent.offset + extent.length]
-                in_buffer = buffer[offset : offset + extent.length]
+            for start, length in extents_from(extents):
+                in_slab = self.array[start : start + length]
+                in_buffer = buffer[offset : offset + length]
                 block.append((in_slab, in_buffer) if into_slab else (in_buffer, in_slab))
-                offset += extent.length
+                offset += length
             if offset != (index + 1) * block_bytes:
                 raise ServiceUnavailableError("a leased block's extents do not cover the block")
             copies.append(block)
@@ -253,7 +210,7 @@ class SlabMapping:
             self._fd = None
 
 
-def presence_view_for(info: pb.DescribeResponse, slab: SlabMapping | None) -> PresenceView | None:
+def presence_view_for(info: ServerInfo, slab: SlabMapping | None) -> PresenceView | None:
     """The server's presence table, when the shared-memory path is on and the table too."""
     if slab is None or not info.presence_shm_name:
         return None
@@ -268,11 +225,11 @@ def presence_view_for(info: pb.DescribeResponse, slab: SlabMapping | None) -> Pr
 MAX_PRESENCE_HASHES = 64
 
 
-def shm_mapping_for(info: pb.DescribeResponse, use_shm: bool | None) -> SlabMapping | None:
+def shm_mapping_for(info: ServerInfo, use_shm: bool | None) -> SlabMapping | None:
     """The slab mapping when the shared-memory path can and should be used."""
     if use_shm is False:
         return None
-    same_host = bool(info.host_id) and info.host_id == local_host_id()
+    same_host = bool(info.host_id) and info.host_id == host_id()
     if same_host and info.shm_name and Path(f"/dev/shm/{info.shm_name}").exists():
         try:
             return SlabMapping(info.shm_name, info.shm_size_bytes, info.slab_id)
@@ -290,20 +247,19 @@ class ClientBase:
 
     def __init__(self, target: str, settings: dict[str, object]) -> None:
         self.settings = ClientSettings(target=target, **settings)  # type: ignore[arg-type]
-        self._info: pb.DescribeResponse | None = None
+        self._info: ServerInfo | None = None
         self._slab: SlabMapping | None = None
         self._lock: ClientLock | None = None
         self._presence: PresenceView | None = None
         self._core_ids: dict[Namespace, bytes] = {}
         self._wire_namespaces: dict[Namespace, pb.Namespace] = {}
-        self._metadata = self.settings.metadata
         self._closed = False
         # Lease calls in progress: a client closed under one leaves its lock file behind, so
         # that the server sees the lock free (not the file gone) and takes the lease back.
         self._num_leasing = 0
         self._leasing_lock = threading.Lock()
 
-    def _adopt(self, info: pb.DescribeResponse) -> None:
+    def _adopt(self, info: ServerInfo) -> None:
         """Take the server's facts: map its slab and presence table when on the same host, and
         hold this client's lock file while the slab is mapped (``tierkv.shm.liveness``)."""
         self._info = info
@@ -353,7 +309,7 @@ class ClientBase:
     def _wire(self, namespace: Namespace) -> pb.Namespace:
         wire = self._wire_namespaces.get(namespace)
         if wire is None:
-            wire = self._wire_namespaces[namespace] = namespace_wire(namespace)
+            wire = self._wire_namespaces[namespace] = namespace_to(namespace)
         return wire
 
     def _blocks_request(self, namespace: Namespace, hashes: Sequence[bytes]) -> pb.BlocksRequest:
@@ -377,7 +333,7 @@ class ClientBase:
         assert self._slab is not None
         return pb.AllocateRequest(
             namespace=self._wire(namespace), hashes=list(hashes),
-            write_policy=policy_wire(write_policy), priority=priority_wire(priority),
+            write_policy=write_policy_to(write_policy), priority=priority_to(priority),
             slab_id=self._slab.slab_id,
         )
 
@@ -422,6 +378,7 @@ class ClientBase:
             if actual != expected:
                 return index
         return None
+
 
 def _check_slab(slab: SlabMapping, lease: pb.LeaseResponse) -> None:
     """A lease of another slab than the mapped one is never copied through."""

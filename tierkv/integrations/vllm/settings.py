@@ -18,11 +18,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
-from tierkv.client.base import DEFAULT_TARGET
 from tierkv.config import Priority, WritePolicy
 from tierkv.errors import ConfigError
 from tierkv.keys import Namespace
 from tierkv.layout import DType, KVLayout
+from tierkv.wire.limits import DEFAULT_TARGET
 
 _KEYS = frozenset({
     "address", "token", "token_file", "write_policy", "priority", "lookup_timeout_s",

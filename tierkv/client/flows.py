@@ -1,0 +1,255 @@
+"""The client's logic, written once for ``Client`` and ``AsyncClient``.
+
+Each call is a generator (a ``Flow``) that yields the I/O it needs (``tierkv.client.effects``)
+and decides everything else itself: retries and their backoff, the shared-memory or the stream
+path, the remap after a server restart, lease margins, chunking, what a damaged block means.
+``Client`` drives a flow in the calling thread, ``AsyncClient`` on its event loop; neither holds
+any logic of its own.
+
+Decisions:
+1. Only UNAVAILABLE and CANCELLED are retried (``tierkv.wire.status``), after ``backoff_s``,
+   doubling; lease calls that change state (Commit, Abort, Release) never are.
+2. The shared-memory path is tried twice: a ``StaleSlabError`` or ``IntegrityError`` means the
+   server restarted (or the bytes were damaged): describe it again, map its new slab, redo.
+3. A read ends at the first damaged block (reported to the server on Release): a miss, never
+   its bytes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import grpc
+import torch
+
+from tierkv.client import base
+from tierkv.client.effects import Copy, Effect, Flow, GetReceiver, GetStream, PutStream, Sleep, Unary
+from tierkv.client.results import ServerStats
+from tierkv.config import Priority, WritePolicy
+from tierkv.errors import InvalidArgumentError, ServiceUnavailableError, TierKVError
+from tierkv.keys import Namespace
+from tierkv.store import TierStats
+from tierkv.store.validation import check_out
+from tierkv.wire import tierkv_pb2 as pb
+from tierkv.wire.convert import LookupDetail, ServerInfo, lookup_from, server_info_from, stats_from
+from tierkv.wire.namespaces import namespace_from
+
+
+class ClientFlows(base.ClientBase):
+    """Every call of the client as a ``Flow`` (see the module's docstring)."""
+
+    # --- plumbing -----------------------------------------------------------------------------
+
+    def _retrying(self, effect: Effect, retry: bool = True) -> Flow[Any]:
+        """``effect``'s result; a retryable failure is tried again after a backoff, any other
+        raises the tierkv exception of its status code."""
+        settings = self.settings
+        if self._closed:
+            raise ServiceUnavailableError("this client is closed")
+        for number in range(settings.retries + 1):
+            try:
+                return (yield effect)
+            except grpc.RpcError as exc:
+                if not (retry and base.is_retryable(exc) and number < settings.retries):
+                    raise base.error_from(exc) from None
+            except ValueError as exc:  # grpc's "closed channel": closed by another thread
+                if self._closed and not isinstance(exc, TierKVError):
+                    raise ServiceUnavailableError("this client was closed during the call") from None
+                raise
+            yield Sleep(settings.backoff_s * 2**number)
+        raise AssertionError("unreachable")
+
+    def _call(self, method: str, request: Any, timeout_s: float | None = None,
+              retry: bool = True) -> Flow[Any]:
+        """A unary call under the client's retry policy."""
+        return (yield from self._retrying(
+            Unary(method, request, timeout_s or self.settings.timeout_s), retry))
+
+    def _describe(self) -> Flow[ServerInfo]:
+        """The server's facts; fetched once, and again when the server's slab went away."""
+        self._check_mapping()
+        if self._info is None:
+            response = yield from self._call("Describe", pb.DescribeRequest())
+            self._info = server_info_from(response)
+            self._adopt(self._info)
+        return self._info
+
+    def _uses_shared_memory(self) -> Flow[bool]:
+        yield from self._describe()
+        return self._slab is not None
+
+    # --- puts ---------------------------------------------------------------------------------
+
+    def _put(
+        self, namespace: Namespace, hashes: Sequence[bytes], blocks: torch.Tensor,
+        priority: Priority, write_policy: WritePolicy | None, timeout_s: float | None,
+    ) -> Flow[int]:
+        flat = base.block_bytes_of(blocks, namespace)
+        if len(hashes) != blocks.shape[0]:
+            raise InvalidArgumentError(f"got {len(hashes)} hashes but {blocks.shape[0]} blocks")
+        for attempt in range(2):
+            yield from self._describe()
+            if self._slab is None:
+                break
+            try:
+                with self._leasing():
+                    return (yield from self._put_shared(namespace, hashes, flat, priority,
+                                                        write_policy, timeout_s))
+            except base.REMAP_ERRORS:
+                if attempt:
+                    raise
+                self._forget_server()  # a restarted server: map its new slab and write again
+        response = yield from self._retrying(PutStream(
+            lambda: base.put_chunks(namespace, hashes, flat, write_policy, priority),
+            timeout_s or self.settings.timeout_s,
+        ))
+        return int(response.count)
+
+    def _put_shared(
+        self, namespace: Namespace, hashes: Sequence[bytes], flat: torch.Tensor,
+        priority: Priority, write_policy: WritePolicy | None, timeout_s: float | None,
+    ) -> Flow[int]:
+        slab = self._slab
+        assert slab is not None
+        lease = yield from self._call(
+            "Allocate", self._allocate_request(namespace, hashes, priority, write_policy), timeout_s
+        )
+        granted_s = time.monotonic()
+        try:
+            commit = yield Copy(self._fill_lease, slab, lease, namespace, flat, granted_s)
+        except BaseException:
+            with contextlib.suppress(TierKVError):  # the lease may be gone with its server
+                yield from self._call("Abort", pb.LeaseRequest(lease_id=lease.lease_id),
+                                      retry=False)
+            raise
+        response = yield from self._call("Commit", commit, timeout_s, retry=False)
+        return int(response.count)
+
+    # --- gets ---------------------------------------------------------------------------------
+
+    def _get_into(self, namespace: Namespace, hashes: Sequence[bytes], out: torch.Tensor,
+                  timeout_s: float | None) -> Flow[int]:
+        flat = check_out(namespace.layout, out, len(hashes))
+        target = flat if flat.device.type == "cpu" else torch.empty(flat.numel(), dtype=torch.uint8)
+        num_blocks: int | None = None
+        for attempt in range(2):
+            yield from self._describe()
+            if self._slab is None:
+                break
+            try:
+                with self._leasing():
+                    num_blocks = yield from self._get_shared(namespace, hashes, target, timeout_s)
+                break
+            except base.REMAP_ERRORS:
+                if attempt:
+                    raise
+                self._forget_server()
+        if num_blocks is None:
+            num_blocks = yield from self._get_streamed(namespace, hashes, target, timeout_s)
+        if target is not flat:
+            size = num_blocks * namespace.layout.bytes_per_block
+            flat[:size].copy_(target[:size])
+        return num_blocks
+
+    def _get_shared(self, namespace: Namespace, hashes: Sequence[bytes], flat: torch.Tensor,
+                    timeout_s: float | None) -> Flow[int]:
+        slab = self._slab
+        assert slab is not None
+        done = 0
+        while done < len(hashes):
+            lease = yield from self._call("Acquire",
+                                          self._acquire_request(namespace, hashes[done:]),
+                                          timeout_s)
+            bad: int | None = None
+            release = pb.LeaseRequest(lease_id=lease.lease_id)
+            try:
+                bad = yield Copy(self._read_lease, slab, lease, namespace, flat, done)
+            finally:
+                if bad is not None:
+                    release.corrupt_indices.append(bad)
+                with contextlib.suppress(TierKVError):  # an expired lease: the copy is checked
+                    yield from self._call("Release", release, retry=False)
+            if bad is not None:
+                return done + bad  # a damaged block ends the run: a miss, never its bytes
+            count = len(lease.blocks)
+            done += count
+            if count == 0 or count >= lease.num_cached:
+                break  # a miss ends the run (or HOST could lease none: stop, never spin)
+        return done
+
+    def _get_streamed(self, namespace: Namespace, hashes: Sequence[bytes], flat: torch.Tensor,
+                      timeout_s: float | None) -> Flow[int]:
+        target, block_bytes = flat.numpy(), namespace.layout.bytes_per_block
+        num_blocks: int = yield from self._retrying(GetStream(
+            self._blocks_request(namespace, hashes), timeout_s or self.settings.timeout_s,
+            lambda: GetReceiver(target, block_bytes),
+        ))
+        return num_blocks
+
+    def _get(self, namespace: Namespace, hashes: Sequence[bytes], device: str | torch.device,
+             timeout_s: float | None) -> Flow[torch.Tensor]:
+        layout = namespace.layout
+        out = torch.empty((len(hashes), *layout.block_shape), dtype=layout.torch_dtype,
+                          device=device)
+        return out[: (yield from self._get_into(namespace, hashes, out, timeout_s))]
+
+    # --- lookups, pins, deletes, stats --------------------------------------------------------
+
+    def _lookup(self, namespace: Namespace, hashes: Sequence[bytes],
+                timeout_s: float | None) -> Flow[int]:
+        yield from self._describe()  # (a stale slab and its presence table are dropped first)
+        local = self._lookup_locally(namespace, hashes)
+        if local is not None:
+            return local
+        detail = yield from self._lookup_detail(namespace, hashes, False, 0.0, timeout_s)
+        return detail.num_cached
+
+    def _lookup_detail(self, namespace: Namespace, hashes: Sequence[bytes], prefetch: bool,
+                       pin_ttl_s: float, timeout_s: float | None) -> Flow[LookupDetail]:
+        response = yield from self._call(
+            "Lookup", self._lookup_request(namespace, hashes, prefetch, pin_ttl_s), timeout_s
+        )
+        return lookup_from(response)
+
+    def _count(self, method: str, request: Any, timeout_s: float | None) -> Flow[int]:
+        """A call answered with a ``CountResponse``: its count."""
+        return int((yield from self._call(method, request, timeout_s)).count)
+
+    def _pin(self, namespace: Namespace, hashes: Sequence[bytes], ttl_s: float | None,
+             timeout_s: float | None) -> Flow[int]:
+        return (yield from self._count("Pin", pb.PinRequest(
+            namespace=self._wire(namespace), hashes=list(hashes), ttl_s=ttl_s or 0.0,
+        ), timeout_s))
+
+    def _stats(self, timeout_s: float | None) -> Flow[ServerStats]:
+        response = yield from self._call("Stats", pb.StatsRequest(), timeout_s)
+        return stats_from(response, TierStats, ServerStats)
+
+    # --- sessions -----------------------------------------------------------------------------
+
+    def _save_session(self, namespace: Namespace, session_id: str, token_ids: Sequence[int],
+                      ttl_s: float | None, timeout_s: float | None) -> Flow[int]:
+        response = yield from self._call("SaveSession", pb.SaveSessionRequest(
+            namespace=self._wire(namespace), session_id=session_id,
+            token_ids=list(token_ids), ttl_s=ttl_s or 0.0,
+        ), timeout_s)
+        return int(response.num_tokens)
+
+    def _resume_session(self, session_id: str, timeout_s: float | None
+                        ) -> Flow[tuple[Namespace, list[int], int]]:
+        response = yield from self._call("ResumeSession", pb.SessionRequest(session_id=session_id),
+                                         timeout_s)
+        namespace = namespace_from(response.namespace, "")
+        return namespace, list(response.token_ids), int(response.num_cached_tokens)
+
+    def _delete_session(self, session_id: str, timeout_s: float | None) -> Flow[bool]:
+        response = yield from self._call("DeleteSession", pb.SessionRequest(session_id=session_id),
+                                         timeout_s)
+        return bool(response.deleted)
+
+    def _list_sessions(self, timeout_s: float | None) -> Flow[list[pb.SessionInfo]]:
+        response = yield from self._call("ListSessions", pb.ListSessionsRequest(), timeout_s)
+        return list(response.sessions)

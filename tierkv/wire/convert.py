@@ -1,0 +1,188 @@
+"""Leases, lookups, stats and server facts <-> their wire messages (both sides).
+
+The wire sits below the store and the client: it never imports the store's types. What it
+converts from is described by the protocols below (the store's leases and stats match them),
+and ``stats_from`` builds the caller's own stats types, named by the caller. The field tables
+``TIER_STATS_FIELDS`` / ``STORE_STATS_FIELDS`` are the fields both sides name alike.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, fields
+from typing import Any, Protocol, TypeVar
+
+from tierkv.config import Tier
+from tierkv.wire import tierkv_pb2 as pb
+from tierkv.wire.enums import tier_from_label
+
+Extents = Sequence[tuple[int, int]]
+"""Where one block lies in a slab: ``(offset, length)`` pieces, in the block's byte order."""
+
+
+class ReadLeaseView(Protocol):
+    """What the wire needs of a read lease (``tierkv.ReadLease``)."""
+
+    @property
+    def lease_id(self) -> bytes: ...
+    @property
+    def blocks(self) -> Sequence[Extents]: ...
+    @property
+    def num_cached(self) -> int: ...
+    @property
+    def expires_in_s(self) -> float: ...
+    @property
+    def checksums(self) -> Sequence[int]: ...
+
+
+class WriteLeaseView(Protocol):
+    """What the wire needs of a write lease (``tierkv.WriteLease``)."""
+
+    @property
+    def lease_id(self) -> bytes: ...
+    @property
+    def write_indices(self) -> Sequence[int]: ...
+    @property
+    def blocks(self) -> Sequence[Extents]: ...
+    @property
+    def expires_in_s(self) -> float: ...
+
+
+def blocks_to(blocks: Sequence[Extents]) -> list[pb.BlockExtents]:
+    """The wire form of per-block extent lists."""
+    return [
+        pb.BlockExtents(extents=[pb.Extent(offset=o, length=n) for o, n in extents])
+        for extents in blocks
+    ]
+
+
+def extents_from(block: pb.BlockExtents) -> list[tuple[int, int]]:
+    """One block's ``(offset, length)`` pieces from the wire."""
+    return [(extent.offset, extent.length) for extent in block.extents]
+
+
+def blocks_from(blocks: Sequence[pb.BlockExtents]) -> list[list[tuple[int, int]]]:
+    """Per-block extent lists from the wire (what the store's lease gave)."""
+    return [extents_from(block) for block in blocks]
+
+
+def read_lease_to(lease: ReadLeaseView, slab_id: bytes) -> pb.LeaseResponse:
+    """The wire form of a read lease in the slab ``slab_id``."""
+    return pb.LeaseResponse(lease_id=lease.lease_id, num_blocks=len(lease.blocks),
+                            blocks=blocks_to(lease.blocks), expires_in_s=lease.expires_in_s,
+                            num_cached=lease.num_cached, slab_id=slab_id,
+                            checksums=lease.checksums)
+
+
+def write_lease_to(lease: WriteLeaseView, slab_id: bytes) -> pb.LeaseResponse:
+    """The wire form of a write lease in the slab ``slab_id``."""
+    return pb.LeaseResponse(lease_id=lease.lease_id, num_blocks=len(lease.write_indices),
+                            blocks=blocks_to(lease.blocks), write_indices=lease.write_indices,
+                            expires_in_s=lease.expires_in_s, slab_id=slab_id)
+
+
+# --- lookups -------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class LookupDetail:
+    """A cached prefix: its length, how many of its blocks have their fastest copy in each
+    tier, and how many the call pinned."""
+
+    num_cached: int
+    num_gpu: int
+    num_host: int
+    num_disk: int
+    num_pinned: int
+
+
+def lookup_to(counts: Mapping[Tier, int], num_pinned: int = 0) -> pb.LookupResponse:
+    """The wire form of ``TieredStore.locate``'s counts (and the pins a lookup took)."""
+    return pb.LookupResponse(
+        num_cached=sum(counts.values()), num_gpu=counts[Tier.GPU], num_host=counts[Tier.HOST],
+        num_disk=counts[Tier.DISK], num_pinned=num_pinned,
+    )
+
+
+def lookup_from(response: pb.LookupResponse) -> LookupDetail:
+    """A ``LookupResponse`` as a ``LookupDetail``."""
+    return LookupDetail(response.num_cached, response.num_gpu, response.num_host,
+                        response.num_disk, response.num_pinned)
+
+
+# --- stats ---------------------------------------------------------------------------------
+
+TIER_STATS_FIELDS = ("capacity_bytes", "used_bytes", "num_blocks", "hits", "misses",
+                     "evictions", "promotions_in", "demotions_in")
+"""The fields of one tier's stats, named alike by ``tierkv.TierStats`` and the wire."""
+STORE_STATS_FIELDS = ("num_namespaces", "num_pinned", "promotions", "demotions",
+                      "failed_demotions", "checksum_failures", "puts", "gets")
+"""The store-wide counters, named alike by ``tierkv.StoreStats`` and the wire."""
+
+S = TypeVar("S")
+
+
+class StoreStatsView(Protocol):
+    """What the wire needs of a stats snapshot (``tierkv.StoreStats``: its ``tiers`` map a
+    ``Tier`` to an object with ``TIER_STATS_FIELDS``, itself has ``STORE_STATS_FIELDS``)."""
+
+    @property
+    def tiers(self) -> Mapping[Tier, Any]: ...
+
+
+def stats_to(stats: StoreStatsView, num_leases: int) -> pb.StatsResponse:
+    """The wire form of a stats snapshot and the server's count of open leases."""
+    tiers = [
+        pb.TierStats(tier=tier.label, **{name: getattr(s, name) for name in TIER_STATS_FIELDS})
+        for tier, s in stats.tiers.items()
+    ]
+    return pb.StatsResponse(tiers=tiers, num_leases=num_leases,
+                            **{name: getattr(stats, name) for name in STORE_STATS_FIELDS})
+
+
+def stats_from(response: pb.StatsResponse, tier_stats: Callable[..., Any],
+               store_stats: Callable[..., S]) -> S:
+    """A ``StatsResponse`` as ``store_stats(tiers=..., num_leases=..., **counters)``, each tier
+    as ``tier_stats(tier=Tier, **fields)`` (the client passes ``tierkv.TierStats`` and its
+    ``ServerStats``: the wire does not import the store)."""
+    tiers = {
+        tier_from_label(t.tier): tier_stats(
+            tier=tier_from_label(t.tier), **{name: getattr(t, name) for name in TIER_STATS_FIELDS}
+        )
+        for t in response.tiers
+    }
+    return store_stats(tiers=tiers, num_leases=response.num_leases,
+                       **{name: getattr(response, name) for name in STORE_STATS_FIELDS})
+
+
+# --- server facts --------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class ServerInfo:
+    """What Describe tells a client: the server's version and limits, its HOST slab (shared
+    memory name, size, page size, generation ``slab_id``), its host (boot id), the seed of
+    session hashes, the presence table and the prefix of client lock files ("" / b"": none)."""
+
+    version: str
+    shm_name: str
+    shm_size_bytes: int
+    page_bytes: int
+    host_id: str
+    max_hashes_per_call: int
+    max_chunk_bytes: int
+    hash_seed: str
+    presence_shm_name: str
+    presence_key: bytes
+    slab_id: bytes
+    client_lock_prefix: str
+
+
+def server_info_to(info: ServerInfo) -> pb.DescribeResponse:
+    """The wire form of the server's facts."""
+    return pb.DescribeResponse(**{f.name: getattr(info, f.name) for f in fields(ServerInfo)})
+
+
+def server_info_from(response: pb.DescribeResponse) -> ServerInfo:
+    """A ``DescribeResponse`` as ``ServerInfo``."""
+    return ServerInfo(**{f.name: getattr(response, f.name) for f in fields(ServerInfo)})
