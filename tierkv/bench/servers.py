@@ -17,9 +17,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from tierkv.config import MiB
 from tierkv.errors import ServiceUnavailableError
-
-MiB = 1024 * 1024
 
 _REPO_ROOT = Path(__file__).resolve().parents[2]
 _START_TIMEOUT_S = 120.0  # the first run may install redis-server with apt-get

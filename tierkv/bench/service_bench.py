@@ -30,12 +30,12 @@ import torch
 from tierkv.bench.report import GB, Row, fresh_hashes, random_blocks, timed, total_s
 from tierkv.bench.servers import Servers, ServiceBenchConfig, running_servers
 from tierkv.client import Client
+from tierkv.config import MiB
 from tierkv.errors import ConfigError
 from tierkv.hashing import block_hashes
 from tierkv.keys import Namespace
 from tierkv.layout import PRESETS, KVLayout
 
-MiB = 1024 * 1024
 Progress = Callable[[str], None]
 
 

@@ -42,10 +42,10 @@ from typing import Any
 
 from tierkv.bench.models import BENCH_156M, TINY, LlamaShape, build_llama
 from tierkv.bench.servers import _stop, _wait_for_ready_line
+from tierkv.config import MiB
 from tierkv.errors import TierKVError
 
 GiB = 1024**3
-MiB = 1024**2
 Progress = Callable[[str], None]
 
 MODES = ("recompute", "vllm_prefix", "tierkv_host", "tierkv_disk", "example",
@@ -238,8 +238,8 @@ class BenchSidecar:
 
         with Client(self.target, timeout_s=10.0) as client:
             stats = client.stats()
-        return {t.tier: {"num_blocks": int(t.num_blocks), "hits": int(t.hits),
-                         "misses": int(t.misses)} for t in stats.tiers}
+        return {tier.label: {"num_blocks": t.num_blocks, "hits": t.hits, "misses": t.misses}
+                for tier, t in stats.tiers.items()}
 
     def close(self) -> None:
         self.stop()
