@@ -19,7 +19,7 @@ from tierkv.wire import tierkv_pb2 as pb
 from tierkv.wire import tierkv_pb2_grpc as pb_grpc
 
 Code = grpc.StatusCode
-MiB = 1 << 20
+
 # 4 layers x 2 x 16 tokens x 4 heads x 64 dims x fp16 = 64 KiB a block: MiB-sized streams.
 BIG_LAYOUT = KVLayout(num_layers=4, num_kv_heads=4, head_dim=64, block_size=16)
 BIG_BLOCK = BIG_LAYOUT.bytes_per_block

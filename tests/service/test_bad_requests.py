@@ -24,7 +24,6 @@ from rpc_calls import (
     NS,
     Bench,
     Code,
-    MiB,
     drain,
     expect,
     expect_code,
@@ -51,6 +50,7 @@ from service_fixtures import (
     write_extents,
 )
 
+from tierkv.config import MiB
 from tierkv.wire import tierkv_pb2 as pb
 from tiny_blocks import BLOCK_BYTES, keys
 

@@ -19,7 +19,6 @@ from rpc_calls import (
     NS,
     Bench,
     Code,
-    MiB,
     expect,
     lookup,
     put,
@@ -29,6 +28,7 @@ from rpc_calls import (
 )
 from service_fixtures import ALICE, aiter_of, payload, put_chunks, wire_namespace
 
+from tierkv.config import MiB
 from tierkv.wire import tierkv_pb2 as pb
 from tiny_blocks import BLOCK_BYTES, keys
 

@@ -16,7 +16,6 @@ from harness import Served
 from rpc_calls import (
     NS,
     Code,
-    MiB,
     expect,
     lookup,
     put,
@@ -35,6 +34,7 @@ from service_fixtures import (
     write_extents,
 )
 
+from tierkv.config import MiB
 from tierkv.wire import tierkv_pb2 as pb
 from tiny_blocks import BLOCK_BYTES, keys
 

@@ -19,7 +19,6 @@ from rpc_calls import (
     BIG_LAYOUT,
     NS,
     Code,
-    MiB,
     expect,
     lookup,
     put,
@@ -30,6 +29,7 @@ from rpc_calls import (
 from service_fixtures import ALICE, ALL_RPCS, aiter_of, get_blocks, payload, put_chunks, wire_namespace
 
 from tierkv import KVLayout
+from tierkv.config import MiB
 from tierkv.wire import tierkv_pb2 as pb
 from tiny_blocks import BLOCK_BYTES, keys
 

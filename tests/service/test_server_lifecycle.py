@@ -21,7 +21,6 @@ from rpc_calls import (
     BIG_LAYOUT,
     NS,
     Code,
-    MiB,
     expect,
     lookup,
     put,
@@ -31,6 +30,7 @@ from rpc_calls import (
 from service_fixtures import ALICE, bearer, get_blocks, payload, put_chunks, wire_namespace
 
 from tierkv import KVLayout, Namespace, StoreClosedError, TieredStore
+from tierkv.config import MiB
 from tierkv.wire import tierkv_pb2 as pb
 from tiny_blocks import BLOCK_BYTES, TINY_LAYOUT, keys
 

@@ -24,11 +24,12 @@ from harness import CHANNEL_OPTIONS, SidecarFactory
 from service_fixtures import wire_namespace
 
 from tierkv import KVLayout
+from tierkv.config import MiB
 from tierkv.wire import tierkv_pb2 as pb
 from tierkv.wire import tierkv_pb2_grpc as pb_grpc
 
 Code = grpc.StatusCode
-MiB = 1 << 20
+
 NUM_CALLS = 10_000
 NUM_WARMUP_CALLS = 3_000
 CONCURRENCY = 32
