@@ -12,11 +12,11 @@ import time
 
 import grpc
 
-from tierkv.codec import namespace_to_wire
 from tierkv.keys import Namespace
 from tierkv.shm.liveness import ClientLock
 from tierkv.wire import tierkv_pb2 as pb
 from tierkv.wire import tierkv_pb2_grpc as pb_grpc
+from tierkv.wire.namespaces import namespace_to
 from tiny_blocks import TINY_LAYOUT, key
 
 
@@ -30,7 +30,7 @@ def main() -> None:
         lock = ClientLock(describe.client_lock_prefix, client_id)
         hashes = [key(i, client_id) for i in range(num_blocks)]
         stub.Allocate(pb.AllocateRequest(
-            namespace=namespace_to_wire(Namespace("restart-model", TINY_LAYOUT)), hashes=hashes,
+            namespace=namespace_to(Namespace("restart-model", TINY_LAYOUT)), hashes=hashes,
             slab_id=describe.slab_id,
         ), metadata=metadata)
         print("leased", flush=True)

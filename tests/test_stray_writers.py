@@ -26,9 +26,9 @@ from service_fixtures import mapped_slab
 
 from tierkv import KVLayout, Namespace, WritePolicy
 from tierkv.checksums import checksum
-from tierkv.codec import namespace_to_wire
 from tierkv.wire import tierkv_pb2 as pb
 from tierkv.wire import tierkv_pb2_grpc as pb_grpc
+from tierkv.wire.namespaces import namespace_to
 
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=64, block_size=16)  # 16 KiB blocks
 NAMESPACE = Namespace("stray-model", LAYOUT)
@@ -115,7 +115,7 @@ def test_a_write_through_commit_whose_pages_change_under_it_writes_no_wrong_reco
             for i in range(40):
                 good = content(i).view(torch.uint8).reshape(-1).numpy()
                 lease = stub.Allocate(pb.AllocateRequest(
-                    namespace=namespace_to_wire(NAMESPACE), hashes=[key(i)],
+                    namespace=namespace_to(NAMESPACE), hashes=[key(i)],
                     slab_id=describe.slab_id, write_policy=pb.WRITE_POLICY_WRITE_THROUGH,
                 ), metadata=metadata)
                 pieces = []  # (the block's pages in the slab, its right bytes)
