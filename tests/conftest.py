@@ -19,7 +19,7 @@ from tierkv import (
     StoreConfig,
     TieredStore,
 )
-from tiny_blocks import BLOCK_BYTES, PAGE_BYTES, TINY_LAYOUT, StoreFactory
+from tiny_blocks import BLOCK_BYTES, PAGE_BYTES, RECORD_BYTES, TINY_LAYOUT, StoreFactory
 
 
 @pytest.fixture
@@ -49,7 +49,7 @@ def make_store(tmp_path: Path) -> Iterator[StoreFactory]:
         disk = None
         if disk_blocks:
             # Records are a block plus a header of under 128 bytes.
-            disk = DiskTierConfig(disk_path or tmp_path / "disk", disk_blocks * (BLOCK_BYTES + 128))
+            disk = DiskTierConfig(disk_path or tmp_path / "disk", disk_blocks * RECORD_BYTES)
         config = StoreConfig(
             host=HostTierConfig(host_blocks * BLOCK_BYTES, PAGE_BYTES),
             gpu=GpuTierConfig(gpu_blocks * BLOCK_BYTES, PAGE_BYTES, "emulated"),

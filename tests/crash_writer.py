@@ -30,13 +30,14 @@ from tierkv import (
     TieredStore,
     WritePolicy,
 )
+from tierkv.tiers.records import block_record_bytes
 
 # Same geometry as tiny_blocks.TINY_LAYOUT (512 bytes a block); kept here so that this script
 # does not import the test suite.
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=8, block_size=4)
 NAMESPACE = Namespace("test-model", LAYOUT)
 BLOCK_BYTES = LAYOUT.bytes_per_block
-RECORD_BYTES = BLOCK_BYTES + 128  # a record is a block plus a header of under 128 bytes
+RECORD_BYTES = block_record_bytes(LAYOUT)
 MAX_CYCLES = 20
 MAX_BLOCKS_PER_CYCLE = 2000
 # Never needs eviction: every block every cycle could write fits the budget.

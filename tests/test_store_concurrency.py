@@ -33,10 +33,10 @@ from tierkv import (
     TieredStore,
     WritePolicy,
 )
-from tierkv.tiers.records import record_size
 from tiny_blocks import (
     BLOCK_BYTES,
     PAGE_BYTES,
+    RECORD_BYTES,
     TINY_LAYOUT,
     StoreFactory,
     block_for,
@@ -46,7 +46,6 @@ from tiny_blocks import (
     same_bytes,
 )
 
-RECORD_BYTES = record_size(bytes(48), TINY_LAYOUT.fingerprint, BLOCK_BYTES)
 JOIN_TIMEOUT_S = 60.0  # far beyond any legitimate wait (the store waits at most 5 s for room)
 
 
@@ -395,7 +394,7 @@ def test_eviction_never_frees_pages_under_a_read_that_started_during_it(tmp_path
     under the read: the put would write its own block there and the get would serve it as E."""
     config = StoreConfig(
         host=HostTierConfig(BLOCK_BYTES, PAGE_BYTES),
-        disk=DiskTierConfig(tmp_path / "disk", 128 * (BLOCK_BYTES + 128)),
+        disk=DiskTierConfig(tmp_path / "disk", 128 * RECORD_BYTES),
         promote_on_read=False,
     )
     store = TieredStore(config)

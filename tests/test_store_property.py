@@ -51,13 +51,11 @@ from tierkv import (
     TieredStore,
     WritePolicy,
 )
-from tierkv.tiers.records import record_size
-from tiny_blocks import BLOCK_BYTES, PAGE_BYTES, TINY_LAYOUT, block_for, key, same_bytes
+from tiny_blocks import BLOCK_BYTES, PAGE_BYTES, RECORD_BYTES, TINY_LAYOUT, block_for, key, same_bytes
 
 NUM_KEYS = 10
 KEYS = [key(i, "property") for i in range(NUM_KEYS)]
 BLOCKS = [block_for(i) for i in range(NUM_KEYS)]
-RECORD_BYTES = record_size(bytes(48), TINY_LAYOUT.fingerprint, BLOCK_BYTES)
 # No single call may take this long: the store waits only for blocks that are busy, and nothing
 # in a single-threaded caller's sequence keeps a block busy for long.
 STALL_S = 2.0
@@ -86,7 +84,7 @@ def open_store(
     disk = None
     if disk_blocks:
         assert disk_path is not None
-        disk = DiskTierConfig(disk_path, disk_blocks * (BLOCK_BYTES + 128))
+        disk = DiskTierConfig(disk_path, disk_blocks * RECORD_BYTES)
     config = StoreConfig(
         host=HostTierConfig(host_blocks * BLOCK_BYTES, PAGE_BYTES),
         gpu=GpuTierConfig(gpu_blocks * BLOCK_BYTES, PAGE_BYTES, "emulated"),

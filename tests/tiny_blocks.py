@@ -10,11 +10,14 @@ from collections.abc import Callable
 import torch
 
 from tierkv import KVLayout, TieredStore
+from tierkv.tiers.records import block_record_bytes
 
 # 2 layers x 2 (K,V) x 4 tokens x 2 heads x 8 dims x fp16 = 512 bytes a block.
 TINY_LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=8, block_size=4)
 BLOCK_BYTES = TINY_LAYOUT.bytes_per_block
 PAGE_BYTES = 256  # two pages a block: exercises multi-page and scattered placement
+# What one block occupies in the DISK tier's budget (its record, header included).
+RECORD_BYTES = block_record_bytes(TINY_LAYOUT)
 
 
 def key(i: int, salt: str = "") -> bytes:

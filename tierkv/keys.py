@@ -15,6 +15,8 @@ from tierkv.layout import KVLayout
 
 BLOCK_HASH_BYTES = 32
 NAMESPACE_ID_BYTES = 16
+# A block's key on disk: its namespace id, then its hash.
+RAW_BLOCK_KEY_BYTES = NAMESPACE_ID_BYTES + BLOCK_HASH_BYTES
 
 
 class BlockHash(bytes):
@@ -107,6 +109,7 @@ class BlockKey:
     @classmethod
     def from_raw(cls, raw: bytes) -> BlockKey:
         """Inverse of ``raw``."""
-        if len(raw) != NAMESPACE_ID_BYTES + BLOCK_HASH_BYTES:
-            raise InvalidArgumentError(f"a raw block key is 48 bytes, got {len(raw)}")
+        if len(raw) != RAW_BLOCK_KEY_BYTES:
+            raise InvalidArgumentError(
+                f"a raw block key is {RAW_BLOCK_KEY_BYTES} bytes, got {len(raw)}")
         return cls(NamespaceId(raw[:NAMESPACE_ID_BYTES]), BlockHash(raw[NAMESPACE_ID_BYTES:]))

@@ -23,6 +23,7 @@ from tierkv import (
 from tierkv.service.auth import client_id_of
 from tierkv.service.config import ServiceConfig
 from tierkv.service.servicer import TierKVServicer
+from tierkv.tiers.records import block_record_bytes
 from tierkv.wire import tierkv_pb2 as pb
 from tierkv.wire import tierkv_pb2_grpc as pb_grpc
 from tiny_blocks import TINY_LAYOUT, blocks
@@ -32,7 +33,7 @@ from tiny_blocks import TINY_LAYOUT, blocks
 BIG_LAYOUT = KVLayout(num_layers=4, num_kv_heads=8, head_dim=64, block_size=16)
 BIG_BLOCK_BYTES = BIG_LAYOUT.bytes_per_block
 BIG_PAGE_BYTES = 64 * 1024
-RECORD_OVERHEAD = 128  # a disk record is a block plus a header of under 128 bytes
+BIG_RECORD_BYTES = block_record_bytes(BIG_LAYOUT)  # one block's room on disk
 
 PATHS = ("shm", "stream")
 KINDS = ("sync", "async")

@@ -12,7 +12,6 @@ import pytest_asyncio
 from client_harness import (
     KINDS,
     PATHS,
-    RECORD_OVERHEAD,
     AnyClient,
     AsyncFacade,
     LiveServer,
@@ -26,7 +25,7 @@ from service_fixtures import payload
 from tierkv import (
     Client,
 )
-from tiny_blocks import BLOCK_BYTES, PAGE_BYTES, keys
+from tiny_blocks import BLOCK_BYTES, PAGE_BYTES, RECORD_BYTES, keys
 
 
 @pytest_asyncio.fixture
@@ -58,7 +57,7 @@ def make_server(tmp_path: Path) -> Iterator[ServerFactory]:
     servers: list[LiveServer] = []
 
     def build(host_bytes: int = 64 * BLOCK_BYTES, page_bytes: int = PAGE_BYTES,
-              disk_bytes: int = 4096 * (BLOCK_BYTES + RECORD_OVERHEAD), gpu_bytes: int = 0,
+              disk_bytes: int = 4096 * RECORD_BYTES, gpu_bytes: int = 0,
               **service_fields: Any) -> LiveServer:
         server = LiveServer(tmp_path / f"server-{len(servers)}", host_bytes=host_bytes,
                             page_bytes=page_bytes, disk_bytes=disk_bytes, disk_blocks=0,

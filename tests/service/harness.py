@@ -36,7 +36,7 @@ from tierkv.service.config import ServiceConfig
 from tierkv.service.server import TierKVServer, create_server
 from tierkv.service.servicer import TierKVServicer
 from tierkv.wire import tierkv_pb2_grpc as pb_grpc
-from tiny_blocks import BLOCK_BYTES, PAGE_BYTES
+from tiny_blocks import BLOCK_BYTES, PAGE_BYTES, RECORD_BYTES
 
 ALICE_TOKEN = "t" * 32
 BOB_TOKEN = "u" * 32
@@ -59,7 +59,7 @@ def store_config(
     emulated GPU tier of ``gpu_bytes`` (0: off)."""
     disk = None
     if disk_bytes or disk_blocks:
-        disk = DiskTierConfig(root / "disk", disk_bytes or disk_blocks * (BLOCK_BYTES + 128),
+        disk = DiskTierConfig(root / "disk", disk_bytes or disk_blocks * RECORD_BYTES,
                               map_slack_bytes=16 << 20)
     host = HostTierConfig(host_bytes or host_blocks * BLOCK_BYTES, page_bytes)
     if gpu_bytes:

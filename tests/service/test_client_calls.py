@@ -23,7 +23,6 @@ from pathlib import Path
 
 import pytest
 from client_harness import (
-    RECORD_OVERHEAD,
     AnyClient,
     LiveServer,
     ServerFactory,
@@ -43,7 +42,7 @@ from tierkv.errors import (
     NotFoundError,
 )
 from tierkv.hashing import default_seed
-from tiny_blocks import BLOCK_BYTES, PAGE_BYTES, TINY_LAYOUT, keys, same_bytes
+from tiny_blocks import BLOCK_BYTES, PAGE_BYTES, RECORD_BYTES, TINY_LAYOUT, keys, same_bytes
 
 # --- lookup, prefetch, pin, delete, stats -----------------------------------------------------
 
@@ -136,7 +135,7 @@ def test_stats_report_the_server_tiers_and_counters(
     tiers = {tier.label: t for tier, t in before.tiers.items()}
     assert set(tiers) == {"host", "disk"}
     assert tiers["host"].capacity_bytes == 64 * BLOCK_BYTES
-    assert tiers["disk"].capacity_bytes == 4096 * (BLOCK_BYTES + RECORD_OVERHEAD)
+    assert tiers["disk"].capacity_bytes == 4096 * RECORD_BYTES
     assert tiers["host"].used_bytes == 0 and tiers["host"].num_blocks == 0
     namespace, hashes = ns(), keys(5, salt="stats")
     client.put(namespace, hashes, patterned_blocks(5, seed=12))

@@ -23,7 +23,7 @@ from client_harness import (
     BIG_BLOCK_BYTES,
     BIG_LAYOUT,
     BIG_PAGE_BYTES,
-    RECORD_OVERHEAD,
+    BIG_RECORD_BYTES,
     AnyClient,
     LiveServer,
     ServerFactory,
@@ -125,7 +125,7 @@ def test_get_of_a_chain_bigger_than_the_host_tier_round_trips_exactly(
     # 1 MiB of HOST holds 8 of the 40 blocks; the rest are demoted to disk. On the shm path the
     # client must acquire, copy and release HOST-sized parts of the chain in turn.
     server = make_server(host_bytes=1 << 20, page_bytes=BIG_PAGE_BYTES,
-                         disk_bytes=64 * (BIG_BLOCK_BYTES + RECORD_OVERHEAD))
+                         disk_bytes=64 * BIG_RECORD_BYTES)
     client = open_client(server, path, kind)
     namespace, hashes = ns("big-model", BIG_LAYOUT), keys(40, salt="bigger-than-host")
     data = patterned_blocks(40, seed=7, layout=BIG_LAYOUT)

@@ -32,7 +32,7 @@ from tierkv.keys import BlockKey, Namespace
 from tierkv.layout import KVLayout
 from tierkv.store.books import StoreCore
 from tierkv.store.ledger import Entry, NamespaceState
-from tierkv.tiers.records import record_size
+from tierkv.tiers.records import block_record_bytes
 
 log = logging.getLogger(__name__)
 
@@ -63,10 +63,7 @@ def namespace_from_descriptor(data: bytes) -> Namespace:
 
 def namespace_state(namespace: Namespace) -> NamespaceState:
     """A fresh state with the namespace's record size."""
-    record_bytes = record_size(
-        bytes(48), namespace.layout.fingerprint, namespace.layout.bytes_per_block
-    )
-    return NamespaceState(namespace, record_bytes)
+    return NamespaceState(namespace, block_record_bytes(namespace.layout))
 
 
 def recover(core: StoreCore) -> int:

@@ -23,6 +23,8 @@ import numpy as np
 import xxhash
 
 from tierkv.checksums import copy_with_checksum, value_digest
+from tierkv.keys import RAW_BLOCK_KEY_BYTES
+from tierkv.layout import KVLayout
 
 MAGIC = b"TKV1"
 FORMAT_VERSION = 1
@@ -74,6 +76,11 @@ def encode_record(raw_key: bytes, fingerprint: str, payload: np.ndarray) -> tupl
 def record_size(raw_key: bytes, fingerprint: str, payload_bytes: int) -> int:
     """The exact size ``encode_record`` produces, without building it (for budget checks)."""
     return _PREFIX.size + len(_header(raw_key, fingerprint, payload_bytes, bytes(8))) + payload_bytes
+
+
+def block_record_bytes(layout: KVLayout) -> int:
+    """What one block of ``layout`` occupies in the DISK tier's budget: its whole record."""
+    return record_size(bytes(RAW_BLOCK_KEY_BYTES), layout.fingerprint, layout.bytes_per_block)
 
 
 def verify_header(
