@@ -35,7 +35,7 @@ from tierkv.service.namespaces import NamespaceBook
 from tierkv.store import LeaseWriter, TieredStore, WriteLease, check_ttl
 from tierkv.wire import tierkv_pb2 as pb
 from tierkv.wire import tierkv_pb2_grpc as pb_grpc
-from tierkv.wire.convert import lookup_to, read_lease_to, stats_to, write_lease_to
+from tierkv.wire.convert import lookup_to, read_lease_to, sessions_to, stats_to, write_lease_to
 from tierkv.wire.limits import host_id
 from tierkv.wire.namespaces import namespace_to
 
@@ -508,9 +508,4 @@ class TierKVServicer(pb_grpc.TierKVServicer):
     @unary
     async def ListSessions(self, request: pb.ListSessionsRequest, context: Any,
                            caller: Caller) -> Any:
-        sessions = await self._run(self.store.list_sessions, caller.tenant)
-        return pb.ListSessionsResponse(sessions=[
-            pb.SessionInfo(session_id=s.session_id, model_id=s.model_id, num_tokens=s.num_tokens,
-                           last_use_unix_s=s.last_use_unix_s)
-            for s in sessions
-        ])
+        return sessions_to(await self._run(self.store.list_sessions, caller.tenant))

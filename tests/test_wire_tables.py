@@ -38,8 +38,7 @@ from tierkv.errors import (
 from tierkv.keys import Namespace
 from tierkv.layout import DType, KVLayout
 from tierkv.service.errors import status_of
-from tierkv.store import ReadLease, StoreStats, TierStats, WriteLease
-from tierkv.tiers.disk import DiskIOError
+from tierkv.store import DiskIOError, ReadLease, SessionInfo, StoreStats, TierStats, WriteLease
 from tierkv.wire import convert, enums, status
 from tierkv.wire import tierkv_pb2 as pb
 from tierkv.wire.namespaces import namespace_from, namespace_to
@@ -237,3 +236,12 @@ def test_server_info_round_trips_and_covers_describe() -> None:
                       b"slab", "/dev/shm/tierkv-lock-")
     wire = pb.DescribeResponse.FromString(convert.server_info_to(info).SerializeToString())
     assert convert.server_info_from(wire) == info
+
+
+def test_sessions_round_trip_and_cover_the_message() -> None:
+    names = [f.name for f in dataclasses.fields(SessionInfo)]
+    assert list(convert.SESSION_INFO_FIELDS) == names
+    assert set(names) == set(pb.SessionInfo.DESCRIPTOR.fields_by_name)
+    sessions = [SessionInfo("chat-1", "model-a", 42, 1.5e9), SessionInfo("chat-2", "m", 0, 0.25)]
+    wire = pb.ListSessionsResponse.FromString(convert.sessions_to(sessions).SerializeToString())
+    assert convert.sessions_from(wire, SessionInfo) == sessions

@@ -42,6 +42,7 @@ from tierkv.errors import (
     NotFoundError,
 )
 from tierkv.hashing import default_seed
+from tierkv.store import SessionInfo
 from tiny_blocks import BLOCK_BYTES, PAGE_BYTES, RECORD_BYTES, TINY_LAYOUT, keys, same_bytes
 
 # --- lookup, prefetch, pin, delete, stats -----------------------------------------------------
@@ -186,6 +187,7 @@ def test_sessions_save_resume_list_delete(
     assert client.resume_session("chat-2")[1:] == (token_ids[:8], 8)
     listed = {s.session_id: s for s in client.list_sessions()}
     assert set(listed) == {"chat-1", "chat-2"}
+    assert all(isinstance(s, SessionInfo) for s in listed.values())  # typed, not protobuf
     assert (listed["chat-1"].model_id, listed["chat-1"].num_tokens) == ("chat-model", 42)
     assert abs(listed["chat-1"].last_use_unix_s - time.time()) < 60
 

@@ -19,7 +19,7 @@ from tierkv.client.flows import ClientFlows
 from tierkv.client.results import ServerStats
 from tierkv.config import Priority, WritePolicy
 from tierkv.keys import Namespace
-from tierkv.wire import tierkv_pb2 as pb
+from tierkv.store import SessionInfo
 from tierkv.wire.convert import LookupDetail, ServerInfo
 from tierkv.wire.limits import DEFAULT_TARGET
 
@@ -134,6 +134,6 @@ class AsyncClient(ClientFlows):
         """Delete a session; True if it existed."""
         return await self._run(self._delete_session(session_id, timeout_s))
 
-    async def list_sessions(self, *, timeout_s: float | None = None) -> list[pb.SessionInfo]:
+    async def list_sessions(self, *, timeout_s: float | None = None) -> list[SessionInfo]:
         """The caller's sessions."""
         return await self._run(self._list_sessions(timeout_s))

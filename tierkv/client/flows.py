@@ -31,10 +31,16 @@ from tierkv.client.results import ServerStats
 from tierkv.config import Priority, WritePolicy
 from tierkv.errors import InvalidArgumentError, ServiceUnavailableError, TierKVError
 from tierkv.keys import Namespace
-from tierkv.store import TierStats
-from tierkv.store.validation import check_out
+from tierkv.store import SessionInfo, TierStats, check_out
 from tierkv.wire import tierkv_pb2 as pb
-from tierkv.wire.convert import LookupDetail, ServerInfo, lookup_from, server_info_from, stats_from
+from tierkv.wire.convert import (
+    LookupDetail,
+    ServerInfo,
+    lookup_from,
+    server_info_from,
+    sessions_from,
+    stats_from,
+)
 from tierkv.wire.namespaces import namespace_from
 
 
@@ -250,6 +256,6 @@ class ClientFlows(base.ClientBase):
                                          timeout_s)
         return bool(response.deleted)
 
-    def _list_sessions(self, timeout_s: float | None) -> Flow[list[pb.SessionInfo]]:
+    def _list_sessions(self, timeout_s: float | None) -> Flow[list[SessionInfo]]:
         response = yield from self._call("ListSessions", pb.ListSessionsRequest(), timeout_s)
-        return list(response.sessions)
+        return sessions_from(response, SessionInfo)

@@ -7,19 +7,22 @@ store calls when the disk fails (the other errors are in ``tierkv.errors``).
 
 from tierkv.store.lease_writer import LeaseWriter
 from tierkv.store.leases import ReadLease, WriteLease
+from tierkv.store.sessions import SessionInfo
 from tierkv.store.stats import StoreStats, TierStats
 from tierkv.store.tiered import TieredStore
-from tierkv.store.validation import check_lookup_hashes, check_ttl
+from tierkv.store.validation import check_lookup_hashes, check_out, check_ttl
 from tierkv.tiers.disk import DiskIOError
 
 __all__ = [
     "DiskIOError",
     "LeaseWriter",
     "ReadLease",
+    "SessionInfo",
     "StoreStats",
     "TierStats",
     "TieredStore",
     "WriteLease",
     "check_lookup_hashes",
+    "check_out",
     "check_ttl",
 ]

@@ -178,6 +178,28 @@ class ServerInfo:
     client_lock_prefix: str
 
 
+# --- sessions ------------------------------------------------------------------------------
+
+SESSION_INFO_FIELDS = ("session_id", "model_id", "num_tokens", "last_use_unix_s")
+"""The fields of ``tierkv.store.SessionInfo``, named alike on the wire."""
+
+
+def sessions_to(sessions: Sequence[Any]) -> pb.ListSessionsResponse:
+    """The wire form of ``TieredStore.list_sessions``'s answer (objects with
+    ``SESSION_INFO_FIELDS``)."""
+    return pb.ListSessionsResponse(sessions=[
+        pb.SessionInfo(**{name: getattr(s, name) for name in SESSION_INFO_FIELDS})
+        for s in sessions
+    ])
+
+
+def sessions_from(response: pb.ListSessionsResponse, session_info: Callable[..., S]) -> list[S]:
+    """Each session of a ``ListSessionsResponse`` as ``session_info(**fields)`` (the client
+    passes ``tierkv.store.SessionInfo``: the wire does not import the store)."""
+    return [session_info(**{name: getattr(s, name) for name in SESSION_INFO_FIELDS})
+            for s in response.sessions]
+
+
 def server_info_to(info: ServerInfo) -> pb.DescribeResponse:
     """The wire form of the server's facts."""
     return pb.DescribeResponse(**{f.name: getattr(info, f.name) for f in fields(ServerInfo)})

@@ -1,0 +1,122 @@
+"""Imports flow one way: the rules of the package boundary, checked on the source.
+
+- ``tierkv.client`` imports the wire (``tierkv.wire``), the shared-memory layouts
+  (``tierkv.shm``) and public modules; of the store only the package itself (its public types),
+  never its internals, and never the server.
+- ``tierkv.service`` uses the store's public API only (``tierkv.store`` itself), never the
+  store's modules, the tiers or the page allocator, and never the client.
+- ``tierkv.wire`` and ``tierkv.shm`` are below both sides: they import neither.
+- The store and the tiers never import the server or the client.
+
+Every ``import`` counts, including those inside functions.
+"""
+
+from __future__ import annotations
+
+import ast
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parent.parent / "tierkv"
+
+# Modules any side may import: they define public types and stand-alone functions.
+PUBLIC = frozenset({
+    "tierkv", "tierkv.errors", "tierkv.config", "tierkv.keys", "tierkv.checksums",
+    "tierkv.codec", "tierkv.layout", "tierkv.hashing", "tierkv.store",
+})
+
+
+def _modules(package: str) -> Iterator[tuple[str, Path]]:
+    """``(dotted name, path)`` of every module of ``package`` (links followed)."""
+    root = PACKAGE.joinpath(*package.split(".")[1:])
+    for path in sorted(root.rglob("*.py")):
+        parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        yield ".".join(parts), path
+
+
+def _imports(module: str, path: Path) -> Iterator[tuple[int, str]]:
+    """``(line, imported module)`` for every import in the file (once per module a statement
+    names)."""
+    tree = ast.parse(path.read_text(), str(path))
+    is_package = path.name == "__init__.py"
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                yield node.lineno, alias.name
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:  # relative: resolve against the importing module
+                base = module.split(".")
+                base = base[: len(base) - node.level + (1 if is_package else 0)]
+                name = ".".join([*base, node.module] if node.module else base)
+            else:
+                name = node.module or ""
+            # `from tierkv.store import leases` imports the module tierkv.store.leases.
+            folder = PACKAGE.parent.joinpath(*name.split("."))
+            names = {
+                f"{name}.{alias.name}"
+                if folder.joinpath(alias.name + ".py").exists() or folder.joinpath(alias.name).is_dir()
+                else name
+                for alias in node.names
+            }
+            for imported in sorted(names):
+                yield node.lineno, imported
+
+
+def _within(name: str, package: str) -> bool:
+    return name == package or name.startswith(package + ".")
+
+
+def _violations(package: str, allowed: tuple[str, ...], also: frozenset[str]) -> list[str]:
+    """Imports of tierkv modules by ``package`` that are neither in ``allowed`` packages (or
+    ``package`` itself) nor in ``also``."""
+    found = []
+    for module, path in _modules(package):
+        for line, name in _imports(module, path):
+            if not _within(name, "tierkv") or name in also:
+                continue
+            if any(_within(name, p) for p in (package, *allowed)):
+                continue
+            found.append(f"{path.relative_to(PACKAGE.parent)}:{line}: {name}")
+    return found
+
+
+def _forbidden(package: str, forbidden: tuple[str, ...]) -> list[str]:
+    """Imports by ``package`` of anything inside ``forbidden`` packages."""
+    return [
+        f"{path.relative_to(PACKAGE.parent)}:{line}: {name}"
+        for module, path in _modules(package)
+        for line, name in _imports(module, path)
+        if any(_within(name, p) for p in forbidden)
+    ]
+
+
+def test_the_client_imports_the_wire_the_shared_memory_view_and_public_types_only() -> None:
+    assert _violations("tierkv.client", ("tierkv.wire", "tierkv.shm"), PUBLIC) == []
+
+
+def test_the_service_uses_the_stores_public_api_only() -> None:
+    assert _violations("tierkv.service", ("tierkv.wire", "tierkv.shm"), PUBLIC) == []
+
+
+@pytest.mark.parametrize("package", ["tierkv.wire", "tierkv.shm"])
+def test_the_wire_and_the_shared_memory_layouts_sit_below_both_sides(package: str) -> None:
+    assert _forbidden(package, ("tierkv.store", "tierkv.tiers", "tierkv.client",
+                                "tierkv.service", "tierkv.integrations", "tierkv.cli")) == []
+
+
+@pytest.mark.parametrize("package", ["tierkv.store", "tierkv.tiers"])
+def test_the_store_never_imports_the_server_or_the_client(package: str) -> None:
+    assert _forbidden(package, ("tierkv.service", "tierkv.client")) == []
+
+
+def test_the_rules_see_imports_inside_functions_and_from_imports_of_modules(
+        tmp_path: Path) -> None:
+    # The checker itself: a lazy `from tierkv.store import leases` is a store internal.
+    path = tmp_path / "probe.py"
+    path.write_text("def f():\n    from tierkv.store import leases\n    import tierkv.paging\n")
+    assert [name for _, name in _imports("tierkv.client.probe", path)] == [
+        "tierkv.store.leases", "tierkv.paging"]
