@@ -7,20 +7,13 @@ import logging
 
 import grpc
 
-from tierkv.errors import IntegrityError, TierKVError
-from tierkv.store import DiskIOError
+from tierkv.errors import TierKVError
 from tierkv.wire.status import code_of
 
 log = logging.getLogger(__name__)
 # gRPC clients refuse status messages over 8-16 KiB (they travel as metadata), and a message
 # may quote the caller's input: 1 KiB says enough.
 _MAX_MESSAGE_CHARS = 1024
-# The disk tier's own error (not in tierkv.errors, so the wire cannot name it) is served as
-# the error it stands for: the device failed a write with room left, so retrying
-# (UNAVAILABLE) cannot help; DATA_LOSS says so.
-_SERVED_AS: tuple[tuple[type[TierKVError], type[TierKVError]], ...] = (
-    (DiskIOError, IntegrityError),
-)
 
 
 def status_of(exc: BaseException) -> tuple[grpc.StatusCode, str]:
@@ -28,8 +21,7 @@ def status_of(exc: BaseException) -> tuple[grpc.StatusCode, str]:
     message = str(exc)
     if len(message) > _MAX_MESSAGE_CHARS:
         message = message[:_MAX_MESSAGE_CHARS] + "..."
-    kind = next((as_ for served, as_ in _SERVED_AS if isinstance(exc, served)), type(exc))
-    code = code_of(kind)
+    code = code_of(type(exc))
     if code is not None:
         return code, message
     if isinstance(exc, TierKVError):  # a disk that failed, not the caller's input

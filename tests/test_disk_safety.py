@@ -38,9 +38,8 @@ from tierkv import (
 from tierkv.cli.main import build_parser, main
 from tierkv.cli.serve_cmd import build_config
 from tierkv.config import DiskCorruptAction
-from tierkv.errors import ConfigError, SessionNotFoundError
+from tierkv.errors import ConfigError, DiskIOError, SessionNotFoundError
 from tierkv.service.errors import status_of
-from tierkv.tiers.disk import DiskIOError
 from tiny_blocks import TINY_LAYOUT, blocks, keys, same_bytes
 
 WRITE_THROUGH = WritePolicy.WRITE_THROUGH

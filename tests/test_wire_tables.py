@@ -22,6 +22,7 @@ from tierkv.errors import (
     ConfigError,
     DeadlineExceededError,
     DiskFullError,
+    DiskIOError,
     IntegrityError,
     InvalidArgumentError,
     LayoutMismatchError,
@@ -38,7 +39,7 @@ from tierkv.errors import (
 from tierkv.keys import Namespace
 from tierkv.layout import DType, KVLayout
 from tierkv.service.errors import status_of
-from tierkv.store import DiskIOError, ReadLease, SessionInfo, StoreStats, TierStats, WriteLease
+from tierkv.store import ReadLease, SessionInfo, StoreStats, TierStats, WriteLease
 from tierkv.wire import convert, enums, status
 from tierkv.wire import tierkv_pb2 as pb
 from tierkv.wire.namespaces import namespace_from, namespace_to

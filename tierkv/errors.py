@@ -59,6 +59,11 @@ class IntegrityError(TierKVError):
     disk store is damaged or failing; nothing was stored."""
 
 
+class DiskIOError(TierKVError):
+    """The disk reported an I/O error with room left on it: the device is failing. The write
+    did not happen; retrying it will not help."""
+
+
 class StaleSlabError(TierKVError):
     """A shared-memory lease call named a slab this server does not have (the client's mapping
     is of an earlier server): describe the server again, remap, retry."""

@@ -1,8 +1,8 @@
 """The embedded, in-process tiered store.
 
 What is exported here is the store's public API: the server (``tierkv.service``) and every
-other user import from this package only, never from its modules. ``DiskIOError`` is raised by
-store calls when the disk fails (the other errors are in ``tierkv.errors``).
+other user import from this package only, never from its modules. Its errors are
+``tierkv.errors``'s.
 """
 
 from tierkv.store.lease_writer import LeaseWriter
@@ -11,10 +11,8 @@ from tierkv.store.sessions import SessionInfo
 from tierkv.store.stats import StoreStats, TierStats
 from tierkv.store.tiered import TieredStore
 from tierkv.store.validation import check_lookup_hashes, check_out, check_ttl
-from tierkv.tiers.disk import DiskIOError
 
 __all__ = [
-    "DiskIOError",
     "LeaseWriter",
     "ReadLease",
     "SessionInfo",

@@ -42,7 +42,7 @@ import numpy as np
 
 from tierkv.checksums import copy_with_checksum, digest_value
 from tierkv.config import DiskTierConfig, MiB
-from tierkv.errors import ConfigError, DiskFullError, TierKVError
+from tierkv.errors import ConfigError, DiskFullError, DiskIOError, TierKVError
 from tierkv.tiers.lmdb_env import DAMAGED, DirectoryLock, MapBounds, open_environment
 from tierkv.tiers.records import VERIFY_CHUNK_BYTES, RecordStatus, seal, verify_header
 
@@ -56,11 +56,6 @@ _SALVAGE_DELETES = 4
 _RESERVE_PAGES = 64
 # An EIO with less free space than a failed write needs plus this is a full disk (decision 8).
 _FULL_DISK_MARGIN_BYTES = 4 * MiB
-
-
-class DiskIOError(TierKVError):
-    """The disk reported an I/O error with room left on it: the device is failing. The write
-    did not happen; retrying it will not help."""
 
 
 @dataclass(slots=True)

@@ -16,6 +16,7 @@ from tierkv.errors import (
     AuthenticationError,
     CapacityError,
     DeadlineExceededError,
+    DiskIOError,
     IntegrityError,
     InvalidArgumentError,
     LeaseNotFoundError,
@@ -47,8 +48,8 @@ STATUS_TABLE: tuple[StatusRow, ...] = (
     StatusRow(grpc.StatusCode.UNAVAILABLE, ServiceUnavailableError, (StoreClosedError,)),
     StatusRow(grpc.StatusCode.DEADLINE_EXCEEDED, DeadlineExceededError, (DeadlineExceededError,)),
     StatusRow(grpc.StatusCode.ABORTED, StaleSlabError, (StaleSlabError,)),
-    # (the disk tier's DiskIOError is served as DATA_LOSS too: see tierkv.service.errors)
-    StatusRow(grpc.StatusCode.DATA_LOSS, IntegrityError, (IntegrityError,)),
+    # A device that failed a write with room left: retrying (UNAVAILABLE) cannot help.
+    StatusRow(grpc.StatusCode.DATA_LOSS, IntegrityError, (IntegrityError, DiskIOError)),
     # Bad input that is not a tierkv error: last, so that every subclass above decides first.
     StatusRow(grpc.StatusCode.INVALID_ARGUMENT, InvalidArgumentError, (ValueError,)),
     StatusRow(grpc.StatusCode.UNAUTHENTICATED, AuthenticationError),
