@@ -31,10 +31,10 @@ from service_fixtures import (
     write_extents,
 )
 
-from tierkv import AsyncClient, HostTierConfig, Namespace, StoreConfig, TieredStore
+from tierkv import AsyncClient, HostTierConfig, Namespace, StoreConfig, Tier, TieredStore
 from tierkv.shm.liveness import ClientLock, ClientWatch, Liveness
 from tierkv.wire import tierkv_pb2 as pb
-from tiny_blocks import BLOCK_BYTES, TINY_LAYOUT, keys, same_bytes
+from tiny_blocks import BLOCK_BYTES, TINY_LAYOUT, StoreFactory, keys, same_bytes
 
 Code = grpc.StatusCode
 NS = wire_namespace()
@@ -238,3 +238,27 @@ def test_a_client_closed_in_the_middle_of_a_lease_reads_as_gone_not_unknown() ->
     assert watch.state("swapped") is Liveness.UNKNOWN  # not the file the client locked
     replaced.close()
     (Path("/dev/shm") / f"{prefix}swapped").unlink(missing_ok=True)
+
+
+# --- damaged blocks brought up a tier -----------------------------------------------------------
+
+
+@pytest.mark.parametrize("num_damaged", [1, 3])
+def test_a_damaged_host_block_promoted_to_the_gpu_is_counted_once_and_never_copied(
+        make_store: StoreFactory, num_damaged: int) -> None:
+    # A batch copy that rejects a damaged block must not try it again on its own: one failure,
+    # one count, one log line, and no GPU pages for it.
+    store = make_store(host_blocks=8, gpu_blocks=4, promote_on_read=False)
+    store.register(NAMESPACE)
+    hashes = keys(3, salt="promote")
+    store.put(NAMESPACE, hashes, as_blocks(payload(3, seed=9)), tier=Tier.HOST)
+    lease = store.acquire(NAMESPACE, hashes, ttl_s=10.0)
+    store.release(lease.lease_id)
+    with mapped_slab(store.host_shm_name) as slab:  # a stray write into the damaged blocks
+        for index in range(3 - num_damaged, 3):
+            slab[lease.blocks[index][0][0]] ^= 0x01
+    assert store.prefetch(NAMESPACE, hashes, Tier.GPU).result() == 3 - num_damaged
+    stats = store.stats()
+    assert stats.checksum_failures == num_damaged
+    assert stats.tiers[Tier.GPU].num_blocks == 3 - num_damaged
+    assert store.lookup(NAMESPACE, hashes) == 3 - num_damaged

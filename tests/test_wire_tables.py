@@ -246,3 +246,11 @@ def test_sessions_round_trip_and_cover_the_message() -> None:
     sessions = [SessionInfo("chat-1", "model-a", 42, 1.5e9), SessionInfo("chat-2", "m", 0, 0.25)]
     wire = pb.ListSessionsResponse.FromString(convert.sessions_to(sessions).SerializeToString())
     assert convert.sessions_from(wire, SessionInfo) == sessions
+
+
+def test_stats_of_a_newer_server_with_a_tier_this_client_does_not_know_still_read() -> None:
+    wire = convert.stats_to(StoreStats({Tier.HOST: TierStats(Tier.HOST, *range(8))},
+                                       *range(100, 108)), 0)
+    wire.tiers.add(tier="remote", capacity_bytes=1)
+    back = convert.stats_from(wire, TierStats, ServerStats)
+    assert list(back.tiers) == [Tier.HOST] and back.tiers[Tier.HOST].used_bytes == 1

@@ -81,7 +81,12 @@ def copy_spans(
     for index, location in enumerate(locations):
         slot = index if buffer_indices is None else buffer_indices[index]
         buffer_offset = slot * block_bytes
-        for slab_offset, length in _byte_extents(location, page_bytes, block_bytes):
+        remaining = block_bytes
+        # (_byte_extents inlined: this runs for every block of every copy)
+        for extent in (location,) if isinstance(location, int) else location:
+            slab_offset = (extent >> _COUNT_BITS) * page_bytes
+            length = min(remaining, (extent & _COUNT_MASK) * page_bytes)
+            remaining -= length
             if spans:
                 last_slab, last_buffer, last_length = spans[-1]
                 if last_slab + last_length == slab_offset and last_buffer + last_length == buffer_offset:

@@ -78,6 +78,9 @@ class AsyncClient(ClientFlows):
                      timeout_s: float | None = None) -> int:
         """How many leading ``hashes`` are cached (short chains, on the same host, from the
         shared presence table without a call)."""
+        local = self._lookup_now(namespace, hashes)
+        if local is not None:
+            return local
         return await self._run(self._lookup(namespace, hashes, timeout_s))
 
     async def prefetch(self, namespace: Namespace, hashes: Sequence[bytes], *,

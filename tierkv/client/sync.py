@@ -75,7 +75,8 @@ class Client(ClientFlows):
                timeout_s: float | None = None) -> int:
         """How many leading ``hashes`` are cached (short chains, on the same host, from the
         shared presence table without a call)."""
-        return self._run(self._lookup(namespace, hashes, timeout_s))
+        local = self._lookup_now(namespace, hashes)
+        return local if local is not None else self._run(self._lookup(namespace, hashes, timeout_s))
 
     def lookup_detail(
         self, namespace: Namespace, hashes: Sequence[bytes], *, prefetch: bool = False,

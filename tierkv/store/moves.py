@@ -214,13 +214,18 @@ class Mover:
                     marks.add_locked(entry)
                     by_source.setdefault(top, []).append(entry)
             for source, batch in by_source.items():
-                done |= self.copy_between(batch, source, destination, wait=False)
-                for entry in batch:
-                    if entry in done:
-                        continue
+                copied = self.copy_between(batch, source, destination, wait=False)
+                done |= copied
+                if copied:
+                    continue  # what is left failed its checks (it is doomed now), not for room
+                for entry in batch:  # no room for the batch at once: one at a time, head first
+                    with core.lock:
+                        gone = entry.priority == DOOMED or entry.residency(source) is None
+                    if gone:
+                        break  # it failed its checks in the batch copy: never copied twice
                     one = self.copy_between([entry], source, destination, wait=False)
                     if not one:
-                        break  # the tier is full: the chain brought up ends here
+                        break  # the tier is full (or the block was damaged): the chain ends
                     done |= one
         return done
 

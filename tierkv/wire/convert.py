@@ -14,7 +14,7 @@ from typing import Any, Protocol, TypeVar
 
 from tierkv.config import Tier
 from tierkv.wire import tierkv_pb2 as pb
-from tierkv.wire.enums import tier_from_label
+from tierkv.wire.enums import TIER_FROM_LABEL, tier_from_label
 
 Extents = Sequence[tuple[int, int]]
 """Where one block lies in a slab: ``(offset, length)`` pieces, in the block's byte order."""
@@ -144,12 +144,14 @@ def stats_from(response: pb.StatsResponse, tier_stats: Callable[..., Any],
                store_stats: Callable[..., S]) -> S:
     """A ``StatsResponse`` as ``store_stats(tiers=..., num_leases=..., **counters)``, each tier
     as ``tier_stats(tier=Tier, **fields)`` (the client passes ``tierkv.TierStats`` and its
-    ``ServerStats``: the wire does not import the store)."""
+    ``ServerStats``: the wire does not import the store). Tiers with a label this side does
+    not know (a newer server's) are left out."""
     tiers = {
         tier_from_label(t.tier): tier_stats(
             tier=tier_from_label(t.tier), **{name: getattr(t, name) for name in TIER_STATS_FIELDS}
         )
         for t in response.tiers
+        if t.tier in TIER_FROM_LABEL
     }
     return store_stats(tiers=tiers, num_leases=response.num_leases,
                        **{name: getattr(response, name) for name in STORE_STATS_FIELDS})
