@@ -134,6 +134,37 @@ def save_plot(rows: list[Row], path: Path, title: str) -> None:
     plt.close(fig)
 
 
+
+def save_curves(series: dict[str, list[tuple[float, float]]], path: Path, title: str, *,
+                xlabel: str, ylabel: str) -> None:
+    """One line per named series of (x, y) points, both axes logarithmic, each point labelled
+    with its y value."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for name, points in series.items():
+        xs, ys = [x for x, _ in points], [y for _, y in points]
+        ax.plot(xs, ys, marker="o", label=name)
+        for x, y in points:
+            ax.annotate(f"{y:.0f}", (x, y), textcoords="offset points", xytext=(0, 5),
+                        ha="center", fontsize=7)
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    xs = sorted({x for points in series.values() for x, _ in points})
+    ax.set_xticks(xs, [f"{x:g}" for x in xs])
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.grid(True, which="major", alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
 def _speedup(row: Row) -> float:
     """Throughput rows: ours / baseline; time rows (ms): baseline / ours."""
     assert row.baseline is not None

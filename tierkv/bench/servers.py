@@ -1,5 +1,6 @@
-"""The servers ``tierkv bench service`` runs beside itself: ``tierkv serve`` (a subprocess, as
-in production) and ``redis-server`` (``scripts/redis-server``), started, awaited and stopped."""
+"""The servers the benchmarks run beside themselves: ``tierkv serve`` (a subprocess, as in
+production; ``bench service`` and ``bench chat``) and ``redis-server`` (``scripts/redis-server``;
+``bench service``), started, awaited and stopped."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -23,6 +25,7 @@ from tierkv.errors import ServiceUnavailableError
 _REPO_ROOT = Path(__file__).resolve().parents[2]
 _START_TIMEOUT_S = 120.0  # the first run may install redis-server with apt-get
 _STOP_TIMEOUT_S = 30.0
+_MAX_SOCKET_PATH = 100  # Unix socket paths are limited to 107 bytes
 
 
 def _default_redis_command() -> tuple[str, ...]:
@@ -87,29 +90,35 @@ def _stop(process: subprocess.Popen[bytes]) -> None:
 
 
 @contextlib.contextmanager
-def _tierkv_server(cfg: ServiceBenchConfig, host_bytes: int) -> Iterator[tuple[str, str]]:
-    """``tierkv serve`` in a subprocess; yields its (unix, tcp) targets once it is ready."""
-    work = cfg.work_dir / "tierkv"
+def tierkv_server(work_dir: Path, host_bytes: int, *,
+                  disk_bytes: int = 1024 * MiB) -> Iterator[tuple[str, str]]:
+    """``tierkv serve`` in a subprocess, its files under ``work_dir/tierkv``; yields its (unix,
+    tcp) targets once it is ready, and stops it (SIGTERM) at the end."""
+    work = work_dir / "tierkv"
     work.mkdir(parents=True, exist_ok=True)
     sock = work / "s.sock"
-    stdout_path, stderr_path = work / "serve.out", work / "serve.err"
-    command = [
-        sys.executable, "-m", "tierkv", "serve",
-        "--listen", f"unix://{sock}", "--listen", "127.0.0.1:0",
-        "--host-bytes", str(host_bytes), "--gpu-bytes", "0",
-        "--disk-path", str(work / "disk"), "--disk-bytes", str(1024 * MiB),
-        "--stats-interval-s", "0", "--log-level", "WARNING",
-    ]
-    # Only these flags configure it: no TIERKV_* settings (tokens, TLS, ...) from this shell.
-    env = {key: value for key, value in os.environ.items() if not key.startswith("TIERKV_")}
-    with stdout_path.open("wb") as stdout, stderr_path.open("wb") as stderr:
-        process = subprocess.Popen(command, stdout=stdout, stderr=stderr,
-                                   stdin=subprocess.DEVNULL, env=env)
-    try:
-        ready = _wait_for_ready_line(process, stdout_path, stderr_path)
-        yield f"unix://{sock}", f"127.0.0.1:{ready['port']}"
-    finally:
-        _stop(process)
+    with contextlib.ExitStack() as stack:
+        if len(str(sock)) > _MAX_SOCKET_PATH:  # a deep --work-dir: a short folder of its own
+            short = stack.enter_context(tempfile.TemporaryDirectory(prefix="tkv-", dir="/tmp"))
+            sock = Path(short) / "s.sock"
+        stdout_path, stderr_path = work / "serve.out", work / "serve.err"
+        command = [
+            sys.executable, "-m", "tierkv", "serve",
+            "--listen", f"unix://{sock}", "--listen", "127.0.0.1:0",
+            "--host-bytes", str(host_bytes), "--gpu-bytes", "0",
+            "--disk-path", str(work / "disk"), "--disk-bytes", str(disk_bytes),
+            "--stats-interval-s", "0", "--log-level", "WARNING",
+        ]
+        # Only these flags configure it: no TIERKV_* settings (tokens, TLS, ...) from this shell.
+        env = {key: value for key, value in os.environ.items() if not key.startswith("TIERKV_")}
+        with stdout_path.open("wb") as stdout, stderr_path.open("wb") as stderr:
+            process = subprocess.Popen(command, stdout=stdout, stderr=stderr,
+                                       stdin=subprocess.DEVNULL, env=env)
+        try:
+            ready = _wait_for_ready_line(process, stdout_path, stderr_path)
+            yield f"unix://{sock}", f"127.0.0.1:{ready['port']}"
+        finally:
+            _stop(process)
 
 
 def _wait_for_ready_line(process: subprocess.Popen[bytes], stdout_path: Path,
@@ -171,7 +180,7 @@ def _redis_server(cfg: ServiceBenchConfig) -> Iterator[tuple[int, str]]:
 def running_servers(cfg: ServiceBenchConfig, host_bytes: int) -> Iterator[Servers]:
     """Both servers, stopped at the end (also on errors)."""
     with _redis_server(cfg) as (redis_port, redis_socket), \
-            _tierkv_server(cfg, host_bytes) as (unix_target, tcp_target):
+            tierkv_server(cfg.work_dir, host_bytes) as (unix_target, tcp_target):
         yield Servers(unix_target, tcp_target, redis_port, redis_socket)
 
 
