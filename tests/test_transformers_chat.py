@@ -194,3 +194,38 @@ def test_resume_after_a_sigkill_of_the_sidecar_and_an_app_restart(
     assert [down.reply_token_ids] == recomputed_replies(
         model, turns[5:6], [*history, *turns[4], *result.reply_token_ids])
     assert any("unavailable" in r.getMessage() for r in caplog.records)
+
+
+class TemplateTokenizer:
+    """A stand-in tokenizer with a chat template: one token per character (no download)."""
+
+    chat_template = "<user>{content}<bot>"
+
+    def apply_chat_template(self, messages: list[dict[str, str]], tokenize: bool,
+                            add_generation_prompt: bool) -> str:
+        assert not tokenize
+        text = "<s>" + "".join(f"<{m['role']}>{m['content']}</>" for m in messages)
+        return text + ("<assistant>" if add_generation_prompt else "")
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return [3 + ord(char) % 120 for char in text]
+
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = False) -> str:
+        return "".join(chr(97 + token % 26) for token in token_ids)
+
+
+def test_a_chat_template_renders_only_the_new_message_each_turn(tmp_path: Path) -> None:
+    model, tokenizer = tiny_llama(), TemplateTokenizer()
+    with TieredStore(kv_store_config(tmp_path)) as store:
+        session = ChatSession(model, blocks_of(store), tokenizer=tokenizer,
+                              max_new_tokens=NUM_NEW_TOKENS)
+        first = session.turn("hello there")
+        assert session.token_ids[: first.num_prompt_tokens] == tokenizer.encode(
+            "<s><user>hello there</><assistant>")
+        assert first.reply_text == tokenizer.decode(first.reply_token_ids)
+        history = list(session.token_ids)
+        second = session.turn("and again")
+        assert session.token_ids[: len(history)] == history  # the history is never re-rendered
+        assert session.token_ids[len(history): second.num_prompt_tokens] == tokenizer.encode(
+            "<user>and again</><assistant>")  # what the template adds after the history
+        assert second.num_cached_tokens == (len(history) - 1) // 16 * 16 > 0
