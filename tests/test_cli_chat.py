@@ -4,23 +4,35 @@ correctness only (hits, rows, logits checks): no timing is asserted."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
+from harness import SidecarFactory
 
 from tierkv.bench.models import TINY, build_llama
+from tierkv.cli.main import main
 
 pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The tiny test model, saved once for every test here."""
-    return build_llama(tmp_path_factory.mktemp("models") / "llama-tiny", TINY)
+def cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A cache folder (``--cache-dir``) that holds the built-in demo model, built once here."""
+    root = tmp_path_factory.mktemp("cache")
+    build_llama(root / "bench-models" / "llama-tiny", TINY)
+    return root
+
+
+@pytest.fixture
+def tiny_model_dir(cache_dir: Path) -> Path:
+    """The tiny test model (the demo's built-in one)."""
+    return cache_dir / "bench-models" / "llama-tiny"
 
 
 def _tierkv(*args: str, timeout_s: float = 300) -> subprocess.CompletedProcess[str]:
@@ -58,3 +70,67 @@ def test_bench_chat_quick_writes_rows_curves_and_a_plot(tmp_path: Path,
     assert data["config"]["dtype"] == "float32"
     assert len(data["targets"]) == 4
     assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def _demo(cache_dir: Path, out: Path, *flags: str,
+          capsys: pytest.CaptureFixture[str] | None = None) -> tuple[str, dict[str, Any]]:
+    """``tierkv demo chat`` with ``flags``, in a new process, or in this one (``main``) when
+    given ``capsys``: its stdout and its JSON."""
+    argv = ["demo", "chat", "--cache-dir", str(cache_dir), "--turns", "3", "--max-new-tokens",
+            "4", "--json", str(out), *flags]
+    if capsys is None:
+        stdout = _tierkv(*argv).stdout
+    else:
+        assert main(argv) == 0
+        stdout = capsys.readouterr().out
+    data: dict[str, Any] = json.loads(out.read_text())
+    return stdout, data
+
+
+def _check_turns(turns: list[dict[str, Any]], first_cached: int) -> None:
+    """Every turn replied as without the cache; later turns restored the history before them."""
+    assert [t["turn"] for t in turns] == [1, 2, 3]
+    assert all(t["same_reply"] for t in turns), turns
+    assert turns[0]["num_cached_tokens"] == first_cached
+    for before, turn in itertools.pairwise(turns):
+        # The last reply token is not in the cache yet; the rest of the history is, in blocks.
+        history = before["num_prompt_tokens"] + 4 - 1
+        assert turn["num_cached_tokens"] == history // 16 * 16 > 0, turns
+    assert all(t["ttft_ms"] > 0 and t["ttft_no_cache_ms"] > 0 for t in turns)
+
+
+def test_demo_chat_in_process_and_resumed_from_disk(tmp_path: Path, cache_dir: Path,
+                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    # No sidecar at --target: the in-process store, and the output says so.
+    target = f"unix://{tmp_path}/nobody.sock"
+    stdout, first = _demo(cache_dir, tmp_path / "first.json", "--target", target,
+                          "--session", "trip")
+    assert "in-process TieredStore" in first["store"] and "no sidecar answers" in first["store"]
+    assert "session trip: not saved yet" in stdout
+    assert "TTFT no cache" in stdout
+    _check_turns(first["turns"], first_cached=0)
+    # A new store (the first one is closed) resumes the conversation from its disk tier.
+    history = first["turns"][-1]["num_prompt_tokens"] + 4
+    stdout, resumed = _demo(cache_dir, tmp_path / "resumed.json", "--in-process",
+                            "--session", "trip", capsys=capsys)
+    assert f"session trip: resumed, {history} tokens of history" in stdout
+    assert "(--in-process)" in resumed["store"]
+    _check_turns(resumed["turns"], first_cached=(history - 1) // 16 * 16)
+
+
+def test_demo_chat_through_a_sidecar_survives_its_sigkill(
+    tmp_path: Path, cache_dir: Path, sidecar_factory: SidecarFactory,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    sidecar = sidecar_factory()
+    _, first = _demo(cache_dir, tmp_path / "first.json", "--target", sidecar.unix_target,
+                     "--session", "s1", capsys=capsys)
+    assert first["store"] == f"the sidecar at {sidecar.unix_target} (shared memory)"
+    _check_turns(first["turns"], first_cached=0)
+    history = first["turns"][-1]["num_prompt_tokens"] + 4
+    # The blocks were written through to disk: a SIGKILLed, restarted sidecar still has them.
+    sidecar.kill()
+    restarted = sidecar_factory(disk_path=sidecar.disk_path)
+    _, resumed = _demo(cache_dir, tmp_path / "resumed.json", "--target", restarted.unix_target,
+                       "--session", "s1", capsys=capsys)
+    _check_turns(resumed["turns"], first_cached=(history - 1) // 16 * 16)

@@ -10,7 +10,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from tierkv.cli import bench_cmd, serve_cmd, size_cmd
+from tierkv.cli import bench_cmd, demo_cmd, serve_cmd, size_cmd
 from tierkv.errors import TierKVError
 
 
@@ -23,6 +23,7 @@ def build_parser() -> argparse.ArgumentParser:
     size_cmd.register(subparsers)
     serve_cmd.register(subparsers)
     bench_cmd.register(subparsers)
+    demo_cmd.register(subparsers)
     return parser
 
 
