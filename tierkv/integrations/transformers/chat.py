@@ -85,9 +85,10 @@ class ChatSession:
     def resume(cls, model: Any, store: BlockStore, session_id: str, *, tokenizer: Any = None,
                **kwargs: Any) -> ChatSession:
         """The session ``session_id`` as recorded in ``store``, ready for its next turn (whose
-        prompt restores the conversation's KV). Raises ``SessionNotFoundError`` if there is no
-        such session, the store's error if it cannot be read, and ``InvalidArgumentError`` if
-        it was recorded for another model."""
+        prompt restores the conversation's KV). Raises ``NotFoundError`` if there is no
+        such session (``SessionNotFoundError`` from a ``TieredStore``; a sidecar's client
+        raises the ``NotFoundError`` it stands for), the store's error if it cannot be read,
+        and ``InvalidArgumentError`` if it was recorded for another model."""
         session = cls(model, store, tokenizer=tokenizer, session_id=session_id, **kwargs)
         namespace, token_ids = store.resume_session(session_id)
         mine = session.namespace
@@ -130,7 +131,9 @@ class ChatSession:
     def _forward(self, token_ids: list[int], cache: Any) -> tuple[torch.Tensor, Any]:
         inputs = torch.tensor([token_ids], device=self.model.device)
         with torch.no_grad():
-            output = self.model(inputs, past_key_values=cache, use_cache=True)
+            # Only the last position's logits: a whole prompt's would be its length times the
+            # vocabulary (1 GiB at 8K tokens of a 32K vocabulary in fp32).
+            output = self.model(inputs, past_key_values=cache, use_cache=True, logits_to_keep=1)
         return output.logits[0, -1], output.past_key_values
 
     def _generate(self, reply: list[int], cache: Any, max_new_tokens: int) -> list[int]:

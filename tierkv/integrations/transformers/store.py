@@ -47,8 +47,8 @@ class BlockStore(Protocol):
         ...
 
     def resume_session(self, session_id: str) -> tuple[Namespace, list[int]]:
-        """The recorded namespace and token ids of ``session_id`` (``SessionNotFoundError``
-        when there is none)."""
+        """The recorded namespace and token ids of ``session_id`` (``NotFoundError``
+        when there is none: ``SessionNotFoundError`` from a ``TieredStore``)."""
         ...
 
 
