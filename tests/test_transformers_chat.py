@@ -10,12 +10,12 @@ import os
 import subprocess
 import sys
 import textwrap
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
-from harness import ALICE_TOKEN, BOB_TOKEN, BackgroundServer, SidecarFactory
+from harness import SidecarFactory
 from tiny_llama import kv_store_config, load_llama, prefill, prompt, tiny_llama
 
 from tierkv import Client, TieredStore
@@ -24,28 +24,6 @@ from tierkv.integrations.transformers import BlockStore, ChatSession, TurnResult
 OpenBlocks = Callable[[str], BlockStore]
 NUM_NEW_TOKENS = 6
 HELPER_PATHS = [str(Path(__file__).parent), str(Path(__file__).parent / "service")]
-
-
-@pytest.fixture(params=["store", "client"])
-def open_blocks(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[OpenBlocks]:
-    """The same tests through an in-process TieredStore and through a sidecar Client."""
-    if request.param == "store":
-        store = TieredStore(kv_store_config(tmp_path))
-        yield lambda tenant: blocks_of(store, tenant)
-        store.close(flush=False)
-        return
-    server = BackgroundServer(tmp_path, host_bytes=8 << 20, disk_bytes=32 << 20, page_bytes=4096)
-    clients: list[Client] = []
-
-    def open_client(tenant: str) -> BlockStore:
-        token = {"alice": ALICE_TOKEN, "bob": BOB_TOKEN}[tenant]
-        clients.append(Client(server.unix_target, token=token))
-        return blocks_of(clients[-1])
-
-    yield open_client
-    for client in clients:
-        client.close()
-    server.close()
 
 
 def messages(num_turns: int) -> list[list[int]]:

@@ -8,15 +8,14 @@ import os
 import subprocess
 import sys
 import textwrap
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
-from harness import ALICE_TOKEN, BOB_TOKEN, BackgroundServer, SidecarFactory, shm_client
-from tiny_llama import kv_store_config, load_llama, max_logit_error, prefill, prompt, tiny_llama
+from harness import SidecarFactory, shm_client
+from tiny_llama import load_llama, max_logit_error, prefill, prompt, tiny_llama
 
-from tierkv import Client, TieredStore
 from tierkv.integrations.transformers import (
     BlockStore,
     blocks_of,
@@ -32,28 +31,6 @@ FP32_TOLERANCE = 1e-4
 # (max error 0 over 5 models and 256 cached tokens); attention over a chunk may still round
 # differently from the whole sequence on other kernels, so allow bf16's resolution at ~1.
 BF16_TOLERANCE = 1e-2
-
-
-@pytest.fixture(params=["store", "client"])
-def open_blocks(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[OpenBlocks]:
-    """The same tests through an in-process TieredStore and through a sidecar Client."""
-    if request.param == "store":
-        store = TieredStore(kv_store_config(tmp_path))
-        yield lambda tenant: blocks_of(store, tenant)
-        store.close(flush=False)
-        return
-    server = BackgroundServer(tmp_path, host_bytes=8 << 20, disk_bytes=32 << 20, page_bytes=4096)
-    clients: list[Client] = []
-
-    def open_client(tenant: str) -> BlockStore:
-        token = {"alice": ALICE_TOKEN, "bob": BOB_TOKEN}[tenant]
-        clients.append(Client(server.unix_target, token=token))
-        return blocks_of(clients[-1])
-
-    yield open_client
-    for client in clients:
-        client.close()
-    server.close()
 
 
 @pytest.mark.parametrize(("dtype", "tolerance"), [(torch.float32, FP32_TOLERANCE),
