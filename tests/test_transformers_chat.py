@@ -7,11 +7,13 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import subprocess
 import sys
 import textwrap
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -19,6 +21,14 @@ from harness import SidecarFactory
 from tiny_llama import kv_store_config, load_llama, prefill, prompt, tiny_llama
 
 from tierkv import Client, TieredStore
+from tierkv.errors import (
+    AuthenticationError,
+    DeadlineExceededError,
+    IntegrityError,
+    InvalidArgumentError,
+    StaleSlabError,
+    TierKVError,
+)
 from tierkv.integrations.transformers import BlockStore, ChatSession, TurnResult, blocks_of
 
 OpenBlocks = Callable[[str], BlockStore]
@@ -206,4 +216,180 @@ def test_a_chat_template_renders_only_the_new_message_each_turn(tmp_path: Path) 
         assert session.token_ids[: len(history)] == history  # the history is never re-rendered
         assert session.token_ids[len(history): second.num_prompt_tokens] == tokenizer.encode(
             "<user>and again</><assistant>")  # what the template adds after the history
-        assert second.num_cached_tokens == (len(history) - 1) // 16 * 16 > 0
+        # The template's end of an assistant message ("</>") follows the reply in the history;
+        # it is not in the cache yet (nor is the reply's last token).
+        assert history[first.num_prompt_tokens + len(first.reply_token_ids):] == (
+            tokenizer.encode("</>"))
+        assert second.num_cached_tokens == (len(history) - 4) // 16 * 16 > 0
+
+
+class FaultyBlocks:
+    """A ``BlockStore`` over ``inner`` whose calls named in ``failing`` raise ``error`` (after
+    sleeping ``delay_s``, as a hung sidecar would until its deadline); counts every call."""
+
+    def __init__(self, inner: BlockStore, error: Exception, failing: set[str]) -> None:
+        self.inner, self.error, self.failing = inner, error, failing
+        self.num_calls = 0
+
+    def _call(self, name: str, *args: Any, **kwargs: Any) -> Any:
+        self.num_calls += 1
+        if name in self.failing:
+            raise self.error
+        return getattr(self.inner, name)(*args, **kwargs)
+
+    def lookup(self, *args: Any) -> int:
+        return int(self._call("lookup", *args))
+
+    def get_into(self, *args: Any) -> int:
+        return int(self._call("get_into", *args))
+
+    def put(self, *args: Any, **kwargs: Any) -> int:
+        return int(self._call("put", *args, **kwargs))
+
+    def save_session(self, *args: Any) -> int:
+        return int(self._call("save_session", *args))
+
+    def resume_session(self, session_id: str) -> tuple[Any, list[int]]:
+        namespace, token_ids = self._call("resume_session", session_id)
+        return namespace, list(token_ids)
+
+
+@pytest.mark.parametrize("error", [
+    IntegrityError("DATA_LOSS: disk write failed"), StaleSlabError("stale slab"),
+    AuthenticationError("token revoked"), TierKVError("something else"),
+    DeadlineExceededError("deadline exceeded"), OSError("broken pipe"),
+])
+@pytest.mark.parametrize("failing", [{"put"}, {"save_session"}, {"lookup"}])
+def test_any_store_error_costs_a_recompute_never_the_reply(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, error: Exception, failing: set[str]
+) -> None:
+    model = tiny_llama()
+    turns = messages(3)
+    with TieredStore(kv_store_config(tmp_path)) as store:
+        faulty = FaultyBlocks(blocks_of(store), error, failing)
+        session = ChatSession(model, faulty, max_new_tokens=NUM_NEW_TOKENS)
+        with caplog.at_level(logging.WARNING):
+            results = [session.turn(message) for message in turns]
+    assert [r.reply_token_ids for r in results] == recomputed_replies(model, turns)
+    conversation = [t for m, r in zip(turns, results, strict=True) for t in [*m, *r.reply_token_ids]]
+    assert session.token_ids == conversation
+    warnings = [r for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(warnings) == 1 and "unavailable" in warnings[0].getMessage()
+
+
+def test_a_refused_call_turns_the_cache_off_once_not_every_turn(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    model = tiny_llama()
+    turns = messages(4)
+    with TieredStore(kv_store_config(tmp_path)) as store:
+        faulty = FaultyBlocks(blocks_of(store), InvalidArgumentError("bad blocks"), {"put"})
+        session = ChatSession(model, faulty, max_new_tokens=NUM_NEW_TOKENS)
+        with caplog.at_level(logging.WARNING):
+            results = [session.turn(message) for message in turns[:2]]
+            num_calls = faulty.num_calls
+            results += [session.turn(message) for message in turns[2:]]
+    assert [r.reply_token_ids for r in results] == recomputed_replies(model, turns)
+    assert faulty.num_calls == num_calls  # no store call once the cache is off
+    errors = [r for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(errors) == 1 and errors[0].levelno == logging.ERROR
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now_s = 0.0
+
+    def __call__(self) -> float:
+        return self.now_s
+
+
+def test_a_store_that_is_down_is_probed_once_per_backoff_not_every_call(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    model, clock = tiny_llama(), FakeClock()
+    turns = messages(8)
+    with TieredStore(kv_store_config(tmp_path)) as store:
+        hung = FaultyBlocks(blocks_of(store), DeadlineExceededError("hung"),
+                            {"lookup", "get_into", "put", "save_session"})
+        session = ChatSession(model, hung, max_new_tokens=NUM_NEW_TOKENS, clock=clock)
+        calls = []
+        with caplog.at_level(logging.WARNING):
+            for message, now_s in zip(turns[:6], [0, 1, 4.9, 5, 6, 14.9], strict=True):
+                clock.now_s, before = now_s, hung.num_calls
+                session.turn(message)
+                calls.append(hung.num_calls - before)
+            # One call per probe: at 0, at 5 (backoff 5 s), then not before 15 (10 s).
+            assert calls == [1, 0, 0, 1, 0, 0]
+            hung.failing = set()  # the store is back: the next probe finds it
+            clock.now_s, history = 15, list(session.token_ids)
+            back = session.turn(turns[6])
+            assert hung.num_calls > sum(calls)
+            after = session.turn(turns[7])
+    assert back.num_cached_tokens == 0 and after.num_cached_tokens > 0
+    assert [r.reply_token_ids for r in (back, after)] == recomputed_replies(
+        model, turns[6:], history)
+    lines = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(lines) == 2 and "unavailable" in lines[0] and "is back" in lines[1]
+
+
+def test_a_sliding_window_model_runs_uncached_with_one_warning(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    from transformers import MistralConfig, MistralForCausalLM
+
+    torch.manual_seed(0)
+    config = MistralConfig(num_hidden_layers=2, hidden_size=64, num_attention_heads=4,
+                           num_key_value_heads=2, intermediate_size=128, vocab_size=128,
+                           sliding_window=4096, eos_token_id=2)
+    model = MistralForCausalLM(config).eval()
+    turns = [prompt(20 + 10 * turn, seed=turn) for turn in range(3)]
+    with TieredStore(kv_store_config(tmp_path)) as store:
+        faulty = FaultyBlocks(blocks_of(store), RuntimeError("unused"), set())
+        with caplog.at_level(logging.WARNING):
+            session = ChatSession(model, faulty, max_new_tokens=NUM_NEW_TOKENS)
+            results = [session.turn(message) for message in turns]
+        warnings = [r for r in caplog.records if r.levelno >= logging.WARNING]
+        assert ChatSession.resume(model, faulty, session.session_id).token_ids == (
+            session.token_ids)  # the record is still saved
+    assert [r.reply_token_ids for r in results] == recomputed_replies(model, turns)
+    assert [r.num_cached_tokens for r in results] == [0, 0, 0]
+    assert faulty.num_calls == 3 + 1  # save_session each turn, and the resume: no KV calls
+    assert len(warnings) == 1 and "sliding" in warnings[0].getMessage()
+
+
+class DroppingTemplateTokenizer(TemplateTokenizer):
+    """Qwen3's template in miniature: earlier assistant messages lose their reasoning, so the
+    history re-renders differently once a message is added; replies carry reasoning."""
+
+    def apply_chat_template(self, messages: list[dict[str, str]], tokenize: bool,
+                            add_generation_prompt: bool) -> str:
+        last_user = max(i for i, m in enumerate(messages) if m["role"] == "user")
+        text = "".join(
+            f"<{m['role']}>"
+            f"{re.sub('<think>.*?</think>', '', m['content']) if i < last_user else m['content']}"
+            "</>" for i, m in enumerate(messages))
+        return text + ("<assistant>" if add_generation_prompt else "")
+
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = False) -> str:
+        return "<think>x</think>" + super().decode(token_ids, skip_special_tokens)
+
+
+def test_a_template_that_re_renders_the_history_appends_only_the_new_message(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    model, tokenizer = tiny_llama(), DroppingTemplateTokenizer()
+    with TieredStore(kv_store_config(tmp_path)) as store:
+        session = ChatSession(model, blocks_of(store), tokenizer=tokenizer,
+                              max_new_tokens=NUM_NEW_TOKENS)
+        with caplog.at_level(logging.WARNING):
+            for message in ["hello there", "and again", "third"]:
+                history = list(session.token_ids)
+                result = session.turn(message)
+                assert session.token_ids[: len(history)] == history
+                assert session.token_ids[len(history): result.num_prompt_tokens] == (
+                    tokenizer.encode(f"<user>{message}</><assistant>"))
+                end = result.num_prompt_tokens + len(result.reply_token_ids)
+                assert session.token_ids[end:] == tokenizer.encode("</>")
+    warnings = [r for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(warnings) == 1 and "renders the history differently" in warnings[0].getMessage()
+

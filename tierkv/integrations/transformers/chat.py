@@ -6,14 +6,31 @@ cached prefix, prefill the rest, generate greedily, then store the new full bloc
 (``write_through``, ``Priority.SESSION``) and the session record.
 
 Notes:
-1. The store is an accelerator, never a dependency of a turn: when it is down (refused,
-   unavailable, timed out, closed, full) the turn recomputes and gives the same tokens. One
-   warning is logged when it goes away, one line when it is back.
-2. The conversation is its token ids (``token_ids``), which is what the session record holds.
-   A new message is appended as tokens: with a chat template, the text the template adds for it
+1. The store is an accelerator, never a dependency of a turn: any store error (``TierKVError``
+   or ``OSError``: down, slow, full, a fault on its disk, a stale slab, a revoked token...)
+   makes the turn recompute, or skips its save, and the turn gives the same tokens. One warning
+   is logged when the store goes away, one line when it is back. While it is away no call is
+   made to it but one probe every ``STORE_RETRY_S`` (doubling up to ``STORE_RETRY_MAX_S``),
+   so a hung store costs at most one short deadline per probe, not three per turn; a sidecar
+   client with no deadline of its own gets ``restore_timeout_s`` for the restore and
+   ``save_timeout_s`` for the saves.
+2. The cache is off for the whole session, with one message, when it cannot work. A model
+   whose cache has sliding-window (or other non-full) layers, which ``save_kv`` refuses, is
+   found up front: no KV is restored or saved (the session record still is). An
+   ``InvalidArgumentError`` from a store call is a bug on this side: logged as an error once,
+   then no store call at all, rather than swallowed every turn. The turns recompute and give
+   the same tokens.
+3. The conversation is its token ids (``token_ids``), which is what the session record holds.
+   ``token_ids`` (and the messages) advance only once the turn's reply is built.
+4. A new message is appended as tokens: with a chat template, the text the template adds for it
    (the rendering of the history with the message minus the rendering without); otherwise the
-   tokenizer's encoding, or the ids given. After ``resume`` the history's messages are not
-   known, only its tokens: the first new message is rendered as if it opened a conversation.
+   tokenizer's encoding, or the ids given. A template that re-renders the history differently
+   (one that drops earlier reasoning, or moves the system prompt) gets one warning, and the
+   message is then the rendering of the message alone: the history is never appended twice.
+   After a reply, the text the template puts after an assistant message (its end-of-turn
+   marker) is appended too, unless the reply already ends with it. After ``resume`` the
+   history's messages are not known, only its tokens: the first new message is rendered as if
+   it opened a conversation.
 """
 
 from __future__ import annotations
@@ -28,22 +45,16 @@ from typing import Any, TypeVar
 import torch
 
 from tierkv.config import Priority, WritePolicy
-from tierkv.errors import (
-    CapacityError,
-    DeadlineExceededError,
-    DiskIOError,
-    InvalidArgumentError,
-    ServiceUnavailableError,
-    StoreClosedError,
-)
+from tierkv.errors import InvalidArgumentError, TierKVError
 from tierkv.integrations.transformers.kv import model_namespace, restore_kv, save_kv
-from tierkv.integrations.transformers.store import BlockStore
+from tierkv.integrations.transformers.store import BlockStore, ClientBlocks
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
-# What "the store is down" looks like from here (note 1); anything else is a bug and raises.
-STORE_DOWN = (ServiceUnavailableError, DeadlineExceededError, StoreClosedError, CapacityError,
-              DiskIOError, OSError)
+# What store trouble looks like from here (note 1); InvalidArgumentError is ours (note 2).
+STORE_TROUBLE = (TierKVError, OSError)
+STORE_RETRY_S = 5.0
+STORE_RETRY_MAX_S = 60.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,12 +73,16 @@ class ChatSession:
     """A conversation with ``model`` whose KV is kept in ``store`` (see the module notes).
 
     ``session_id`` names its record (default: a new random id); ``tenant`` and ``model_id``
-    go into the namespace (``model_namespace``).
+    go into the namespace (``model_namespace``). ``restore_timeout_s`` and ``save_timeout_s``
+    bound the calls to a sidecar client that has no deadline of its own; ``clock`` (seconds,
+    monotonic) times the probes of a store that is down (note 1).
     """
 
     def __init__(self, model: Any, store: BlockStore, *, tokenizer: Any = None,
                  session_id: str | None = None, max_new_tokens: int = 32, block_size: int = 16,
-                 tenant: str = "default", model_id: str | None = None) -> None:
+                 tenant: str = "default", model_id: str | None = None,
+                 restore_timeout_s: float = 1.0, save_timeout_s: float = 5.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         if max_new_tokens < 1:
             raise InvalidArgumentError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
         self.model = model
@@ -79,7 +94,21 @@ class ChatSession:
                                          model_id=model_id)
         self.token_ids: list[int] = []
         self._messages: list[dict[str, str]] = []
+        self._restore_store, self._save_store = store, store
+        if isinstance(store, ClientBlocks) and store.timeout_s is None:
+            self._restore_store = ClientBlocks(store.client, restore_timeout_s)
+            self._save_store = ClientBlocks(store.client, save_timeout_s)
+        self._clock = clock
         self._store_down = False
+        self._retry_at = 0.0
+        self._retry_s = STORE_RETRY_S
+        self._template_warned = False
+        self._cache_off = ""  # why every store call is skipped (note 2)
+        self._kv_unsupported = _unsupported_cache(model)
+        if self._kv_unsupported:
+            log.warning("tierkv: %s; session %s runs without the KV cache (the same tokens, "
+                        "every prompt recomputed; its record is still saved)",
+                        self._kv_unsupported, self.session_id)
 
     @classmethod
     def resume(cls, model: Any, store: BlockStore, session_id: str, *, tokenizer: Any = None,
@@ -101,32 +130,41 @@ class ChatSession:
 
     def turn(self, message: str | Sequence[int], max_new_tokens: int | None = None) -> TurnResult:
         """Add ``message`` (text, or token ids), answer it greedily with up to
-        ``max_new_tokens`` tokens (default: the session's), and store the conversation."""
+        ``max_new_tokens`` tokens (default: the session's), and store the conversation. Store
+        errors never fail a turn (note 1)."""
         max_new_tokens = self.max_new_tokens if max_new_tokens is None else max_new_tokens
         if max_new_tokens < 1:
             raise InvalidArgumentError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
         prompt_ids = [*self.token_ids, *self._encode(message)]
         start = time.perf_counter()
-        cache, num_cached = self._guard(
-            lambda: restore_kv(self.store, self.namespace, prompt_ids, device=self.model.device),
-            (None, 0))
+        cache, num_cached = None, 0
+        if not self._kv_unsupported:
+            cache, num_cached = self._guard(
+                lambda: restore_kv(self._restore_store, self.namespace, prompt_ids,
+                                   device=self.model.device), (None, 0))
         logits, cache = self._forward(prompt_ids[num_cached:], cache)
         reply = [int(logits.argmax())]
         ttft_s = time.perf_counter() - start
         reply = self._generate(reply, cache, max_new_tokens)
-        self.token_ids = [*prompt_ids, *reply]
-        self._guard(lambda: save_kv(self.store, self.namespace, self.token_ids, cache,
-                                    priority=Priority.SESSION,
-                                    write_policy=WritePolicy.WRITE_THROUGH), 0)
-        self._guard(lambda: self.store.save_session(self.namespace, self.session_id,
-                                                    self.token_ids), 0, reaches_store=True)
-        text = None
+        text, messages = None, self._messages
         if self.tokenizer is not None:
             text = str(self.tokenizer.decode(reply, skip_special_tokens=True))
             if isinstance(message, str):
-                self._messages += [{"role": "user", "content": message},
-                                   {"role": "assistant", "content": text}]
-        return TurnResult(reply, text, len(prompt_ids), num_cached, ttft_s)
+                messages = [*messages, {"role": "user", "content": message},
+                            {"role": "assistant", "content": text}]
+        token_ids = [*prompt_ids, *reply, *self._end_of_reply(messages, reply)]
+        result = TurnResult(reply, text, len(prompt_ids), num_cached, ttft_s)
+        self._save(token_ids, cache)
+        self.token_ids, self._messages = token_ids, messages
+        return result
+
+    def _save(self, token_ids: list[int], cache: Any) -> None:
+        if not self._kv_unsupported:
+            self._guard(lambda: save_kv(self._save_store, self.namespace, token_ids, cache,
+                                        priority=Priority.SESSION,
+                                        write_policy=WritePolicy.WRITE_THROUGH), 0)
+        self._guard(lambda: self._save_store.save_session(self.namespace, self.session_id,
+                                                          token_ids), 0, reaches_store=True)
 
     def _forward(self, token_ids: list[int], cache: Any) -> tuple[torch.Tensor, Any]:
         inputs = torch.tensor([token_ids], device=self.model.device)
@@ -145,19 +183,47 @@ class ChatSession:
             reply.append(int(logits.argmax()))
         return reply
 
+    def _has_template(self) -> bool:
+        return bool(getattr(self.tokenizer, "chat_template", None))
+
     def _encode(self, message: str | Sequence[int]) -> list[int]:
         if not isinstance(message, str):
             return [int(token) for token in message]
         if self.tokenizer is None:
             raise InvalidArgumentError("ChatSession.turn: a text message needs a tokenizer; "
                                        "give token ids, or pass tokenizer=")
-        if getattr(self.tokenizer, "chat_template", None):
-            user = {"role": "user", "content": message}
-            after = self._render([*self._messages, user], add_generation_prompt=True)
-            before = self._render(self._messages, add_generation_prompt=False)
-            delta = after[len(before):] if before and after.startswith(before) else after
-            return list(self.tokenizer.encode(delta, add_special_tokens=False))
-        return list(self.tokenizer.encode(message, add_special_tokens=not self.token_ids))
+        if not self._has_template():
+            return list(self.tokenizer.encode(message, add_special_tokens=not self.token_ids))
+        user = {"role": "user", "content": message}
+        after = self._render([*self._messages, user], add_generation_prompt=True)
+        before = self._render(self._messages, add_generation_prompt=False)
+        if before and after.startswith(before):
+            delta = after[len(before):]
+        else:  # note 4: a first message, or a template that re-renders the history
+            if before and not self._template_warned:
+                log.warning("tierkv: the chat template renders the history differently once a "
+                            "message is added; session %s appends each message rendered alone",
+                            self.session_id)
+                self._template_warned = True
+            delta = self._render([user], add_generation_prompt=True)
+        return list(self.tokenizer.encode(delta, add_special_tokens=False))
+
+    def _end_of_reply(self, messages: list[dict[str, str]], reply: list[int]) -> list[int]:
+        """The tokens the template puts after the reply's text (note 4) that ``reply`` does
+        not end with; none without a template or a text message."""
+        if not self._has_template() or not messages or messages is self._messages:
+            return []
+        upto = self._render(messages[:-1], add_generation_prompt=True)
+        full = self._render(messages, add_generation_prompt=False)
+        text = messages[-1]["content"].strip()
+        end = full.rfind(text) if text else len(upto)
+        if end < 0 or (not text and not full.startswith(upto)):
+            return []
+        suffix = list(self.tokenizer.encode(full[end + len(text):], add_special_tokens=False))
+        for overlap in range(min(len(suffix), len(reply)), 0, -1):
+            if reply[-overlap:] == suffix[:overlap]:
+                return suffix[overlap:]
+        return suffix
 
     def _render(self, messages: list[dict[str, str]], add_generation_prompt: bool) -> str:
         if not messages:
@@ -166,22 +232,50 @@ class ChatSession:
             messages, tokenize=False, add_generation_prompt=add_generation_prompt))
 
     def _guard(self, call: Callable[[], T], fallback: T, reaches_store: bool = False) -> T:
-        """``call()``, or ``fallback`` when the store is down (note 1). Only a call that always
-        reaches the store (``reaches_store``) shows that it is back: restores and saves of
-        sequences without a full block do not call it."""
+        """``call()``, or ``fallback`` when the cache is off, the store is down and not due for
+        a probe, or the call fails (notes 1-2). Only a call that always reaches the store
+        (``reaches_store``) shows that it is back: restores and saves of sequences without a
+        full block do not call it."""
+        if self._cache_off or (self._store_down and self._clock() < self._retry_at):
+            return fallback
         try:
             result = call()
-        except STORE_DOWN as exc:
-            if not self._store_down:
-                log.warning("tierkv store unavailable (%s: %s): session %s recomputes its "
-                            "prompts and is not saved until the store is back",
-                            type(exc).__name__, exc, self.session_id)
-            self._store_down = True
+        except InvalidArgumentError as exc:
+            self._cache_off = f"{type(exc).__name__}: {exc}"
+            log.error("tierkv refused a call of session %s (%s): a bug, not the store's state; "
+                      "the session runs without the cache", self.session_id, self._cache_off)
+            return fallback
+        except STORE_TROUBLE as exc:
+            self._went_down(exc)
             return fallback
         if self._store_down and reaches_store:
             log.warning("tierkv store is back: session %s uses the cache again", self.session_id)
-            self._store_down = False
+            self._store_down, self._retry_s = False, STORE_RETRY_S
         return result
+
+    def _went_down(self, exc: BaseException) -> None:
+        if self._store_down:
+            self._retry_s = min(2 * self._retry_s, STORE_RETRY_MAX_S)
+        else:
+            log.warning("tierkv store unavailable (%s: %s): session %s recomputes its prompts "
+                        "and is not saved until the store is back (next try in %.0f s)",
+                        type(exc).__name__, exc, self.session_id, self._retry_s)
+            self._store_down = True
+        self._retry_at = self._clock() + self._retry_s
+
+
+def _unsupported_cache(model: Any) -> str:
+    """Why ``model``'s cache cannot be stored ('' when it can): the layers a ``DynamicCache``
+    of its config gets, which ``save_kv`` refuses unless they are all plain full-attention."""
+    from transformers import DynamicCache
+    from transformers.cache_utils import DynamicLayer
+
+    layers = DynamicCache(config=model.config).layers
+    kinds = sorted({type(layer).__name__ for layer in layers if type(layer) is not DynamicLayer})
+    if not kinds:
+        return ""
+    return (f"{type(model).__name__}'s cache has {', '.join(kinds)} layers (sliding-window "
+            "attention), which tierkv does not store")
 
 
 def _eos_ids(model: Any) -> frozenset[int]:
