@@ -5,6 +5,7 @@ processes and a SIGKILL restart of a ``tierkv serve`` sidecar (restored from DIS
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -112,6 +113,80 @@ def test_a_different_model_gets_no_hit(open_blocks: OpenBlocks) -> None:
         assert restore_kv(blocks, model_namespace(model), tokens) == (None, 0)
     assert restore_kv(blocks, model_namespace(base, model_id="rev-2"), tokens) == (None, 0)
     assert restore_kv(blocks, model_namespace(base, block_size=8), tokens) == (None, 0)
+
+
+def test_the_restored_cache_takes_its_tensors_without_another_copy(
+    open_blocks: OpenBlocks, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # blocks_to_cache fills DynamicLayers the way DynamicLayer.update does, less its torch.cat:
+    # this breaks, on a transformers release that changes DynamicLayer, before a user sees it.
+    model = tiny_llama()
+    blocks = open_blocks("alice")
+    namespace = model_namespace(model)
+    tokens = prompt(50)
+    _, cache = prefill(model, tokens)
+    save_kv(blocks, namespace, tokens, cache)
+    buffer = torch.empty((8, *namespace.layout.block_shape))
+    with monkeypatch.context() as patch:
+        patch.setattr(torch, "cat", _no_cat)
+        restored, num_cached = restore_kv(blocks, namespace, tokens, out=buffer)
+    assert num_cached == 48 and len(restored.layers) == 2
+    for layer, stored in zip(restored.layers, cache.layers, strict=True):
+        assert layer.is_initialized and layer.get_seq_length() == 48
+        for got, expected in ((layer.keys, stored.keys), (layer.values, stored.values)):
+            assert got.shape == (1, 2, 48, 16) and got.is_contiguous() and got._base is None
+            assert torch.equal(got, expected[:, :, :48])
+    assert max_logit_error(model, tokens, restored, num_cached) <= FP32_TOLERANCE
+
+
+def _no_cat(*args: object, **kwargs: object) -> torch.Tensor:
+    raise AssertionError("restore_kv concatenated a tensor: a second copy")
+
+
+def test_other_weights_get_no_hit(open_blocks: OpenBlocks) -> None:
+    # One config, two sets of weights (a re-saved checkpoint, a model built in memory).
+    blocks = open_blocks("alice")
+    base, retrained = tiny_llama(seed=0), tiny_llama(seed=1)
+    tokens = prompt(40)
+    _, cache = prefill(base, tokens)
+    save_kv(blocks, model_namespace(base), tokens, cache)
+    assert model_namespace(base).id != model_namespace(retrained).id
+    assert restore_kv(blocks, model_namespace(retrained), tokens) == (None, 0)
+    assert restore_kv(blocks, model_namespace(tiny_llama(seed=0)), tokens)[1] == 32
+    # Weights changed in place by a torch op are noticed (the tensors' version counters).
+    with torch.no_grad():
+        base.model.layers[0].self_attn.k_proj.weight.mul_(2)
+    assert restore_kv(blocks, model_namespace(base), tokens) == (None, 0)
+    # model_id stands for the weights: the caller vouches for them.
+    assert (model_namespace(base, model_id="rev-1").id
+            == model_namespace(retrained, model_id="rev-1").id)
+
+
+def test_another_attention_implementation_gets_no_hit() -> None:
+    eager, sdpa = tiny_llama(), tiny_llama()
+    eager.config._attn_implementation = "eager"
+    sdpa.config._attn_implementation = "sdpa"
+    assert model_namespace(eager).id != model_namespace(sdpa).id
+
+
+def test_the_same_weights_from_two_paths_hit(
+    open_blocks: OpenBlocks, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    tiny_llama(path=tmp_path / "model")
+    shutil.copytree(tmp_path / "model", tmp_path / "copy")
+    monkeypatch.chdir(tmp_path)
+    models = [load_llama(Path("model")), load_llama(tmp_path / "model"), load_llama(Path("copy"))]
+    assert len({model.config._name_or_path for model in models}) == 3
+    namespaces = [model_namespace(model) for model in models]
+    assert len({namespace.id for namespace in namespaces}) == 1
+    blocks = open_blocks("alice")
+    tokens = prompt(40)
+    _, cache = prefill(models[0], tokens)
+    save_kv(blocks, namespaces[0], tokens, cache)
+    for model, namespace in zip(models[1:], namespaces[1:], strict=True):
+        restored, num_cached = restore_kv(blocks, namespace, tokens)
+        assert num_cached == 32
+        assert max_logit_error(model, tokens, restored, num_cached) <= FP32_TOLERANCE
 
 
 def test_a_cache_of_another_model_is_refused(open_blocks: OpenBlocks) -> None:
