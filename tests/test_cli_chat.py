@@ -15,7 +15,11 @@ from typing import Any
 import pytest
 from harness import SidecarFactory
 
+from tierkv.bench.chat_bench import ChatCurve
+from tierkv.bench.chat_bench import exit_status as bench_exit_status
 from tierkv.bench.models import TINY, build_llama
+from tierkv.cli.demo_cmd import DemoTurn
+from tierkv.cli.demo_cmd import exit_status as demo_exit_status
 from tierkv.cli.main import main
 
 pytestmark = pytest.mark.slow
@@ -134,3 +138,23 @@ def test_demo_chat_through_a_sidecar_survives_its_sigkill(
     _, resumed = _demo(cache_dir, tmp_path / "resumed.json", "--target", restarted.unix_target,
                        "--session", "s1", capsys=capsys)
     _check_turns(resumed["turns"], first_cached=(history - 1) // 16 * 16)
+
+
+def _curve(length: int, correct: bool) -> ChatCurve:
+    ms = {"recompute": 10.0, "sidecar": 1.0, "in_process": 1.0}
+    return ChatCurve(length, ms, {m: [v] for m, v in ms.items()},
+                     {"sidecar": length, "in_process": length if correct else 0},
+                     {"sidecar": 0.0, "in_process": 0.0}, correct)
+
+
+def test_bench_chat_fails_when_a_restore_is_not_correct() -> None:
+    assert bench_exit_status([_curve(64, True), _curve(128, True)]) == 0
+    assert bench_exit_status([_curve(64, True), _curve(128, False)]) == 1
+
+
+def test_demo_chat_fails_when_a_reply_differs_with_the_cache() -> None:
+    def turn(index: int, same: bool) -> DemoTurn:
+        return DemoTurn(index, 100, 64, 1.0, 2.0, same, None)
+
+    assert demo_exit_status([turn(1, True), turn(2, True)]) == 0
+    assert demo_exit_status([turn(1, True), turn(2, False)]) == 1

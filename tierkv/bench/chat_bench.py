@@ -311,6 +311,12 @@ def summarize(curves: list[ChatCurve]) -> list[dict[str, Any]]:
     ]
 
 
+def exit_status(curves: list[ChatCurve]) -> int:
+    """The command's exit status: 1 when a length failed its correctness check (note 4: the
+    restored logits off, or the history not fully restored), else 0; timings never fail it."""
+    return 0 if all(c.correct for c in curves) else 1
+
+
 def curves_json(curves: list[ChatCurve]) -> list[dict[str, Any]]:
     """The curves as JSON objects, with their two ratios."""
     return [{**asdict(c), "recompute_vs_sidecar": c.speedup,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import sys
 import tempfile
 from collections.abc import Callable, Iterator
 from dataclasses import asdict
@@ -233,6 +234,7 @@ def run_chat(args: argparse.Namespace) -> int:
         DTYPE_REASON,
         curves_json,
         default_config,
+        exit_status,
         format_curves,
         num_steps,
         plot_series,
@@ -275,4 +277,8 @@ def run_chat(args: argparse.Namespace) -> int:
         save_curves(plot_series(curves), args.plot, title, xlabel="history, tokens",
                     ylabel="time to first token, ms (median)")
         print(f"wrote {args.plot}")
-    return 0
+    status = exit_status(curves)
+    if status:
+        print("bench chat: a restore was not correct (restored logits off, or the history not "
+              "fully restored): see the table", file=sys.stderr)
+    return status

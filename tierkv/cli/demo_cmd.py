@@ -24,6 +24,7 @@ import argparse
 import contextlib
 import json
 import random
+import sys
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -236,7 +237,17 @@ def run_chat(args: argparse.Namespace) -> int:
                                          "session": session.session_id,
                                          "turns": [asdict(t) for t in turns]}, indent=2))
         print(f"wrote {args.json}")
-    return 0
+    status = exit_status(turns)
+    if status:
+        print("demo chat: a reply with the cache differs from the reply without it (turns "
+              f"{[t.turn for t in turns if not t.same_reply]})", file=sys.stderr)
+    return status
+
+
+def exit_status(turns: list[DemoTurn]) -> int:
+    """The command's exit status: 1 when a turn's reply differs with and without the cache,
+    else 0."""
+    return 0 if all(t.same_reply for t in turns) else 1
 
 
 def format_turns(turns: list[DemoTurn]) -> str:
