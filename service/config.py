@@ -52,6 +52,10 @@ class ServiceConfig:
     tenant. Only writes (Put, Allocate, SaveSession) and Acquire register one; when a limit is
     reached, the namespaces (of that tenant) that hold no block and no session are removed
     first, so that one tenant can neither fill another's share nor lock itself out for good.
+    ``metrics_port``: the Prometheus endpoint's TCP port on ``metrics_host`` (0: no endpoint).
+    ``admin_tenants``: tenants whose operator calls (Stats of every namespace, Clear) reach every
+    tenant's namespaces; any other caller's reach only its own. Without tokens every call is the
+    one tenant ``default``, which is then an admin.
     """
 
     listen: tuple[str, ...] = DEFAULT_LISTEN
@@ -69,6 +73,9 @@ class ServiceConfig:
     put_idle_timeout_s: float = 30.0
     lease_reap_interval_s: float = 1.0
     num_workers: int = 8
+    metrics_port: int = 0
+    metrics_host: str = "127.0.0.1"
+    admin_tenants: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if not self.listen:
@@ -95,7 +102,10 @@ class ServiceConfig:
                 raise ConfigError(
                     "tokens: every bearer token is at least 16 printable ASCII characters"
                 )
+        if not 0 <= self.metrics_port <= 65535:
+            raise ConfigError(f"--metrics-port must be in [0, 65535], got {self.metrics_port}")
         object.__setattr__(self, "listen", tuple(self.listen))
+        object.__setattr__(self, "admin_tenants", tuple(self.admin_tenants))
 
 
 def _is_token(text: str) -> bool:
