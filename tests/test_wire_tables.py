@@ -39,7 +39,14 @@ from tierkv.errors import (
 from tierkv.keys import Namespace
 from tierkv.layout import DType, KVLayout
 from tierkv.service.errors import status_of
-from tierkv.store import ReadLease, SessionInfo, StoreStats, TierStats, WriteLease
+from tierkv.store import (
+    NamespaceStats,
+    ReadLease,
+    SessionInfo,
+    StoreStats,
+    TierStats,
+    WriteLease,
+)
 from tierkv.wire import convert, enums, status
 from tierkv.wire import tierkv_pb2 as pb
 from tierkv.wire.namespaces import namespace_from, namespace_to
@@ -212,22 +219,46 @@ def test_lookups_round_trip() -> None:
     assert convert.lookup_from(pb.LookupResponse()) == LookupDetail(0, 0, 0, 0, 0)
 
 
+def _store_stats(tiers: dict[Tier, TierStats]) -> StoreStats:
+    moved = {(Tier.HOST, Tier.DISK): 2**40, (Tier.DISK, Tier.HOST): 5}
+    return StoreStats(tiers, *range(100, 108), moved, *range(108, 111))
+
+
+NAMESPACES = (
+    NamespaceStats(Namespace("m", KVLayout(2, 4, 8), tenant="acme"), 3, 3 * 1024, 1),
+    NamespaceStats(Namespace("n", KVLayout(1, 1, 8, 4, DType.BF16), 1, 2, tenant="b"), 0, 0, 2),
+)
+
+
 def test_stats_round_trip_and_their_fields_cover_both_sides() -> None:
     tier_fields = [f.name for f in dataclasses.fields(TierStats) if f.name != "tier"]
-    store_fields = [f.name for f in dataclasses.fields(StoreStats) if f.name != "tiers"]
+    store_fields = [f.name for f in dataclasses.fields(StoreStats)
+                    if f.name not in ("tiers", "bytes_moved")]
     assert list(convert.TIER_STATS_FIELDS) == tier_fields
     assert set(convert.TIER_STATS_FIELDS) == set(pb.TierStats.DESCRIPTOR.fields_by_name) - {"tier"}
     assert list(convert.STORE_STATS_FIELDS) == store_fields
     assert set(convert.STORE_STATS_FIELDS) == (
-        set(pb.StatsResponse.DESCRIPTOR.fields_by_name) - {"tiers", "num_leases"})
+        set(pb.StatsResponse.DESCRIPTOR.fields_by_name) - {"tiers", "bytes_moved", "namespaces"})
+    assert set(convert.NAMESPACE_STATS_FIELDS) == (
+        {f.name for f in dataclasses.fields(NamespaceStats)} - {"namespace"})
+    assert set(convert.NAMESPACE_STATS_FIELDS) == (
+        set(pb.NamespaceStats.DESCRIPTOR.fields_by_name) - {"tenant", "namespace"})
 
     tiers = {tier: TierStats(tier, *range(10 * tier, 10 * tier + 8)) for tier in Tier}
-    stats = StoreStats(tiers, *range(100, 108))
-    wire = pb.StatsResponse.FromString(convert.stats_to(stats, 7).SerializeToString())
-    back = convert.stats_from(wire, TierStats, ServerStats)
+    stats = _store_stats(tiers)
+    wire = pb.StatsResponse.FromString(convert.stats_to(stats, NAMESPACES).SerializeToString())
+    back = convert.stats_from(wire, TierStats, ServerStats, NamespaceStats)
     assert back == ServerStats(**{f.name: getattr(stats, f.name)
-                                  for f in dataclasses.fields(StoreStats)}, num_leases=7)
+                                  for f in dataclasses.fields(StoreStats)}, namespaces=NAMESPACES)
     assert isinstance(back, StoreStats) and list(back.tiers) == list(Tier)
+    assert back.as_dict()["bytes_moved"] == {"disk->host": 5, "host->disk": 2**40}
+
+
+def test_stats_of_an_older_server_read_with_zero_and_empty_new_fields() -> None:
+    old = pb.StatsResponse(num_leases=3, puts=4)  # what a server before these fields sends
+    back = convert.stats_from(old, TierStats, ServerStats, NamespaceStats)
+    assert (back.num_leases, back.puts, back.leases_expired, back.num_sessions) == (3, 4, 0, 0)
+    assert (back.bytes_moved, back.namespaces) == ({}, ())
 
 
 def test_server_info_round_trips_and_covers_describe() -> None:
@@ -249,8 +280,11 @@ def test_sessions_round_trip_and_cover_the_message() -> None:
 
 
 def test_stats_of_a_newer_server_with_a_tier_this_client_does_not_know_still_read() -> None:
-    wire = convert.stats_to(StoreStats({Tier.HOST: TierStats(Tier.HOST, *range(8))},
-                                       *range(100, 108)), 0)
+    wire = convert.stats_to(_store_stats({Tier.HOST: TierStats(Tier.HOST, *range(8))}))
     wire.tiers.add(tier="remote", capacity_bytes=1)
-    back = convert.stats_from(wire, TierStats, ServerStats)
+    wire.bytes_moved.add(source="disk", destination="remote", num_bytes=9)
+    wire.namespaces.add(tenant="t", namespace=pb.Namespace(model_id="m", dtype="fp3"))
+    back = convert.stats_from(wire, TierStats, ServerStats, NamespaceStats)
     assert list(back.tiers) == [Tier.HOST] and back.tiers[Tier.HOST].used_bytes == 1
+    assert set(back.bytes_moved) == {(Tier.HOST, Tier.DISK), (Tier.DISK, Tier.HOST)}
+    assert back.namespaces == ()

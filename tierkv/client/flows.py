@@ -31,7 +31,7 @@ from tierkv.client.results import ServerStats
 from tierkv.config import Priority, WritePolicy
 from tierkv.errors import InvalidArgumentError, ServiceUnavailableError, TierKVError
 from tierkv.keys import Namespace
-from tierkv.store import SessionInfo, TierStats, check_out
+from tierkv.store import NamespaceStats, SessionInfo, TierStats, check_out
 from tierkv.wire import tierkv_pb2 as pb
 from tierkv.wire.convert import (
     LookupDetail,
@@ -237,9 +237,10 @@ class ClientFlows(base.ClientBase):
             namespace=self._wire(namespace), hashes=list(hashes), ttl_s=ttl_s or 0.0,
         ), timeout_s))
 
-    def _stats(self, timeout_s: float | None) -> Flow[ServerStats]:
-        response = yield from self._call("Stats", pb.StatsRequest(), timeout_s)
-        return stats_from(response, TierStats, ServerStats)
+    def _stats(self, max_namespaces: int, timeout_s: float | None) -> Flow[ServerStats]:
+        response = yield from self._call(
+            "Stats", pb.StatsRequest(max_namespaces=max_namespaces), timeout_s)
+        return stats_from(response, TierStats, ServerStats, NamespaceStats)
 
     # --- sessions -----------------------------------------------------------------------------
 

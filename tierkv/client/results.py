@@ -1,20 +1,24 @@
 """What the client's calls give back, where the wire's message is not the answer itself.
 
 ``Client.stats()`` answers with the same type as ``TieredStore.stats()`` (``StoreStats``), and
-one figure only a server has: the leases open on it. ``lookup_detail`` answers with
-``tierkv.wire.convert.LookupDetail``, ``describe`` with ``tierkv.wire.convert.ServerInfo``.
+what only a server reports with it: its largest namespaces. ``clear`` answers with
+``ClearResult``, ``lookup_detail`` with ``tierkv.wire.convert.LookupDetail``, ``describe`` with
+``tierkv.wire.convert.ServerInfo``.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tierkv.store import StoreStats
+from tierkv.store import NamespaceStats, StoreStats
 
 
 @dataclass(frozen=True, slots=True)
 class ServerStats(StoreStats):
-    """A server's ``StoreStats`` and ``num_leases``: the shared-memory leases open on it (read
-    and write, every client's), 0 once every put and get has finished."""
+    """A server's ``StoreStats`` (``num_leases``: the shared-memory leases open on it, read and
+    write, every client's, 0 once every put and get has finished) and ``namespaces``: its
+    largest namespaces by stored bytes, largest first (at most the ``max_namespaces`` asked
+    for; only the caller's own tenant's unless the server names it an admin tenant; empty
+    from a server older than this field)."""
 
-    num_leases: int
+    namespaces: tuple[NamespaceStats, ...]

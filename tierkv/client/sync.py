@@ -115,9 +115,12 @@ class Client(ClientFlows):
         """Delete the blocks; returns how many were stored."""
         return self._run(self._count("Delete", self._blocks_request(namespace, hashes), timeout_s))
 
-    def stats(self, *, timeout_s: float | None = None) -> ServerStats:
-        """The server's tier and counter snapshot (``StoreStats``, and its open leases)."""
-        return self._run(self._stats(timeout_s))
+    def stats(self, *, max_namespaces: int = 0, timeout_s: float | None = None
+              ) -> ServerStats:
+        """The server's tier and counter snapshot (``StoreStats``) and its largest namespaces
+        (at most ``max_namespaces``; 0: the server's default, 20; only the caller's tenant's
+        unless the server names it an admin tenant)."""
+        return self._run(self._stats(max_namespaces, timeout_s))
 
     # --- sessions -----------------------------------------------------------------------------
 

@@ -8,12 +8,13 @@ other user import from this package only, never from its modules. Its errors are
 from tierkv.store.lease_writer import LeaseWriter
 from tierkv.store.leases import ReadLease, WriteLease
 from tierkv.store.sessions import SessionInfo
-from tierkv.store.stats import StoreStats, TierStats
+from tierkv.store.stats import NamespaceStats, StoreStats, TierStats, layout_label, route_label
 from tierkv.store.tiered import TieredStore
 from tierkv.store.validation import check_lookup_hashes, check_out, check_ttl
 
 __all__ = [
     "LeaseWriter",
+    "NamespaceStats",
     "ReadLease",
     "SessionInfo",
     "StoreStats",
@@ -23,4 +24,6 @@ __all__ = [
     "check_lookup_hashes",
     "check_out",
     "check_ttl",
+    "layout_label",
+    "route_label",
 ]

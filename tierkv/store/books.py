@@ -22,7 +22,7 @@ import logging
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from tierkv.config import StoreConfig, Tier
 from tierkv.errors import CapacityError, TierKVError
@@ -62,6 +62,10 @@ class GlobalCounters:
     checksum_failures: int = 0
     puts: int = 0
     gets: int = 0
+    # Payload bytes copied by promotions and demotions, by (source tier, destination tier).
+    bytes_moved: dict[tuple[Tier, Tier], int] = field(default_factory=dict)
+    # Leases ended because their deadline passed (or their client was gone), since start.
+    leases_expired: int = 0
 
 
 class StoreCore:

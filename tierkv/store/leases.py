@@ -358,6 +358,7 @@ class Leases:
 
         expired = [lid for lid, lease in self._active.items()
                    if lease.deadline_s <= now or state_of(lease.client_id) is Liveness.GONE]
+        self.core.counters.leases_expired += len(expired)
         for lease_id in expired:
             lease = self._active.pop(lease_id)
             self._remember_locked(lease_id, lease.owner, "expired")

@@ -175,7 +175,11 @@ class Mover:
         except CapacityError as exc:
             log.debug("%s -> %s: %s", source.label, destination.label, exc)
             return set()
+        moved_bytes = sum(entry.ns.block_bytes for entry in done)  # one sum per batch
         with self.core.lock:
+            bytes_moved = self.core.counters.bytes_moved
+            route = (source, destination)
+            bytes_moved[route] = bytes_moved.get(route, 0) + moved_bytes
             if destination < source:
                 self.core.counters.promotions += len(done)
                 self.core.ledgers[destination].counters.promotions_in += len(done)

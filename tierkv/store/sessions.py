@@ -228,6 +228,9 @@ class SessionTable:
         self._clock = clock
         self._mutex = threading.Lock()  # guards _by_tenant; held only briefly, never over a wait
         self._by_tenant: dict[str, dict[str, SessionRecord]] = {}
+        # Records held, by namespace id (kept with _by_tenant, under _mutex), so that counting
+        # sessions per namespace never walks them.
+        self._count_of: dict[bytes, tuple[Namespace, int]] = {}
         self._key_locks = [threading.Lock() for _ in range(_NUM_KEY_LOCKS)]
         if disk is not None:
             self._load(disk)
@@ -247,7 +250,7 @@ class SessionTable:
             if record.expired(now):
                 expired.append(key)
             else:
-                self._by_tenant.setdefault(tenant, {})[session_id] = record
+                self._set(tenant, session_id, record)
         if expired:
             try:
                 disk.submit(DiskWrite(session_deletes=expired)).result()
@@ -265,12 +268,36 @@ class SessionTable:
     def _set(self, tenant: str, session_id: str, record: SessionRecord | None) -> None:
         with self._mutex:
             sessions = self._by_tenant.setdefault(tenant, {})
+            old = sessions.get(session_id)
+            if old is not None:
+                self._count_locked(old.namespace, -1)
             if record is not None:
                 sessions[session_id] = record
+                self._count_locked(record.namespace, 1)
                 return
             sessions.pop(session_id, None)
             if not sessions:
                 del self._by_tenant[tenant]
+
+    def _count_locked(self, namespace: Namespace, delta: int) -> None:
+        _, count = self._count_of.get(namespace.id, (namespace, 0))
+        if count + delta:
+            self._count_of[namespace.id] = (namespace, count + delta)
+        else:
+            del self._count_of[namespace.id]
+
+    @property
+    def num_sessions(self) -> int:
+        """Session records held, every tenant's (an expired one counts until it is dropped:
+        lazily, see decision 3)."""
+        with self._mutex:
+            return sum(count for _, count in self._count_of.values())
+
+    def counts_by_namespace(self) -> dict[bytes, tuple[Namespace, int]]:
+        """``namespace id -> (namespace, session records held)`` (as ``num_sessions`` counts
+        them); O(namespaces with sessions)."""
+        with self._mutex:
+            return dict(self._count_of)
 
     # --- disk -----------------------------------------------------------------------------
 

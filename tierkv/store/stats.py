@@ -1,11 +1,23 @@
-"""What ``TieredStore.stats()`` returns: a snapshot of the books and the counters."""
+"""What ``TieredStore.stats()`` and ``namespace_stats()`` return: snapshots of the books and
+the counters.
+
+Decisions:
+1. Every figure is kept up to date where it changes (the books, the mover, the lease and session
+   tables), so a snapshot costs O(tiers + namespaces), never O(blocks): operators and the
+   metrics scrape read it often.
+2. ``bytes_moved`` counts payload bytes (a block's ``layout.bytes_per_block``; a disk record's
+   header is not counted), added once per batch a copy moved.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Sized
 from dataclasses import asdict, dataclass
 from typing import Any
 
 from tierkv.config import Tier
+from tierkv.keys import Namespace
+from tierkv.layout import KVLayout
 from tierkv.store.books import StoreCore
 
 
@@ -25,9 +37,22 @@ class TierStats:
     demotions_in: int
 
 
+def route_label(route: tuple[Tier, Tier]) -> str:
+    """``"host->disk"``: how ``StoreStats.as_dict`` names a ``bytes_moved`` key."""
+    return f"{route[0].label}->{route[1].label}"
+
+
 @dataclass(frozen=True, slots=True)
 class StoreStats:
-    """The whole store at one instant."""
+    """The whole store at one instant.
+
+    ``bytes_moved``: payload bytes copied between tiers by promotions and demotions since
+    start, keyed ``(source tier, destination tier)`` (routes never taken are absent).
+    ``num_leases``: shared-memory leases open now (read and write, every client's, the
+    server's own stream-Put leases included); ``leases_expired``: leases ended since start
+    because their deadline passed or their client was gone. ``num_sessions``: chat sessions
+    held, every tenant's (an expired one counts until it is dropped, which is lazy).
+    """
 
     tiers: dict[Tier, TierStats]
     num_namespaces: int
@@ -38,19 +63,56 @@ class StoreStats:
     checksum_failures: int
     puts: int
     gets: int
+    bytes_moved: dict[tuple[Tier, Tier], int]
+    num_leases: int
+    leases_expired: int
+    num_sessions: int
 
     def as_dict(self) -> dict[str, Any]:
-        """Plain data (tier names as keys), for JSON and the wire."""
-        data = asdict(self)
+        """Plain data (tier names as keys, ``bytes_moved`` keyed ``"host->disk"``), for JSON
+        and the wire."""
+        data = {name: getattr(self, name) for name in self.__dataclass_fields__}
         data["tiers"] = {
             tier.label: {k: v for k, v in asdict(stats).items() if k != "tier"}
             for tier, stats in self.tiers.items()
         }
+        data["bytes_moved"] = {route_label(route): num_bytes
+                               for route, num_bytes in sorted(self.bytes_moved.items())}
         return data
 
 
-def snapshot(core: StoreCore) -> StoreStats:
-    """Every tier's bytes, blocks and counters, read under the store lock (consistent)."""
+@dataclass(frozen=True, slots=True)
+class NamespaceStats:
+    """One namespace at one instant: its blocks (each once, whatever tiers hold it), their
+    payload bytes (``num_blocks * layout.bytes_per_block``) and the sessions that name it."""
+
+    namespace: Namespace
+    num_blocks: int
+    stored_bytes: int
+    num_sessions: int
+
+    def as_dict(self) -> dict[str, Any]:
+        """Plain data for JSON: tenant, model id, layout (``layout_label``), TP rank and size,
+        and the counts."""
+        namespace = self.namespace
+        return {
+            "tenant": namespace.tenant, "model_id": namespace.model_id,
+            "layout": layout_label(namespace.layout), "tp_rank": namespace.tp_rank,
+            "tp_size": namespace.tp_size, "num_blocks": self.num_blocks,
+            "stored_bytes": self.stored_bytes, "num_sessions": self.num_sessions,
+        }
+
+
+def layout_label(layout: KVLayout) -> str:
+    """A layout in one short word for tables: ``"32x8x128/16/fp16"`` (layers x KV heads x
+    head dim / block size / dtype)."""
+    return (f"{layout.num_layers}x{layout.num_kv_heads}x{layout.head_dim}/"
+            f"{layout.block_size}/{layout.dtype.value}")
+
+
+def snapshot(core: StoreCore, leases: Sized, num_sessions: int) -> StoreStats:
+    """Every tier's bytes, blocks and counters, read under the store lock (consistent);
+    ``leases``: the lease table (its size is read under the lock too)."""
     with core.lock:
         tiers = {
             tier: TierStats(
@@ -63,5 +125,28 @@ def snapshot(core: StoreCore) -> StoreStats:
         c = core.counters
         return StoreStats(
             tiers, len(core.namespaces), len(core.pins), c.promotions, c.demotions,
-            c.failed_demotions, c.checksum_failures, c.puts, c.gets,
+            c.failed_demotions, c.checksum_failures, c.puts, c.gets, dict(c.bytes_moved),
+            len(leases), c.leases_expired, num_sessions,
         )
+
+
+def namespace_snapshot(
+    core: StoreCore, sessions: dict[bytes, tuple[Namespace, int]], tenant: str | None
+) -> list[NamespaceStats]:
+    """Each namespace (of ``tenant``, or everyone's) that is registered or named by a session
+    (``sessions``: id -> (namespace, sessions held)), largest ``stored_bytes`` first (ties by
+    tenant, model id). O(namespaces)."""
+    found: dict[bytes, NamespaceStats] = {}
+    with core.lock:
+        for namespace_id, state in core.namespaces.items():
+            namespace = state.namespace
+            if tenant is None or namespace.tenant == tenant:
+                num_blocks = len(state.blocks)
+                _, num_sessions = sessions.get(namespace_id, (namespace, 0))
+                found[namespace_id] = NamespaceStats(namespace, num_blocks,
+                                                     num_blocks * state.block_bytes, num_sessions)
+    for namespace_id, (namespace, num_sessions) in sessions.items():
+        if namespace_id not in found and (tenant is None or namespace.tenant == tenant):
+            found[namespace_id] = NamespaceStats(namespace, 0, 0, num_sessions)
+    return sorted(found.values(), key=lambda s: (-s.stored_bytes, s.namespace.tenant,
+                                                 s.namespace.model_id))

@@ -39,7 +39,7 @@ from tierkv.store.ledger import NamespaceState, PagedLedger
 from tierkv.store.moves import Mover
 from tierkv.store.reads import Reader
 from tierkv.store.sessions import ResumedSession, SessionInfo, SessionTable, TokenIds
-from tierkv.store.stats import StoreStats, snapshot
+from tierkv.store.stats import NamespaceStats, StoreStats, namespace_snapshot, snapshot
 from tierkv.store.validation import check_blocks, check_hashes, check_lookup_hashes, check_ttl
 from tierkv.store.writes import Writer
 from tierkv.tiers.disk import DiskTier
@@ -341,7 +341,14 @@ class TieredStore(AsyncMethods, LeaseMethods):
         self._check_open()
         with self._core.lock:
             self._core.expire_pins_locked()
-        return snapshot(self._core)
+        return snapshot(self._core, self._leases, self._sessions.num_sessions)
+
+    def namespace_stats(self, tenant: str | None = None) -> list[NamespaceStats]:
+        """Each namespace (of ``tenant``, or everyone's) that is registered or named by a
+        session: its blocks, their bytes (each block once) and its sessions, largest first.
+        O(namespaces): the counts are kept up to date as blocks and sessions come and go."""
+        self._check_open()
+        return namespace_snapshot(self._core, self._sessions.counts_by_namespace(), tenant)
 
     # --- sessions ---------------------------------------------------------------------------
 

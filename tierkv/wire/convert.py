@@ -13,8 +13,10 @@ from dataclasses import dataclass, fields
 from typing import Any, Protocol, TypeVar
 
 from tierkv.config import Tier
+from tierkv.keys import Namespace
 from tierkv.wire import tierkv_pb2 as pb
 from tierkv.wire.enums import TIER_FROM_LABEL, tier_from_label
+from tierkv.wire.namespaces import namespace_from, namespace_to
 
 Extents = Sequence[tuple[int, int]]
 """Where one block lies in a slab: ``(offset, length)`` pieces, in the block's byte order."""
@@ -116,36 +118,68 @@ TIER_STATS_FIELDS = ("capacity_bytes", "used_bytes", "num_blocks", "hits", "miss
                      "evictions", "promotions_in", "demotions_in")
 """The fields of one tier's stats, named alike by ``tierkv.TierStats`` and the wire."""
 STORE_STATS_FIELDS = ("num_namespaces", "num_pinned", "promotions", "demotions",
-                      "failed_demotions", "checksum_failures", "puts", "gets")
-"""The store-wide counters, named alike by ``tierkv.StoreStats`` and the wire."""
+                      "failed_demotions", "checksum_failures", "puts", "gets", "num_leases",
+                      "leases_expired", "num_sessions")
+"""The store-wide counters, named alike by ``tierkv.StoreStats`` and the wire (``tiers`` and
+``bytes_moved`` have their own messages)."""
+NAMESPACE_STATS_FIELDS = ("num_blocks", "stored_bytes", "num_sessions")
+"""The counts of one namespace, named alike by ``tierkv.store.NamespaceStats`` and the wire."""
 
 S = TypeVar("S")
 
 
 class StoreStatsView(Protocol):
     """What the wire needs of a stats snapshot (``tierkv.StoreStats``: its ``tiers`` map a
-    ``Tier`` to an object with ``TIER_STATS_FIELDS``, itself has ``STORE_STATS_FIELDS``)."""
+    ``Tier`` to an object with ``TIER_STATS_FIELDS``, its ``bytes_moved`` a ``(source,
+    destination)`` pair of tiers to bytes, itself has ``STORE_STATS_FIELDS``)."""
 
     @property
     def tiers(self) -> Mapping[Tier, Any]: ...
+    @property
+    def bytes_moved(self) -> Mapping[tuple[Tier, Tier], int]: ...
 
 
-def stats_to(stats: StoreStatsView, num_leases: int) -> pb.StatsResponse:
-    """The wire form of a stats snapshot and the server's count of open leases."""
+class NamespaceStatsView(Protocol):
+    """What the wire needs of one namespace's stats (``tierkv.store.NamespaceStats``: also
+    ``NAMESPACE_STATS_FIELDS``)."""
+
+    @property
+    def namespace(self) -> Namespace: ...
+
+
+def stats_to(stats: StoreStatsView, namespaces: Sequence[NamespaceStatsView] = ()
+             ) -> pb.StatsResponse:
+    """The wire form of a stats snapshot and of the namespaces reported with it."""
     tiers = [
         pb.TierStats(tier=tier.label, **{name: getattr(s, name) for name in TIER_STATS_FIELDS})
         for tier, s in stats.tiers.items()
     ]
-    return pb.StatsResponse(tiers=tiers, num_leases=num_leases,
-                            **{name: getattr(stats, name) for name in STORE_STATS_FIELDS})
+    moved = [pb.BytesMoved(source=source.label, destination=destination.label,
+                           num_bytes=num_bytes)
+             for (source, destination), num_bytes in sorted(stats.bytes_moved.items())]
+    return pb.StatsResponse(
+        tiers=tiers, bytes_moved=moved,
+        namespaces=[namespace_stats_to(n) for n in namespaces],
+        **{name: getattr(stats, name) for name in STORE_STATS_FIELDS},
+    )
+
+
+def namespace_stats_to(stats: NamespaceStatsView) -> pb.NamespaceStats:
+    """The wire form of one namespace's stats (its tenant travels here: an operator's view)."""
+    return pb.NamespaceStats(tenant=stats.namespace.tenant,
+                             namespace=namespace_to(stats.namespace),
+                             **{name: getattr(stats, name) for name in NAMESPACE_STATS_FIELDS})
 
 
 def stats_from(response: pb.StatsResponse, tier_stats: Callable[..., Any],
-               store_stats: Callable[..., S]) -> S:
-    """A ``StatsResponse`` as ``store_stats(tiers=..., num_leases=..., **counters)``, each tier
-    as ``tier_stats(tier=Tier, **fields)`` (the client passes ``tierkv.TierStats`` and its
-    ``ServerStats``: the wire does not import the store). Tiers with a label this side does
-    not know (a newer server's) are left out."""
+               store_stats: Callable[..., S], namespace_stats: Callable[..., Any]) -> S:
+    """A ``StatsResponse`` as ``store_stats(tiers=..., bytes_moved=..., namespaces=...,
+    **counters)``, each tier as ``tier_stats(tier=Tier, **fields)``, each namespace as
+    ``namespace_stats(namespace=Namespace, **counts)`` (the client passes ``tierkv.TierStats``,
+    its ``ServerStats`` and ``tierkv.store.NamespaceStats``: the wire does not import the
+    store). Tiers with a label this side does not know (a newer server's) are left out, and so
+    are the moves between them and namespaces that do not parse; an older server's missing
+    fields read as 0 and empty."""
     tiers = {
         tier_from_label(t.tier): tier_stats(
             tier=tier_from_label(t.tier), **{name: getattr(t, name) for name in TIER_STATS_FIELDS}
@@ -153,7 +187,20 @@ def stats_from(response: pb.StatsResponse, tier_stats: Callable[..., Any],
         for t in response.tiers
         if t.tier in TIER_FROM_LABEL
     }
-    return store_stats(tiers=tiers, num_leases=response.num_leases,
+    moved = {
+        (TIER_FROM_LABEL[m.source], TIER_FROM_LABEL[m.destination]): m.num_bytes
+        for m in response.bytes_moved
+        if m.source in TIER_FROM_LABEL and m.destination in TIER_FROM_LABEL
+    }
+    namespaces = []
+    for n in response.namespaces:
+        try:
+            namespace = namespace_from(n.namespace, n.tenant)
+        except ValueError:  # a newer server's layout this side cannot read: left out
+            continue
+        namespaces.append(namespace_stats(
+            namespace=namespace, **{name: getattr(n, name) for name in NAMESPACE_STATS_FIELDS}))
+    return store_stats(tiers=tiers, bytes_moved=moved, namespaces=tuple(namespaces),
                        **{name: getattr(response, name) for name in STORE_STATS_FIELDS})
 
 

@@ -215,8 +215,34 @@ class LeaseDoneResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class StatsRequest(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("max_namespaces",)
+    MAX_NAMESPACES_FIELD_NUMBER: _ClassVar[int]
+    max_namespaces: int
+    def __init__(self, max_namespaces: _Optional[int] = ...) -> None: ...
+
+class BytesMoved(_message.Message):
+    __slots__ = ("source", "destination", "num_bytes")
+    SOURCE_FIELD_NUMBER: _ClassVar[int]
+    DESTINATION_FIELD_NUMBER: _ClassVar[int]
+    NUM_BYTES_FIELD_NUMBER: _ClassVar[int]
+    source: str
+    destination: str
+    num_bytes: int
+    def __init__(self, source: _Optional[str] = ..., destination: _Optional[str] = ..., num_bytes: _Optional[int] = ...) -> None: ...
+
+class NamespaceStats(_message.Message):
+    __slots__ = ("tenant", "namespace", "num_blocks", "stored_bytes", "num_sessions")
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    STORED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    NUM_SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    tenant: str
+    namespace: Namespace
+    num_blocks: int
+    stored_bytes: int
+    num_sessions: int
+    def __init__(self, tenant: _Optional[str] = ..., namespace: _Optional[_Union[Namespace, _Mapping]] = ..., num_blocks: _Optional[int] = ..., stored_bytes: _Optional[int] = ..., num_sessions: _Optional[int] = ...) -> None: ...
 
 class TierStats(_message.Message):
     __slots__ = ("tier", "capacity_bytes", "used_bytes", "num_blocks", "hits", "misses", "evictions", "promotions_in", "demotions_in")
@@ -241,7 +267,7 @@ class TierStats(_message.Message):
     def __init__(self, tier: _Optional[str] = ..., capacity_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., num_blocks: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., evictions: _Optional[int] = ..., promotions_in: _Optional[int] = ..., demotions_in: _Optional[int] = ...) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("tiers", "num_namespaces", "num_pinned", "promotions", "demotions", "failed_demotions", "checksum_failures", "puts", "gets", "num_leases")
+    __slots__ = ("tiers", "num_namespaces", "num_pinned", "promotions", "demotions", "failed_demotions", "checksum_failures", "puts", "gets", "num_leases", "leases_expired", "num_sessions", "bytes_moved", "namespaces")
     TIERS_FIELD_NUMBER: _ClassVar[int]
     NUM_NAMESPACES_FIELD_NUMBER: _ClassVar[int]
     NUM_PINNED_FIELD_NUMBER: _ClassVar[int]
@@ -252,6 +278,10 @@ class StatsResponse(_message.Message):
     PUTS_FIELD_NUMBER: _ClassVar[int]
     GETS_FIELD_NUMBER: _ClassVar[int]
     NUM_LEASES_FIELD_NUMBER: _ClassVar[int]
+    LEASES_EXPIRED_FIELD_NUMBER: _ClassVar[int]
+    NUM_SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    BYTES_MOVED_FIELD_NUMBER: _ClassVar[int]
+    NAMESPACES_FIELD_NUMBER: _ClassVar[int]
     tiers: _containers.RepeatedCompositeFieldContainer[TierStats]
     num_namespaces: int
     num_pinned: int
@@ -262,7 +292,11 @@ class StatsResponse(_message.Message):
     puts: int
     gets: int
     num_leases: int
-    def __init__(self, tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., num_namespaces: _Optional[int] = ..., num_pinned: _Optional[int] = ..., promotions: _Optional[int] = ..., demotions: _Optional[int] = ..., failed_demotions: _Optional[int] = ..., checksum_failures: _Optional[int] = ..., puts: _Optional[int] = ..., gets: _Optional[int] = ..., num_leases: _Optional[int] = ...) -> None: ...
+    leases_expired: int
+    num_sessions: int
+    bytes_moved: _containers.RepeatedCompositeFieldContainer[BytesMoved]
+    namespaces: _containers.RepeatedCompositeFieldContainer[NamespaceStats]
+    def __init__(self, tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., num_namespaces: _Optional[int] = ..., num_pinned: _Optional[int] = ..., promotions: _Optional[int] = ..., demotions: _Optional[int] = ..., failed_demotions: _Optional[int] = ..., checksum_failures: _Optional[int] = ..., puts: _Optional[int] = ..., gets: _Optional[int] = ..., num_leases: _Optional[int] = ..., leases_expired: _Optional[int] = ..., num_sessions: _Optional[int] = ..., bytes_moved: _Optional[_Iterable[_Union[BytesMoved, _Mapping]]] = ..., namespaces: _Optional[_Iterable[_Union[NamespaceStats, _Mapping]]] = ...) -> None: ...
 
 class DescribeRequest(_message.Message):
     __slots__ = ()
