@@ -5,6 +5,7 @@ other user import from this package only, never from its modules. Its errors are
 ``tierkv.errors``'s.
 """
 
+from tierkv.store.clearing import ClearResult
 from tierkv.store.lease_writer import LeaseWriter
 from tierkv.store.leases import ReadLease, WriteLease
 from tierkv.store.sessions import SessionInfo
@@ -13,6 +14,7 @@ from tierkv.store.tiered import TieredStore
 from tierkv.store.validation import check_lookup_hashes, check_out, check_ttl
 
 __all__ = [
+    "ClearResult",
     "LeaseWriter",
     "NamespaceStats",
     "ReadLease",

@@ -30,6 +30,7 @@ Decisions:
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -259,7 +260,7 @@ class SessionTable:
                             len(expired), exc)
 
     def _key_lock(self, key: bytes) -> threading.Lock:
-        return self._key_locks[hash(key) % _NUM_KEY_LOCKS]
+        return self._key_locks[hash(key) % _NUM_KEY_LOCKS]  # delete_where takes them so too
 
     def _get(self, tenant: str, session_id: str) -> SessionRecord | None:
         with self._mutex:
@@ -373,6 +374,31 @@ class SessionTable:
             self._write(DiskWrite(session_deletes=[key]))
             self._set(tenant, session_id, None)
         return existed
+
+    def delete_where(self, matches: Callable[[Namespace], bool]) -> int:
+        """Delete every session whose namespace ``matches`` accepts, in one durable disk write;
+        returns how many (expired ones included). The key locks of those sessions are taken in
+        one order (every other operation holds one at a time), so nothing deadlocks, and a
+        session saved again meanwhile is replaced, not deleted."""
+        with self._mutex:
+            found = [(tenant, session_id, record)
+                     for tenant, sessions in self._by_tenant.items()
+                     for session_id, record in sessions.items() if matches(record.namespace)]
+        if not found:
+            return 0
+        keys = [session_key(tenant, session_id) for tenant, session_id, _ in found]
+        indices = sorted({hash(key) % _NUM_KEY_LOCKS for key in keys})
+        with contextlib.ExitStack() as held:
+            for index in indices:
+                held.enter_context(self._key_locks[index])
+            gone = [(key, tenant, session_id)
+                    for key, (tenant, session_id, record) in zip(keys, found, strict=True)
+                    if self._get(tenant, session_id) is record]
+            if gone:
+                self._write(DiskWrite(session_deletes=[key for key, _, _ in gone]))
+            for _, tenant, session_id in gone:
+                self._set(tenant, session_id, None)
+        return len(gone)
 
     def list_for(self, tenant: str) -> list[SessionInfo]:
         """The tenant's unexpired sessions, sorted by id."""

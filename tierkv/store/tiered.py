@@ -33,6 +33,7 @@ from tierkv.shm.presence import PresenceTable
 from tierkv.store import namespaces, recovery
 from tierkv.store.async_api import AsyncMethods
 from tierkv.store.books import StoreCore
+from tierkv.store.clearing import Clearer, ClearResult, Progress, namespace_filter
 from tierkv.store.lease_api import LeaseMethods
 from tierkv.store.leases import Leases
 from tierkv.store.ledger import NamespaceState, PagedLedger
@@ -93,6 +94,7 @@ class TieredStore(AsyncMethods, LeaseMethods):
         self._reader = Reader(self._core, mover, self._executor)
         self._writer = Writer(self._core, mover)
         self._retired = namespaces.RetiredNamespaces()
+        self._clearer = Clearer(self._core, self._sessions)
         self._leases = Leases(self._core, mover, self._writer,
                               ClientWatch(self.client_lock_prefix, clock), clock)
 
@@ -349,6 +351,21 @@ class TieredStore(AsyncMethods, LeaseMethods):
         O(namespaces): the counts are kept up to date as blocks and sessions come and go."""
         self._check_open()
         return namespace_snapshot(self._core, self._sessions.counts_by_namespace(), tenant)
+
+    def clear(
+        self, *, tenant: str | None = None, model_id: str | None = None,
+        namespace: Namespace | None = None, progress: Progress | None = None,
+    ) -> ClearResult:
+        """Delete every block (in every tier, disk included; pinned ones too) and every session
+        of the namespaces matching all the filters given (none given: every namespace);
+        ``progress(num_blocks_done, num_blocks_total)`` is called as it goes, from this thread.
+        Blocks being read or copied are skipped and counted; namespaces stay registered; the
+        disk deletes are durable on return (see ``tierkv.store.clearing``). Safe against
+        concurrent calls of every kind. ``InvalidArgumentError`` for a filter of the wrong type.
+        """
+        self._check_open()
+        matches = namespace_filter(tenant, model_id, namespace)
+        return self._clearer.clear(matches, progress)
 
     # --- sessions ---------------------------------------------------------------------------
 

@@ -1,0 +1,112 @@
+"""``TieredStore.clear``: the operator's delete of every block and session of whole namespaces.
+
+Decisions:
+1. Pinned blocks go too: clear is an operator's decision, above any client's pin. Blocks that
+   are busy (being read, leased for reading, or copied between tiers) are left in place and
+   counted as skipped: clear never waits for a reader, and a caller clears again once they are
+   released. Blocks put while a clear runs may stay (they were not there when it began).
+2. The work is done in batches of ``_BATCH_BLOCKS`` under one hold of the store lock each, with
+   the delete path every other delete takes (``StoreCore.doom_locked``): a clear is safe
+   against concurrent puts, gets and evictions, and never holds the lock for long. The disk
+   records of a batch are deleted in one write, durably before the next batch.
+3. Namespaces stay registered (empty): a caller that holds one keeps using it. The server
+   prunes empty namespaces when it needs room for new ones.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from tierkv.errors import InvalidArgumentError
+from tierkv.keys import Namespace
+from tierkv.store.books import StoreCore
+from tierkv.store.ledger import DOOMED, Entry, NamespaceState
+from tierkv.store.sessions import SessionTable
+
+_BATCH_BLOCKS = 4096
+"""Blocks deleted per hold of the store lock."""
+
+Progress = Callable[[int, int], None]
+"""``progress(num_blocks_done, num_blocks_total)``, called as a clear goes."""
+
+
+@dataclass(frozen=True, slots=True)
+class ClearResult:
+    """What a clear removed: from ``num_namespaces`` matching namespaces, ``num_blocks`` blocks
+    of ``cleared_bytes`` payload bytes (each block once, whatever tiers held it) and
+    ``num_sessions`` sessions; ``num_skipped_busy`` blocks were being read or copied and stay."""
+
+    num_namespaces: int
+    num_blocks: int
+    cleared_bytes: int
+    num_sessions: int
+    num_skipped_busy: int
+
+
+def namespace_filter(
+    tenant: str | None, model_id: str | None, namespace: Namespace | None
+) -> Callable[[Namespace], bool]:
+    """Whether a namespace matches every filter given (None: any); ``InvalidArgumentError``
+    for a filter of the wrong type."""
+    if namespace is not None and not isinstance(namespace, Namespace):
+        raise InvalidArgumentError(f"namespace must be a Namespace, got {type(namespace).__name__}")
+    for name, value in (("tenant", tenant), ("model_id", model_id)):
+        if value is not None and not isinstance(value, str):
+            raise InvalidArgumentError(f"{name} must be a str, got {type(value).__name__}")
+
+    def matches(candidate: Namespace) -> bool:
+        return ((tenant is None or candidate.tenant == tenant)
+                and (model_id is None or candidate.model_id == model_id)
+                and (namespace is None or candidate == namespace))
+
+    return matches
+
+
+class Clearer:
+    """Clears the matching namespaces of one store (see the module docstring)."""
+
+    def __init__(self, core: StoreCore, sessions: SessionTable) -> None:
+        self._core = core
+        self._sessions = sessions
+
+    def clear(self, matches: Callable[[Namespace], bool], progress: Progress | None) -> ClearResult:
+        """Delete every block and session of the namespaces ``matches`` accepts."""
+        core = self._core
+        with core.lock:
+            states = [s for s in core.namespaces.values() if matches(s.namespace)]
+            work = [(state, list(state.blocks.values())) for state in states]
+        total = sum(len(entries) for _, entries in work)
+        done = num_blocks = cleared_bytes = num_busy = 0
+        if progress is not None:
+            progress(0, total)
+        for state, entries in work:
+            for start in range(0, len(entries), _BATCH_BLOCKS):
+                batch = entries[start : start + _BATCH_BLOCKS]
+                deleted, busy = self._delete_batch(state, batch)
+                num_blocks += deleted
+                cleared_bytes += deleted * state.block_bytes
+                num_busy += busy
+                done += len(batch)
+                if progress is not None:
+                    progress(done, total)
+        num_sessions = self._sessions.delete_where(matches)
+        return ClearResult(len(states), num_blocks, cleared_bytes, num_sessions, num_busy)
+
+    def _delete_batch(self, state: NamespaceState, batch: list[Entry]) -> tuple[int, int]:
+        """Delete the idle entries of ``batch`` still indexed; ``(deleted, busy)``."""
+        core = self._core
+        deleted = busy = 0
+        with core.lock:
+            for entry in batch:
+                if entry.priority == DOOMED or state.blocks.get(entry.block_hash) is not entry:
+                    continue  # deleted or evicted meanwhile
+                if entry.readers:
+                    busy += 1
+                    continue
+                core.doom_locked(entry)
+                deleted += 1
+            job = core.submit_deletes_locked()
+        if job is not None:
+            core.wait_disk(job)
+        return deleted, busy
