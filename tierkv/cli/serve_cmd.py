@@ -1,141 +1,103 @@
 """``tierkv serve``: the sidecar. One per node: the store plus its gRPC service.
 
 Embedded defaults: a HOST tier in shared memory, a DISK tier under the user's cache directory, a
-GPU tier when CUDA is present; listeners on a Unix socket and 127.0.0.1:50051. Every flag has an
-environment variable (``TIERKV_<FLAG>``, e.g. ``TIERKV_HOST_BYTES``); the flag wins.
+GPU tier when CUDA is present; listeners on a Unix socket and 127.0.0.1:50051. Settings come from
+defaults < a TOML file (``--config``) < ``TIERKV_<NAME>`` environment variables < flags: the
+schema is ``tierkv.cli.settings``; ``--print-config`` prints the result and exits.
 
 The listeners start at once with health NOT_SERVING; the store opens (recovering its disk index)
-and then the service turns SERVING and prints one JSON line. On SIGTERM or SIGINT it turns
-NOT_SERVING, drains in-flight calls, flushes HOST-only blocks to disk and exits 0.
+and then the service turns SERVING and prints one JSON line on stdout. On SIGTERM or SIGINT it
+turns NOT_SERVING, drains in-flight calls, flushes HOST-only blocks to disk and exits 0.
+
+Logs go to stderr (``--log-format text|json``, ``tierkv.logs``), one line per event: ``start``,
+``recovery``, ``ready``, ``stats`` (every ``--stats-interval-s``), ``eviction_storm`` and
+``eviction_storm_end`` (``EvictionStormWatch``), ``shutdown``, ``stopped``.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import logging
 import os
 import signal
+import sys
+import time
+from collections import deque
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from tierkv.cli.settings import DESCRIPTION, Resolved, add_arguments, resolve_args
 from tierkv.config import (
     DiskCorruptAction,
     DiskTierConfig,
-    GiB,
     GpuTierConfig,
     HostTierConfig,
     StoreConfig,
     WritePolicy,
-    default_disk_bytes,
-    default_disk_path,
 )
 from tierkv.errors import ConfigError
-from tierkv.hashing import DEFAULT_ALGORITHM, HASH_ALGORITHMS, VLLM_DEFAULT_SEED, default_seed
+from tierkv.logs import log_event, setup_logging
 from tierkv.service.config import ServiceConfig, TlsConfig, load_tokens
-from tierkv.sizes import format_size, parse_size
-from tierkv.wire.limits import DEFAULT_LISTEN
+from tierkv.sizes import format_size
+
+if TYPE_CHECKING:
+    from tierkv.store import StoreStats, TieredStore
 
 log = logging.getLogger("tierkv.serve")
 
-
-def _env(flag: str, default: str | None = None) -> str | None:
-    return os.environ.get("TIERKV_" + flag.removeprefix("--").replace("-", "_").upper(), default)
+SAMPLE_INTERVAL_S = 1.0
+"""How often the serve loop reads the store's stats to look for eviction storms."""
 
 
 def register(subparsers: Any) -> None:
     """Add ``serve`` to the command line."""
-    parser = subparsers.add_parser(
-        "serve", help="run the KV-cache sidecar on this node",
-        description="Run the tiered KV-cache store and its gRPC service until interrupted. "
-        "Every flag can also be set as TIERKV_<FLAG> in the environment.",
-    )
-
-    def add(flag: str, default: str | None = None, **kwargs: Any) -> None:
-        parser.add_argument(flag, default=_env(flag, default), **kwargs)
-
-    parser.add_argument(
-        "--listen", action="append", default=None,
-        help=f"address to serve on, repeatable: unix:///path or host:port (default "
-        f"{' and '.join(DEFAULT_LISTEN)}; env: comma-separated)",
-    )
-    add("--host-bytes", "1GiB", help="HOST tier budget, e.g. 8GiB (default 1GiB)")
-    add("--gpu-bytes", help="GPU tier budget (default 2GiB when CUDA is present, else 0: off)")
-    add("--gpu-device", "cuda", help="cuda[:N] or 'emulated'")
-    add("--disk-path", help="LMDB directory (default: the user cache directory)")
-    add("--disk-bytes", help="DISK tier budget (default: half the free space, at most 16GiB)")
-    add("--disk-on-corrupt", DiskCorruptAction.MOVE_ASIDE.value,
-        choices=[a.value for a in DiskCorruptAction],
-        help="an unreadable LMDB store at --disk-path: move its files aside into a corrupt-* "
-        "folder there and start empty (default), or refuse to start")
-    parser.add_argument("--no-disk", action="store_true", default=_env("--no-disk") == "1",
-                        help="run without a DISK tier")
-    add("--page-bytes", "256KiB", help="page size of the GPU/HOST slabs")
-    add("--write-policy", WritePolicy.WRITE_BACK.value,
-        choices=[p.value for p in WritePolicy], help="default write policy of puts")
-    add("--hash-seed", help="seed of session block hashes: the vLLM workers' PYTHONHASHSEED "
-        f"(default, vLLM's rule: this server's PYTHONHASHSEED if set, else {VLLM_DEFAULT_SEED!r}; "
-        "any value given, even '', is used as is)")
-    add("--hash-algo", DEFAULT_ALGORITHM, choices=list(HASH_ALGORITHMS),
-        help="algorithm of session block hashes: the vLLM workers' --prefix-caching-hash-algo "
-        f"(default {DEFAULT_ALGORITHM}, vLLM's default)")
-    add("--tokens-file", help="'<token> <tenant>' lines; every call must then carry a token")
-    add("--tls-cert", help="PEM certificate chain for the TCP listeners")
-    add("--tls-key", help="PEM private key for the TCP listeners")
-    add("--put-idle-timeout-s", "30", type=float,
-        help="drop a Put stream that sends nothing for this long (its leased pages come back)")
-    add("--max-namespaces-per-tenant", "1024", type=int,
-        help="namespaces (model x layout x TP shard) one tenant may hold; empty ones are "
-        "removed when it is reached")
-    add("--stats-interval-s", "60", type=float, help="log tier stats this often (0: never)")
-    add("--log-level", "INFO")
+    parser = subparsers.add_parser("serve", help="run the KV-cache sidecar on this node",
+                                   description=DESCRIPTION)
+    add_arguments(parser)
     parser.set_defaults(func=run)
 
 
-def build_config(args: argparse.Namespace) -> StoreConfig:
-    """The store configuration the flags describe (validated; errors name the flag)."""
-    import torch
+def _settings(args: argparse.Namespace | Resolved) -> Resolved:
+    return args if isinstance(args, Resolved) else resolve_args(args, os.environ)
 
-    page_bytes = parse_size(args.page_bytes, "--page-bytes")
-    host = HostTierConfig(parse_size(args.host_bytes, "--host-bytes"), page_bytes)
-    if args.gpu_bytes is None:
-        gpu_bytes = 2 * GiB if torch.cuda.is_available() else 0
-    else:
-        gpu_bytes = parse_size(args.gpu_bytes, "--gpu-bytes")
-    gpu = GpuTierConfig(gpu_bytes, page_bytes, args.gpu_device)
-    disk = None
-    if not args.no_disk:
-        path = Path(args.disk_path) if args.disk_path else default_disk_path()
-        disk_bytes = (
-            parse_size(args.disk_bytes, "--disk-bytes") if args.disk_bytes
-            else default_disk_bytes(path)
+
+def build_config(args: argparse.Namespace | Resolved) -> StoreConfig:
+    """The store configuration of parsed ``serve`` arguments (resolved against the environment
+    and ``--config``) or of resolved settings; a ``ConfigError`` names the setting and source."""
+    settings = _settings(args)
+    with settings.explaining():
+        page_bytes = settings["page_bytes"]
+        host = HostTierConfig(settings["host_bytes"], page_bytes)
+        gpu = GpuTierConfig(settings["gpu_bytes"], page_bytes, settings["gpu_device"])
+        disk = None
+        if not settings["no_disk"]:
+            disk = DiskTierConfig(Path(settings["disk_path"]), settings["disk_bytes"],
+                                  on_corrupt=DiskCorruptAction(settings["disk_on_corrupt"]))
+        return StoreConfig(host=host, gpu=gpu, disk=disk,
+                           write_policy=WritePolicy(settings["write_policy"]))
+
+
+def build_service_config(args: argparse.Namespace | Resolved) -> ServiceConfig:
+    """The service configuration of parsed ``serve`` arguments or of resolved settings (the
+    tokens file and the TLS files are read and checked here)."""
+    settings = _settings(args)
+    with settings.explaining():
+        tls = None
+        if settings["tls_cert"]:
+            tls = TlsConfig(Path(settings["tls_cert"]), Path(settings["tls_key"]))
+        tokens = load_tokens(Path(settings["tokens_file"])) if settings["tokens_file"] else {}
+        return ServiceConfig(
+            listen=settings["listen"], tokens=tokens, tls=tls,
+            hash_seed=settings["hash_seed"], hash_algo=settings["hash_algo"],
+            put_idle_timeout_s=settings["put_idle_timeout_s"],
+            max_namespaces_per_tenant=settings["max_namespaces_per_tenant"],
+            metrics_port=settings["metrics_port"], metrics_host=settings["metrics_host"],
+            admin_tenants=settings["admin_tenants"],
         )
-        on_corrupt = DiskCorruptAction.parse(args.disk_on_corrupt)
-        disk = DiskTierConfig(path, disk_bytes, on_corrupt=on_corrupt)
-    return StoreConfig(host=host, gpu=gpu, disk=disk, write_policy=WritePolicy(args.write_policy))
-
-
-def build_service_config(args: argparse.Namespace) -> ServiceConfig:
-    """The service configuration the flags describe."""
-    listen = args.listen
-    if listen is None:
-        env = _env("--listen")
-        listen = env.split(",") if env else list(DEFAULT_LISTEN)
-    tls = None
-    if args.tls_cert or args.tls_key:
-        if not (args.tls_cert and args.tls_key):
-            raise ConfigError("--tls-cert and --tls-key go together")
-        tls = TlsConfig(Path(args.tls_cert), Path(args.tls_key))
-    tokens = load_tokens(Path(args.tokens_file)) if args.tokens_file else {}
-    for address in listen:
-        if address.startswith("unix://"):
-            _remove_stale_socket(Path(address.removeprefix("unix://")))
-    return ServiceConfig(listen=tuple(listen), tokens=tokens, tls=tls,
-                         hash_seed=default_seed() if args.hash_seed is None else args.hash_seed,
-                         hash_algo=args.hash_algo,
-                         put_idle_timeout_s=args.put_idle_timeout_s,
-                         max_namespaces_per_tenant=args.max_namespaces_per_tenant)
 
 
 def _remove_stale_socket(path: Path) -> None:
@@ -160,48 +122,183 @@ def _remove_stale_socket(path: Path) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Serve until SIGINT or SIGTERM."""
+    """Serve until SIGINT or SIGTERM (or, with ``--print-config``, print the settings)."""
+    settings = _settings(args)
+    config = build_config(settings)
+    service_config = build_service_config(settings)
+    if args.print_config:
+        print(settings.to_toml(), end="", flush=True)
+        return 0
+    setup_logging(settings["log_level"], settings["log_format"])
+    with settings.explaining():
+        for address in service_config.listen:
+            if address.startswith("unix://"):
+                _remove_stale_socket(Path(address.removeprefix("unix://")))
+    from tierkv import __version__
     from tierkv.service.allocator import tune_for_bulk_messages
 
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(message)s")
+    log_event(log, logging.INFO, "start", f"tierkv {__version__} starting (pid {os.getpid()})",
+              version=__version__, pid=os.getpid(), listen=list(service_config.listen),
+              config_file=str(settings.config_path) if settings.config_path else None,
+              host_bytes=config.host.capacity_bytes, gpu_bytes=config.gpu.capacity_bytes,
+              disk_path=str(config.disk.path) if config.disk else None,
+              disk_bytes=config.disk.capacity_bytes if config.disk else 0,
+              write_policy=config.write_policy.value, tokens=bool(service_config.tokens),
+              tls=service_config.tls is not None, metrics_port=service_config.metrics_port)
     tune_for_bulk_messages()
-    config = build_config(args)
-    service_config = build_service_config(args)
-    asyncio.run(_serve(config, service_config, args.stats_interval_s))
+    asyncio.run(_serve(settings, config, service_config))
     return 0
 
 
-async def _serve(config: StoreConfig, service_config: ServiceConfig,
-                 stats_interval_s: float) -> None:
-    from tierkv.service.server import TierKVServer
+def show_progress(stream: Any) -> bool:
+    """Whether long start-up work draws a progress bar on ``stream``: only on a terminal (in a
+    log file or a pipe a bar is a screenful of carriage returns)."""
+    isatty = getattr(stream, "isatty", None)
+    return bool(isatty is not None and isatty())
+
+
+async def _open_store(settings: Resolved, config: StoreConfig) -> TieredStore:
     from tierkv.store import TieredStore
+
+    start_s = time.monotonic()
+    with settings.explaining():
+        store = await asyncio.to_thread(TieredStore, config,
+                                        show_progress=show_progress(sys.stderr))
+    if config.disk is not None:
+        duration_s = round(time.monotonic() - start_s, 3)
+        # At start every checksum failure counted is a record recovery found bad and dropped.
+        num_bad_records = store.stats().checksum_failures
+        log_event(log, logging.INFO, "recovery",
+                  f"recovered {store.num_recovered_blocks} blocks from {config.disk.path} in "
+                  f"{duration_s} s ({num_bad_records} bad records dropped)",
+                  num_recovered_blocks=store.num_recovered_blocks,
+                  num_bad_records=num_bad_records, duration_s=duration_s,
+                  disk_path=str(config.disk.path))
+    return store
+
+
+async def _serve(settings: Resolved, config: StoreConfig, service_config: ServiceConfig) -> None:
+    from tierkv.service.server import TierKVServer
 
     server = TierKVServer(service_config)
     port = server.bind()
     await server.start()
     stop = asyncio.Event()
+    reasons: list[str] = []
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(signum, stop.set)
-    store = await asyncio.to_thread(TieredStore, config, show_progress=True)
+        loop.add_signal_handler(signum, _on_signal, signal.Signals(signum).name, reasons, stop)
+    store = await _open_store(settings, config)
     await server.attach(store)
     tiers = {t.label: format_size(s.capacity_bytes) for t, s in store.stats().tiers.items()}
-    print(json.dumps({
+    ready = {
         "ready": True,
         "listen": list(service_config.listen),
         "port": port,
+        "metrics_port": service_config.metrics_port,
         "tiers": tiers,
         "disk_path": str(config.disk.path) if config.disk else None,
         "recovered_blocks": store.num_recovered_blocks,
         "host_shm_name": store.host_shm_name,
         "page_bytes": config.host.page_bytes,
-    }), flush=True)
-    while True:
-        try:
-            await asyncio.wait_for(stop.wait(), stats_interval_s if stats_interval_s > 0 else None)
-            break
-        except TimeoutError:
-            log.info("stats %s", json.dumps(store.stats().as_dict()))
-    log.info("stopping: draining calls, flushing host blocks to disk")
-    await server.stop()
-    log.info("stopped")
+    }
+    print(json.dumps(ready), flush=True)
+    log_event(log, logging.INFO, "ready", f"serving on {', '.join(service_config.listen)}",
+              **{key: value for key, value in ready.items() if key != "ready"})
+    await _watch(store, settings["stats_interval_s"], stop)
+    reason = reasons[0] if reasons else "stop"
+    log_event(log, logging.INFO, "shutdown",
+              f"{reason}: draining calls, flushing host blocks to disk", reason=reason)
+    start_s = time.monotonic()
+    await server.stop(close_store=False)
+    try:
+        num_flushed_blocks = await asyncio.to_thread(store.flush)
+    finally:
+        await asyncio.to_thread(store.close, False)  # flushed just above
+    duration_s = round(time.monotonic() - start_s, 3)
+    log_event(log, logging.INFO, "stopped",
+              f"stopped: {num_flushed_blocks} blocks flushed to disk in {duration_s} s",
+              num_flushed_blocks=num_flushed_blocks, duration_s=duration_s, reason=reason)
+
+
+def _on_signal(name: str, reasons: list[str], stop: asyncio.Event) -> None:
+    reasons.append(name)
+    stop.set()
+
+
+async def _watch(store: TieredStore, stats_interval_s: float, stop: asyncio.Event) -> None:
+    """Until ``stop``: sample the store's stats every ``SAMPLE_INTERVAL_S`` for eviction storms
+    and log a ``stats`` event every ``stats_interval_s`` (0: never)."""
+    storms = EvictionStormWatch()
+    next_stats_s = time.monotonic() + stats_interval_s
+    while not stop.is_set():
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stop.wait(), SAMPLE_INTERVAL_S)
+        if stop.is_set():
+            return
+        # Off the event loop: stats() takes the store lock, which a long flush may hold.
+        stats = await asyncio.to_thread(store.stats)
+        now_s = time.monotonic()
+        storms.observe(now_s, stats)
+        if stats_interval_s > 0 and now_s >= next_stats_s:
+            next_stats_s = now_s + stats_interval_s
+            log_event(log, logging.INFO, "stats", "store stats", **stats.as_dict())
+
+
+@dataclass(slots=True)
+class _Storm:
+    start_s: float
+    last_hot_s: float
+    evictions_at_start: int
+
+
+class EvictionStormWatch:
+    """Finds eviction storms in samples of ``TieredStore.stats()`` and logs each one twice:
+    ``eviction_storm`` (warning) when it starts and ``eviction_storm_end`` when it is over.
+
+    The rule: a tier is in a storm while it evicted, over the last ``window_s``, more blocks
+    than it holds and at least ``min_evictions``: it replaced everything it caches within
+    ``window_s``, so little it holds lives long enough to be hit (the budget is too small for
+    the working set, or a client streams through it). A storm is over once the rule has not
+    held for ``quiet_s``; until then it is the same storm, so a storm that flickers costs two
+    lines, not two a flicker. Samples come from the caller, with their time (``now_s``, any
+    monotonic clock), so that tests need no waiting.
+    """
+
+    def __init__(self, window_s: float = 10.0, quiet_s: float = 60.0,
+                 min_evictions: int = 100) -> None:
+        self.window_s = window_s
+        self.quiet_s = quiet_s
+        self.min_evictions = min_evictions
+        self._samples: dict[str, deque[tuple[float, int]]] = {}
+        self._storms: dict[str, _Storm] = {}
+
+    def observe(self, now_s: float, stats: StoreStats) -> None:
+        """Take one sample of every tier's eviction counter; log what starts or ends a storm."""
+        for tier, tier_stats in stats.tiers.items():
+            label = tier.label
+            samples = self._samples.setdefault(label, deque())
+            samples.append((now_s, tier_stats.evictions))
+            while len(samples) > 1 and samples[1][0] <= now_s - self.window_s:
+                samples.popleft()
+            num_evictions = tier_stats.evictions - samples[0][1]
+            hot = num_evictions >= self.min_evictions and num_evictions > tier_stats.num_blocks
+            storm = self._storms.get(label)
+            if hot and storm is None:
+                self._storms[label] = _Storm(now_s, now_s, samples[0][1])
+                log_event(log, logging.WARNING, "eviction_storm",
+                          f"eviction storm in the {label} tier: {num_evictions} blocks evicted "
+                          f"in {self.window_s:g} s, it holds {tier_stats.num_blocks}",
+                          tier=label, num_evictions=num_evictions, window_s=self.window_s,
+                          num_blocks=tier_stats.num_blocks,
+                          capacity_bytes=tier_stats.capacity_bytes)
+            elif hot and storm is not None:
+                storm.last_hot_s = now_s
+            elif storm is not None and now_s - storm.last_hot_s >= self.quiet_s:
+                del self._storms[label]
+                total = tier_stats.evictions - storm.evictions_at_start
+                duration_s = round(storm.last_hot_s - storm.start_s, 3)
+                log_event(log, logging.INFO, "eviction_storm_end",
+                          f"eviction storm in the {label} tier over: {total} blocks evicted "
+                          f"since it started", tier=label, num_evictions=total,
+                          duration_s=duration_s)  # first to last sample that found it
