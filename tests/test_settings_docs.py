@@ -1,0 +1,40 @@
+"""The README's configuration reference is generated from the settings schema: it fails here when
+the schema changed and the README did not (run scripts/gen-docs)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from tierkv.cli.settings import REFERENCE_END, REFERENCE_START, SETTINGS, reference_markdown
+
+ROOT = Path(__file__).resolve().parent.parent
+README = ROOT / "README.md"
+
+
+def test_the_readme_reference_is_what_scripts_gen_docs_writes() -> None:
+    readme = README.read_text(encoding="utf-8")
+    start, end = readme.find(REFERENCE_START), readme.find(REFERENCE_END)
+    assert 0 <= start < end, f"README.md lacks the {REFERENCE_START!r} section"
+    section = readme[start : end + len(REFERENCE_END) + 1]
+    assert section == reference_markdown(), (
+        "README.md's configuration reference is stale: run scripts/gen-docs")
+
+
+def test_the_reference_has_one_row_per_setting_with_its_flag_and_variable() -> None:
+    rows = [line for line in reference_markdown().splitlines() if line.startswith("| `")]
+    assert len(rows) == len(SETTINGS)
+    for row, setting in zip(rows, SETTINGS, strict=True):
+        assert row.startswith(f"| `{setting.name}` | `{setting.flag}` | `{setting.env}` | ")
+        if setting.computed:
+            assert "computed: " in row
+
+
+def test_gen_docs_check_passes_on_this_readme() -> None:
+    script = ROOT / "scripts" / "gen-docs"
+    assert os.access(script, os.X_OK)
+    done = subprocess.run([str(script), "--check"], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHON": sys.executable}, check=False)
+    assert done.returncode == 0, done.stderr
