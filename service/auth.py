@@ -4,17 +4,30 @@ Tokens are compared as bytes: ``hmac.compare_digest`` raises ``TypeError`` on a 
 not ASCII, and a raise there would answer a client's bad token with UNKNOWN instead of
 UNAUTHENTICATED. Every string encodes to UTF-8 (lone surrogates included, with
 ``surrogatepass``), so no metadata a client can send makes the comparison raise.
+
+A rejected call is logged as the event ``auth_failure``, at most one line per
+``AUTH_FAILURE_LOG_INTERVAL_S``: a client retrying a bad token in a loop must not flood the
+log, so each line carries the number of failures since the previous one. The record follows
+``tierkv.logs``'s convention (``extra`` ``event`` and ``fields``); that module is not imported
+here because the service may import only the package's public modules (tests/test_import_rules).
 """
 
 from __future__ import annotations
 
 import hmac
+import logging
+import threading
+import time
+from collections.abc import Callable
 
 import grpc
 
 DEFAULT_TENANT = "default"
 CLIENT_ID_KEY = "x-tierkv-client"
 _BEARER = b"Bearer "
+AUTH_FAILURE_LOG_INTERVAL_S = 10.0
+
+log = logging.getLogger(__name__)
 
 
 def _as_bytes(value: str | bytes) -> bytes:
@@ -22,10 +35,15 @@ def _as_bytes(value: str | bytes) -> bytes:
 
 
 class Authenticator:
-    """Maps ``authorization: Bearer <token>`` metadata to a tenant (or rejects the call)."""
+    """Maps ``authorization: Bearer <token>`` metadata to a tenant (or rejects the call, and
+    logs it: one ``auth_failure`` line per ``AUTH_FAILURE_LOG_INTERVAL_S`` on ``clock``)."""
 
-    def __init__(self, tokens: dict[str, str]) -> None:
+    def __init__(self, tokens: dict[str, str], clock: Callable[[], float] = time.monotonic) -> None:
         self._tokens = {_as_bytes(token): tenant for token, tenant in tokens.items()}
+        self._clock = clock
+        self._failures_lock = threading.Lock()
+        self._last_logged_s: float | None = None
+        self._num_failures = 0  # since the last line
 
     @property
     def required(self) -> bool:
@@ -37,17 +55,34 @@ class Authenticator:
         raises, whatever the metadata holds."""
         if not self._tokens:
             return DEFAULT_TENANT
+        offered_any = False
         for key, value in metadata or ():
             if key != "authorization" or not isinstance(value, str | bytes):
                 continue
             raw = _as_bytes(value)
             if not raw.startswith(_BEARER):
                 continue
+            offered_any = True
             offered = raw.removeprefix(_BEARER).strip()
             for token, tenant in self._tokens.items():  # constant time per token
                 if hmac.compare_digest(token, offered):
                     return tenant
+        self._log_failure("unknown bearer token" if offered_any else "no bearer token")
         return None
+
+    def _log_failure(self, reason: str) -> None:
+        with self._failures_lock:
+            self._num_failures += 1
+            now_s = self._clock()
+            last_s = self._last_logged_s
+            if last_s is not None and now_s - last_s < AUTH_FAILURE_LOG_INTERVAL_S:
+                return
+            self._last_logged_s = now_s
+            num_failures, self._num_failures = self._num_failures, 0
+        fields = {"reason": reason, "num_failures": num_failures,
+                  "interval_s": AUTH_FAILURE_LOG_INTERVAL_S}
+        log.warning("call refused: %s (%d refused since the last line)", reason, num_failures,
+                    extra={"event": "auth_failure", "fields": fields})
 
 
 def client_id_of(metadata: tuple[tuple[str, str | bytes], ...] | None) -> str:

@@ -24,6 +24,10 @@ Decisions (each from a failure seen in LMDB users):
    is a full disk: ``DiskFullError`` (RESOURCE_EXHAUSTED, not retried). Otherwise it is a
    failing device: ``DiskIOError``, which no retry can fix, so it is not UNAVAILABLE either.
    So is a write that finds a damaged B-tree (``lmdb.CorruptedError`` and kin), logged loudly.
+9. Every failed write, delete or read is logged as the event ``disk_error`` (``tierkv.logs``:
+   ``op``, ``kind`` = full, io or other, ``path``, ``error``, ``num_errors``), at most one line
+   per ``DISK_ERROR_LOG_INTERVAL_S`` and kind, counting the rest: a failing device fails every
+   write, and one line per block would bury the first.
 """
 
 from __future__ import annotations
@@ -43,6 +47,7 @@ import numpy as np
 from tierkv.checksums import copy_with_checksum, digest_value
 from tierkv.config import DiskTierConfig, MiB
 from tierkv.errors import ConfigError, DiskFullError, DiskIOError, TierKVError
+from tierkv.logs import Throttle, log_event
 from tierkv.tiers.lmdb_env import DAMAGED, DirectoryLock, MapBounds, open_environment
 from tierkv.tiers.records import VERIFY_CHUNK_BYTES, RecordStatus, seal, verify_header
 
@@ -56,6 +61,7 @@ _SALVAGE_DELETES = 4
 _RESERVE_PAGES = 64
 # An EIO with less free space than a failed write needs plus this is a full disk (decision 8).
 _FULL_DISK_MARGIN_BYTES = 4 * MiB
+DISK_ERROR_LOG_INTERVAL_S = 10.0
 
 
 @dataclass(slots=True)
@@ -82,6 +88,9 @@ class DiskWrite:
     def has_puts(self) -> bool:
         """Whether the job writes anything (else it only deletes)."""
         return bool(self.block_puts or self.namespace_puts or self.session_puts)
+
+
+_ERROR_KINDS = ("full", "io", "other")
 
 
 class DiskTier:
@@ -119,6 +128,7 @@ class DiskTier:
         self._writer.start()
         self.readers = ThreadPoolExecutor(config.num_reader_threads, "tierkv-disk-read")
         self._closed = False
+        self._error_lines = {kind: Throttle(DISK_ERROR_LOG_INTERVAL_S) for kind in _ERROR_KINDS}
 
     # --- recovery -----------------------------------------------------------------------------
 
@@ -216,7 +226,9 @@ class DiskTier:
         if salvaged and not job.has_puts:
             job.future.set_result(None)
         else:
-            job.future.set_exception(self._disk_error(exc, job.num_bytes))
+            error = self._disk_error(exc, job.num_bytes)
+            self._log_error("write", error)
+            job.future.set_exception(error)
 
     def _salvage_deletes(self, keys: Sequence[bytes], db: lmdb._Database) -> bool:
         for start in range(0, len(keys), _SALVAGE_DELETES):
@@ -225,7 +237,7 @@ class DiskTier:
                     for key in keys[start : start + _SALVAGE_DELETES]:
                         txn.delete(key, db=db)
             except (lmdb.Error, OSError) as exc:
-                log.warning("could not delete %d records: %s", len(keys) - start, exc)
+                self._log_error("delete", exc)
                 return False
         return True
 
@@ -269,7 +281,7 @@ class DiskTier:
                     results.append(self._read_one(txn, raw_key, fingerprint, payload_bytes,
                                                   destination, self._bounds))
         except lmdb.Error as exc:
-            log.error("LMDB read of a block failed: %s", exc)
+            self._log_error("read", exc)
             results.extend([(RecordStatus.CORRUPT, 0)] * (len(requests) - len(results)))
         return results
 
@@ -312,6 +324,19 @@ class DiskTier:
         if os.getpid() != self._pid:
             raise TierKVError("an LMDB environment cannot be used across fork(); open the store in the child")
 
+    def _log_error(self, op: str, exc: BaseException) -> None:
+        """Log a failed ``op`` (write, delete, read) as ``disk_error``, throttled by kind
+        (decision 9): a full disk is a warning, anything else an error."""
+        kind = "full" if isinstance(exc, DiskFullError) else (
+            "io" if isinstance(exc, DiskIOError | OSError | lmdb.Error) else "other")
+        num_errors = self._error_lines[kind].admit()
+        if num_errors:
+            level = logging.WARNING if kind == "full" else logging.ERROR
+            log_event(log, level, "disk_error",
+                      f"disk {op} failed ({num_errors} {kind} errors since the last line): {exc}",
+                      op=op, kind=kind, path=str(self.config.path), error=str(exc),
+                      num_errors=num_errors, interval_s=DISK_ERROR_LOG_INTERVAL_S)
+
     def _disk_error(self, exc: BaseException, num_bytes: int) -> TierKVError:
         """What a write of ``num_bytes`` that failed with ``exc`` is reported as (decision 8)."""
         if isinstance(exc, TierKVError):
@@ -322,7 +347,6 @@ class DiskTier:
                 "blocks"
             )
         if isinstance(exc, DAMAGED):
-            log.error("DISK TIER DAMAGED at %s: a write failed with %s", self.config.path, exc)
             return DiskIOError(
                 f"disk: the LMDB store at {self.config.path} is damaged ({exc}); it is checked "
                 "(and moved aside if need be) when the server starts again"
