@@ -14,7 +14,14 @@ import pytest
 from tierkv.cli.main import main
 from tierkv.cli.serve_cmd import build_config, build_service_config
 from tierkv.cli.setting_values import toml_value
-from tierkv.cli.settings import SETTINGS, Kind, Resolved, build_parser, resolve
+from tierkv.cli.settings import (
+    SETTINGS,
+    Kind,
+    Resolved,
+    build_parser,
+    resolve,
+    unknown_variables,
+)
 from tierkv.config import GiB, MiB
 from tierkv.errors import ConfigError
 
@@ -264,3 +271,9 @@ def test_resolved_settings_describe_where_a_value_came_from() -> None:
     assert settings.describe("host_bytes") == 'host_bytes = "2GiB" (from --host-bytes)'
     assert settings.describe("page_bytes") == 'page_bytes = "256KiB" (default)'
     assert settings.describe("hash_seed").endswith("(computed at start)")
+
+
+def test_misspelt_variables_are_found() -> None:
+    environ = {"TIERKV_HOST_BYTE": "1GiB", "TIERKV_HOST_BYTES": "1GiB", "TIERKV_CONFIG": "x",
+               "HOME": "/root"}
+    assert unknown_variables(environ) == ["TIERKV_HOST_BYTE"]

@@ -30,7 +30,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from tierkv.cli.settings import DESCRIPTION, Resolved, add_arguments, resolve_args
+from tierkv.cli.settings import (
+    DESCRIPTION,
+    Resolved,
+    add_arguments,
+    resolve_args,
+    unknown_variables,
+)
 from tierkv.config import (
     DiskCorruptAction,
     DiskTierConfig,
@@ -130,6 +136,8 @@ def run(args: argparse.Namespace) -> int:
         print(settings.to_toml(), end="", flush=True)
         return 0
     setup_logging(settings["log_level"], settings["log_format"])
+    for name in unknown_variables(os.environ):
+        log.warning("%s is not a tierkv serve setting: ignored (see tierkv serve --help)", name)
     with settings.explaining():
         for address in service_config.listen:
             if address.startswith("unix://"):

@@ -58,7 +58,7 @@ from tierkv.wire.limits import DEFAULT_LISTEN
 __all__ = [
     "BY_FLAG", "BY_NAME", "CONFIG_ENV", "SETTINGS", "Kind", "Resolved", "Setting",
     "add_arguments", "build_parser", "reference_markdown", "replace_reference", "resolve",
-    "resolve_args",
+    "resolve_args", "unknown_variables",
 ]
 
 CONFIG_ENV = "TIERKV_CONFIG"
@@ -257,6 +257,13 @@ def resolve_args(args: argparse.Namespace, environ: Mapping[str, str]) -> Resolv
         name = "tls_cert" if values["tls_cert"] else "tls_key"
         raise resolved.error(name, "tls_cert and tls_key go together (--tls-cert, --tls-key)")
     return resolved
+
+
+def unknown_variables(environ: Mapping[str, str]) -> list[str]:
+    """``TIERKV_*`` names in ``environ`` that are no setting (nor ``TIERKV_CONFIG``), sorted: a
+    misspelt variable is otherwise ignored without a word (``serve`` warns of them)."""
+    known = {setting.env for setting in SETTINGS} | {CONFIG_ENV}
+    return sorted(name for name in environ if name.startswith("TIERKV_") and name not in known)
 
 
 def _compute_defaults(values: dict[str, Any], sources: dict[str, str],
