@@ -1,9 +1,11 @@
-"""The grpc.aio server: listeners, health, reflection, lease reaping, graceful stop.
+"""The grpc.aio server: listeners, health, reflection, metrics, lease reaping, graceful stop.
 
 ``create_server(config, store)`` binds every listener and returns ``(server, port)``; ``port`` is
 the first TCP listener's (useful with ``127.0.0.1:0``), or 0 when there is none. The health
 service answers NOT_SERVING until a store is attached (its disk index recovered) and again once
-shutdown begins; reflection lets a stock gRPC client list and call the API.
+shutdown begins; reflection lets a stock gRPC client list and call the API. With
+``metrics_port`` set, a Prometheus endpoint (``tierkv.service.metrics``) answers from ``start``
+to ``stop`` and every TierKV call is counted.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from grpc_reflection.v1alpha import reflection
 
 from tierkv.codec import decode_put_chunk
 from tierkv.service.config import ServiceConfig
+from tierkv.service.metrics import RpcRecorder, ServerMetrics
 from tierkv.service.servicer import TierKVServicer, lenient
 from tierkv.store import TieredStore
 from tierkv.wire import tierkv_pb2 as pb
@@ -35,17 +38,22 @@ _FACTORIES = {
 }
 
 
-def _handlers(servicer: TierKVServicer) -> grpc.GenericRpcHandler:
+def _handlers(servicer: TierKVServicer, recorder: RpcRecorder | None = None
+              ) -> grpc.GenericRpcHandler:
     """What ``add_TierKVServicer_to_server`` registers, except that a request that does not
-    parse reaches its handler as ``Malformed`` (INVALID_ARGUMENT) instead of failing as UNKNOWN."""
+    parse reaches its handler as ``Malformed`` (INVALID_ARGUMENT) instead of failing as UNKNOWN,
+    and that ``recorder`` (when given) counts every call."""
     methods = {}
     for method in pb.DESCRIPTOR.services_by_name["TierKV"].methods:
         factory = _FACTORIES[method.client_streaming, method.server_streaming]
         # Put's chunks are decoded by hand: their data stays a view of the received bytes.
         parse = decode_put_chunk if method.name == "Put" else getattr(
             pb, method.input_type.name).FromString
+        handler = getattr(servicer, method.name)
+        if recorder is not None:
+            handler = recorder.wrap(method.name, method.server_streaming, handler)
         methods[method.name] = factory(
-            getattr(servicer, method.name),
+            handler,
             request_deserializer=lenient(parse),
             response_serializer=getattr(pb, method.output_type.name).SerializeToString,
         )
@@ -57,7 +65,9 @@ class TierKVServer:
 
     ``servicer`` answers the TierKV calls; by default a ``TierKVServicer(config)``. Passing one in
     lets a caller (a test's recording spy, say) wrap the real servicer without patching this
-    module; it must have been built with the same ``config``."""
+    module; it must have been built with the same ``config``. ``metrics`` is the server's
+    Prometheus registry and endpoint (``metrics_port`` is its bound port once started, 0 when
+    ``config.metrics_port`` is 0)."""
 
     def __init__(self, config: ServiceConfig, servicer: TierKVServicer | None = None) -> None:
         self.config = config
@@ -68,7 +78,9 @@ class TierKVServer:
         ]
         self.grpc_server = grpc.aio.server(options=options)
         self.servicer = servicer if servicer is not None else TierKVServicer(config)
-        self.grpc_server.add_generic_rpc_handlers((_handlers(self.servicer),))
+        self.metrics = ServerMetrics(config)
+        recorder = self.metrics.recorder if self.metrics.enabled else None
+        self.grpc_server.add_generic_rpc_handlers((_handlers(self.servicer, recorder),))
         self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.grpc_server)
         reflection.enable_server_reflection(
@@ -94,26 +106,40 @@ class TierKVServer:
                 first_port = port
         return first_port
 
+    @property
+    def metrics_port(self) -> int:
+        """The Prometheus endpoint's bound TCP port (0: none, or not started)."""
+        return self.metrics.port
+
     async def start(self) -> None:
-        """Start answering (health NOT_SERVING until ``attach``)."""
+        """Start answering (health NOT_SERVING until ``attach``) and, with ``metrics_port``
+        set, serving metrics (``ConfigError`` when its address cannot be bound)."""
         await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
-        await self.grpc_server.start()
+        self.metrics.start()
+        try:
+            await self.grpc_server.start()
+        except BaseException:
+            await self.metrics.stop()
+            raise
 
     async def attach(self, store: TieredStore) -> None:
         """Serve ``store`` from now on."""
         self.store = store
         self.servicer.attach(store)
+        self.metrics.attach(store)
         self._reaper = asyncio.create_task(self._reap_leases())
         await self._set_health(health_pb2.HealthCheckResponse.SERVING)
 
     async def stop(self, close_store: bool = True) -> None:
-        """Graceful stop: NOT_SERVING, drain in-flight calls, then close (flush) the store."""
+        """Graceful stop: NOT_SERVING, drain in-flight calls, stop the metrics endpoint, then
+        close (flush) the store."""
         await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
         await self.grpc_server.stop(self.config.grace_s)
         if self._reaper is not None:
             self._reaper.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._reaper
+        await self.metrics.stop()
         self.servicer.close()
         if close_store and self.store is not None:
             await asyncio.to_thread(self.store.close)

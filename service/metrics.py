@@ -1,0 +1,354 @@
+"""The Prometheus endpoint: what the store holds, what every RPC answered, and the prefill
+tokens the cache saved.
+
+``ServerMetrics(config)`` owns one ``CollectorRegistry`` per server (never the process-wide
+one: tests run several servers in one process) and serves it over HTTP on
+``config.metrics_host:config.metrics_port`` (``start``/``stop``; 0: no endpoint, and no
+recording either). Every family is prefixed ``tierkv_``.
+
+Decisions:
+1. The store's figures are read from ``TieredStore.stats()`` at scrape time, on the HTTP
+   server's thread (``StoreCollector``): nothing on a call's path, nothing on the event loop.
+2. RPCs are counted by a wrapper around each handler (``RpcRecorder.wrap``): one count per
+   call with its final status code (``context.set_code``, ``context.abort``, an exception:
+   UNKNOWN, a cancellation: CANCELLED, or DEADLINE_EXCEEDED when the deadline had passed) and
+   its duration in a fixed-bucket histogram. Its counters are plain ints written only on the
+   server's event loop (every handler runs there) and read by the scrape, so a call pays a
+   ``perf_counter``, a ``bisect`` and three increments, no lock. A scrape may see a histogram's
+   ``_sum`` one observation apart from its buckets; the buckets and ``_count`` agree.
+3. ``tierkv_prefill_tokens_saved_total{tenant,model}``: tokens whose K/V a caller got from the
+   cache instead of a prefill, blocks served times the namespace's ``block_size`` (0 on the
+   wire: 16), counted when a Get (its first chunk's ``num_blocks``) or an Acquire (blocks
+   leased) ends OK. Only tensor-parallel rank 0 counts: every rank reads its own shard of the
+   same tokens, so counting each would count one prefix ``tp_size`` times. The tenant is the
+   one the caller's credentials name (``Authenticator``, as the servicer resolves it).
+4. Bounded labels only: tiers, RPC methods, status codes, tenants (as many as the token file
+   names) and models. At most ``MAX_TOKEN_SERIES`` (tenant, model) pairs get their own series;
+   later models of any tenant count under ``model="other"``. No label ever names a block,
+   hash, lease or session.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import bisect
+import contextlib
+import inspect
+import time
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Iterable, Iterator
+from typing import Any
+
+import grpc
+from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
+from prometheus_client.registry import Collector
+
+from tierkv.errors import ConfigError, StoreClosedError
+from tierkv.service.auth import Authenticator
+from tierkv.service.config import ServiceConfig
+from tierkv.store import StoreStats, TieredStore
+
+# Upper bounds of the RPC latency buckets: 50 us (a lookup answered on the loop) to 10 s (a
+# large Put over a slow link); +Inf follows.
+DURATION_BUCKETS_S = (
+    50e-6, 100e-6, 250e-6, 500e-6, 1e-3, 2.5e-3, 5e-3, 10e-3, 25e-3, 50e-3, 100e-3, 250e-3,
+    500e-3, 1.0, 2.5, 5.0, 10.0,
+)
+MAX_TOKEN_SERIES = 64
+OTHER_MODEL = "other"
+# proto3's 0 for Namespace.block_size (KVLayout's default, as tierkv.wire reads it).
+DEFAULT_BLOCK_SIZE = 16
+
+_OK, _CANCELLED, _UNKNOWN, _DEADLINE_EXCEEDED = 0, 1, 2, 4
+_CODE_NAMES = {code.value[0]: code.name for code in grpc.StatusCode}
+_NUM_CODES = max(_CODE_NAMES) + 1
+# As prometheus_client writes its own histograms' bounds ("5e-05", "0.001", "1.0").
+_BUCKET_LABELS = [*(repr(float(bound)) for bound in DURATION_BUCKETS_S), "+Inf"]
+
+
+class MethodStats:
+    """One RPC method's calls by status code and its latency histogram (not cumulative:
+    ``num_in_bucket[i]`` counts durations in ``(bound[i-1], bound[i]]``, the last one past
+    every bound)."""
+
+    __slots__ = ("num_by_code", "num_in_bucket", "sum_s")
+
+    def __init__(self) -> None:
+        self.num_by_code = [0] * _NUM_CODES
+        self.num_in_bucket = [0] * (len(DURATION_BUCKETS_S) + 1)
+        self.sum_s = 0.0
+
+    def observe(self, duration_s: float, code: int) -> None:
+        """Count one call that ended with ``code`` (a status code's number) after
+        ``duration_s``."""
+        self.num_by_code[code if 0 <= code < _NUM_CODES else _UNKNOWN] += 1
+        self.num_in_bucket[bisect.bisect_left(DURATION_BUCKETS_S, duration_s)] += 1
+        self.sum_s += duration_s
+
+
+def _code_number(code: Any) -> int:
+    """``context.code()`` as a number: grpc.aio keeps an int (0 until a code is set); a
+    ``grpc.StatusCode`` is accepted too."""
+    if type(code) is int:
+        return code
+    if isinstance(code, grpc.StatusCode):
+        return int(code.value[0])
+    return _OK if code is None else _UNKNOWN
+
+
+def _failure_code(exc: BaseException, context: grpc.aio.ServicerContext) -> int:
+    """The status a handler that raised ``exc`` ends with."""
+    if isinstance(exc, grpc.aio.AbortError):  # context.abort set it
+        return _code_number(context.code())
+    if isinstance(exc, asyncio.CancelledError | GeneratorExit):
+        remaining_s = context.time_remaining()
+        return _DEADLINE_EXCEEDED if remaining_s is not None and remaining_s <= 0 else _CANCELLED
+    return _UNKNOWN  # what grpc answers for any other exception
+
+
+class RpcRecorder:
+    """Counts every call of the wrapped handlers and the prefill tokens they served.
+
+    Written only from the server's event loop; ``collect`` (any thread) reads it."""
+
+    def __init__(self, config: ServiceConfig) -> None:
+        self._auth = Authenticator(config.tokens)
+        self._methods: dict[str, MethodStats] = {}
+        self._tokens_saved: dict[tuple[str, str], int] = {}
+
+    def wrap(self, method: str, server_streaming: bool, handler: Callable[..., Any]
+             ) -> Callable[..., Any]:
+        """``handler`` (a coroutine, or for ``server_streaming`` an async generator or a
+        coroutine) counted under ``method``."""
+        stats = self._methods.setdefault(method, MethodStats())
+        # A stream-out handler may also be a coroutine that writes with context.write.
+        if server_streaming and inspect.isasyncgenfunction(handler):
+            return self._wrap_stream_out(method, stats, handler)
+        return self._wrap_unary(method, stats, handler)
+
+    def _wrap_unary(self, method: str, stats: MethodStats,
+                    handler: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[Any]]:
+        counts_tokens = method == "Acquire"
+
+        async def counted(request: Any, context: grpc.aio.ServicerContext) -> Any:
+            start_s = time.perf_counter()
+            try:
+                response = await handler(request, context)
+            except BaseException as exc:
+                stats.observe(time.perf_counter() - start_s, _failure_code(exc, context))
+                raise
+            code = _code_number(context.code())
+            stats.observe(time.perf_counter() - start_s, code)
+            if counts_tokens and code == _OK and response is not None and response.num_blocks:
+                self._count_tokens(request, context, response.num_blocks)
+            return response
+
+        return counted
+
+    def _wrap_stream_out(self, method: str, stats: MethodStats,
+                         handler: Callable[..., AsyncGenerator[Any, None]]
+                         ) -> Callable[..., AsyncIterator[Any]]:
+        counts_tokens = method == "Get"
+
+        async def counted(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+            start_s = time.perf_counter()
+            num_blocks = -1
+            try:
+                # Closed here, not left to the collector: the handler's finally gives back
+                # its buffer.
+                async with contextlib.aclosing(handler(request, context)) as messages:
+                    async for message in messages:
+                        if counts_tokens and num_blocks < 0:
+                            num_blocks = message.num_blocks
+                        yield message
+            except BaseException as exc:
+                stats.observe(time.perf_counter() - start_s, _failure_code(exc, context))
+                raise
+            code = _code_number(context.code())
+            stats.observe(time.perf_counter() - start_s, code)
+            if counts_tokens and code == _OK and num_blocks > 0:
+                self._count_tokens(request, context, num_blocks)
+
+        return counted
+
+    def _count_tokens(self, request: Any, context: grpc.aio.ServicerContext,
+                      num_blocks: int) -> None:
+        spec = request.namespace
+        if spec.tp_rank != 0:
+            return
+        tenant = self._auth.tenant_of(context.invocation_metadata()) or "unknown"
+        key = (tenant, spec.model_id)
+        tokens_saved = self._tokens_saved
+        if key not in tokens_saved and len(tokens_saved) >= MAX_TOKEN_SERIES:
+            key = (tenant, OTHER_MODEL)
+        num_tokens = num_blocks * (spec.block_size or DEFAULT_BLOCK_SIZE)
+        tokens_saved[key] = tokens_saved.get(key, 0) + num_tokens
+
+    def collect(self) -> Iterator[Metric]:
+        """The RPC families: requests by method and code (OK for every method, others once
+        seen), latency histograms of the methods called, tokens saved."""
+        requests = CounterMetricFamily(
+            "tierkv_rpc_requests", "TierKV calls answered, by method and gRPC status code.",
+            labels=("method", "code"))
+        durations = HistogramMetricFamily(
+            "tierkv_rpc_duration_seconds",
+            "Time from a TierKV call's request to its status, in the server.", labels=("method",))
+        for method, stats in sorted(self._methods.items()):
+            by_code = list(stats.num_by_code)
+            for code, num_calls in enumerate(by_code):
+                if num_calls or code == _OK:
+                    requests.add_metric((method, _CODE_NAMES.get(code, "UNKNOWN")), num_calls)
+            in_bucket = list(stats.num_in_bucket)
+            if sum(in_bucket):
+                cumulative, buckets = 0, []
+                for label, num_calls in zip(_BUCKET_LABELS, in_bucket, strict=True):
+                    cumulative += num_calls
+                    buckets.append((label, cumulative))
+                durations.add_metric((method,), buckets, stats.sum_s)
+        tokens = CounterMetricFamily(
+            "tierkv_prefill_tokens_saved",
+            "Prompt tokens whose K/V were served from the cache (Get, Acquire) instead of a "
+            f"prefill; tensor-parallel rank 0 only; models past {MAX_TOKEN_SERIES} series "
+            f"count as '{OTHER_MODEL}'.", labels=("tenant", "model"))
+        for (tenant, model), num_tokens in sorted(dict(self._tokens_saved).items()):
+            tokens.add_metric((tenant, model), num_tokens)
+        yield from (requests, durations, tokens)
+
+
+class _RpcCollector(Collector):
+    def __init__(self, recorder: RpcRecorder) -> None:
+        self._recorder = recorder
+
+    def collect(self) -> Iterable[Metric]:
+        return self._recorder.collect()
+
+
+class StoreCollector(Collector):
+    """The store's figures, read from ``stats()`` at each scrape (nothing before ``attach``
+    or once the store is closed)."""
+
+    def __init__(self) -> None:
+        self.store: TieredStore | None = None
+
+    def collect(self) -> Iterable[Metric]:
+        """Every store family, from one consistent ``stats()`` snapshot."""
+        store = self.store
+        if store is None:
+            return []
+        try:
+            stats = store.stats()
+        except StoreClosedError:
+            return []
+        return [*_tier_families(stats), *_store_families(stats)]
+
+
+def _tier_families(stats: StoreStats) -> Iterator[Metric]:
+    tiers = list(stats.tiers.values())
+    for name, kind, text, field in (
+        ("capacity_bytes", GaugeMetricFamily, "Bytes the tier may hold (its budget).",
+         "capacity_bytes"),
+        ("used_bytes", GaugeMetricFamily, "Bytes the tier holds, in-flight copies included.",
+         "used_bytes"),
+        ("blocks", GaugeMetricFamily, "Blocks with a copy in the tier.", "num_blocks"),
+        ("hits", CounterMetricFamily, "Blocks read whose fastest copy was in the tier.", "hits"),
+        ("misses", CounterMetricFamily,
+         "Blocks read that the tier lacked (found lower down, or nowhere).", "misses"),
+        ("evictions", CounterMetricFamily, "Blocks evicted from the tier.", "evictions"),
+        ("promotions_in", CounterMetricFamily, "Blocks promoted into the tier.",
+         "promotions_in"),
+        ("demotions_in", CounterMetricFamily, "Blocks demoted into the tier.", "demotions_in"),
+    ):
+        family = kind(f"tierkv_tier_{name}", text, labels=("tier",))
+        for tier in tiers:
+            family.add_metric((tier.tier.label,), getattr(tier, field))
+        yield family
+
+
+def _store_families(stats: StoreStats) -> Iterator[Metric]:
+    for name, kind, text, value in (
+        ("promotions", CounterMetricFamily, "Blocks promoted to a faster tier.", stats.promotions),
+        ("demotions", CounterMetricFamily, "Blocks demoted to a slower tier.", stats.demotions),
+        ("failed_demotions", CounterMetricFamily,
+         "Demotions that failed (the block was dropped).", stats.failed_demotions),
+        ("checksum_failures", CounterMetricFamily,
+         "Blocks whose bytes failed their checksum (dropped, served as misses).",
+         stats.checksum_failures),
+        ("store_puts", CounterMetricFamily, "Puts the store published (one per batch).",
+         stats.puts),
+        ("store_gets", CounterMetricFamily, "Reads of the store (one per batch: get, acquire).",
+         stats.gets),
+        ("namespaces", GaugeMetricFamily, "Namespaces registered.", stats.num_namespaces),
+        ("pinned_blocks", GaugeMetricFamily, "Blocks pinned (leased or pinned with a TTL).",
+         stats.num_pinned),
+        ("leases_active", GaugeMetricFamily, "Shared-memory leases open now (read and write).",
+         stats.num_leases),
+        ("leases_expired", CounterMetricFamily,
+         "Leases ended because their deadline passed or their client was gone.",
+         stats.leases_expired),
+        ("sessions", GaugeMetricFamily, "Chat sessions held, every tenant's.",
+         stats.num_sessions),
+    ):
+        yield kind(f"tierkv_{name}", text, value=value)
+    moved = CounterMetricFamily("tierkv_bytes_moved",
+                                "Payload bytes copied between tiers (promotions, demotions).",
+                                labels=("from", "to"))
+    for (source, destination), num_bytes in sorted(stats.bytes_moved.items()):
+        moved.add_metric((source.label, destination.label), num_bytes)
+    yield moved
+
+
+class ServerMetrics:
+    """One server's registry, its recorder and collectors, and its HTTP endpoint.
+
+    ``enabled`` is ``config.metrics_port != 0``; when it is not, nothing is recorded (the
+    servicer's handlers are registered unwrapped) and ``start`` serves nothing."""
+
+    def __init__(self, config: ServiceConfig) -> None:
+        self.config = config
+        self.enabled = config.metrics_port != 0
+        self.registry = CollectorRegistry()
+        self.recorder = RpcRecorder(config)
+        self._store_collector = StoreCollector()
+        self.registry.register(self._store_collector)
+        self.registry.register(_RpcCollector(self.recorder))
+        self._http: Any = None
+        self._http_thread: Any = None
+        self.port = 0
+
+    def attach(self, store: TieredStore) -> None:
+        """Report ``store``'s figures from the next scrape on."""
+        self._store_collector.store = store
+
+    def start(self) -> None:
+        """Listen on ``metrics_host:metrics_port`` (a thread of its own answers scrapes);
+        ``port`` is then the bound port. ``ConfigError`` when the address cannot be bound."""
+        if not self.enabled or self._http is not None:
+            return
+        host, port = self.config.metrics_host, self.config.metrics_port
+        try:
+            self._http, self._http_thread = start_http_server(port, host, self.registry)
+        except OSError as exc:
+            raise ConfigError(
+                f"--metrics-port {port}: cannot listen on {host}:{port} ({exc}); pick another "
+                "port or 0 for no metrics endpoint"
+            ) from exc
+        self.port = int(self._http.server_port)
+
+    async def stop(self) -> None:
+        """Stop answering scrapes (``shutdown`` waits for the server's poll: off the loop)."""
+        http, thread = self._http, self._http_thread
+        if http is None:
+            return
+        self._http = self._http_thread = None
+        await asyncio.to_thread(_shut_down, http, thread)
+
+
+def _shut_down(http: Any, thread: Any) -> None:
+    http.shutdown()
+    http.server_close()
+    thread.join()
