@@ -9,12 +9,17 @@ mapped to status codes in ``errors``).
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
-from tierkv.errors import InvalidArgumentError
+from tierkv.errors import InvalidArgumentError, PermissionDeniedError
+from tierkv.keys import Namespace
 from tierkv.store import check_lookup_hashes
+from tierkv.wire import tierkv_pb2 as pb
 from tierkv.wire.enums import priority_from, write_policy_from
+from tierkv.wire.namespaces import namespace_from
 
-__all__ = ["hashes_from", "hashes_within", "priority_from", "ttl_from", "write_policy_from"]
+__all__ = ["ClearFilters", "clear_filters_from", "hashes_from", "hashes_within", "priority_from",
+           "ttl_from", "write_policy_from"]
 
 
 def hashes_within(hashes: Sequence[bytes], max_hashes: int) -> Sequence[bytes]:
@@ -38,3 +43,37 @@ def hashes_from(hashes: Sequence[bytes], max_hashes: int) -> Sequence[bytes]:
 def ttl_from(value: float) -> float | None:
     """0 means no TTL (until unpinned / the default); the store checks the rest."""
     return None if value == 0 else value
+
+
+@dataclass(frozen=True, slots=True)
+class ClearFilters:
+    """``TieredStore.clear``'s filters for one Clear call (None: any)."""
+
+    tenant: str | None
+    model_id: str | None
+    namespace: Namespace | None
+
+
+def clear_filters_from(request: pb.ClearRequest, tenant: str, is_admin: bool) -> ClearFilters:
+    """The filters of a Clear by a caller of ``tenant`` (an admin tenant when ``is_admin``).
+
+    A caller reaches its own tenant's namespaces, an admin every tenant's: an empty
+    ``request.tenant`` means all it reaches, another tenant than its own is
+    ``PermissionDeniedError`` for a caller that is not an admin. ``all`` takes no other
+    filter, and a request with neither is ``InvalidArgumentError`` (a clear of everything is
+    never an accident). A namespace is of ``request.tenant``, or of the caller's own tenant.
+    """
+    has_namespace = request.HasField("namespace")
+    has_filter = bool(request.tenant or request.model_id or has_namespace)
+    if request.all and has_filter:
+        raise InvalidArgumentError("Clear: `all` takes no tenant, model_id or namespace with it")
+    if not request.all and not has_filter:
+        raise InvalidArgumentError("Clear: name a tenant, a model_id or a namespace, or set `all`")
+    if request.tenant and request.tenant != tenant and not is_admin:
+        raise PermissionDeniedError(
+            f"tenant {tenant!r} may clear only its own namespaces, not {request.tenant!r} "
+            "(only an admin tenant may: --admin-tenants)"
+        )
+    scope = request.tenant or (None if is_admin else tenant)
+    namespace = namespace_from(request.namespace, request.tenant or tenant) if has_namespace else None
+    return ClearFilters(scope, request.model_id or None, namespace)

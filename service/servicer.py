@@ -12,14 +12,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import grpc
 import torch
-from google.protobuf.message import DecodeError
 
 import tierkv
 from tierkv.codec import RawPutChunk
@@ -29,13 +27,23 @@ from tierkv.keys import Namespace
 from tierkv.service import convert
 from tierkv.service.auth import Authenticator, client_id_of
 from tierkv.service.buffers import BufferPool
+from tierkv.service.calls import (
+    REFUSALS,
+    Caller,
+    CallRefusedError,
+    check_parsed,
+    end_call,
+    lenient,
+    status_of_refusal,
+    unary,
+)
 from tierkv.service.config import ServiceConfig
-from tierkv.service.errors import status_of
 from tierkv.service.namespaces import NamespaceBook
+from tierkv.service.operator_calls import OperatorCalls
 from tierkv.store import LeaseWriter, TieredStore, WriteLease, check_ttl
 from tierkv.wire import tierkv_pb2 as pb
 from tierkv.wire import tierkv_pb2_grpc as pb_grpc
-from tierkv.wire.convert import lookup_to, read_lease_to, sessions_to, stats_to, write_lease_to
+from tierkv.wire.convert import lookup_to, read_lease_to, sessions_to, write_lease_to
 from tierkv.wire.limits import host_id
 from tierkv.wire.namespaces import namespace_to
 
@@ -46,43 +54,8 @@ R = TypeVar("R")
 # thread and back costs 0.3-0.6 ms here (8,192-hash lookups: p50 5.1-5.6 ms with the hop, 4.8-5.0
 # without). Longer ones go to a thread, so that the GIL's switch interval lets the loop in.
 _INLINE_LOOKUP_HASHES = 8192
-DEFAULT_STATS_NAMESPACES = 20
-"""Namespaces a Stats call reports when it does not say how many."""
 
-
-@dataclass(frozen=True, slots=True)
-class Caller:
-    """Who is calling: the tenant (from credentials) and the lease owner (tenant + client)."""
-
-    tenant: str
-    owner: str
-    client_id: str = ""
-    is_admin: bool = False  # its operator calls reach every tenant (``admin_tenants``)
-
-
-@dataclass(frozen=True, slots=True)
-class Malformed:
-    """What a request that does not parse deserializes to (answered INVALID_ARGUMENT)."""
-
-    reason: str
-
-
-def lenient(parse: Callable[[bytes], Any]) -> Callable[[bytes], Any]:
-    """A request deserializer that turns a parse error into ``Malformed`` (gRPC itself would
-    answer UNKNOWN for the exception)."""
-
-    def deserialize(data: bytes) -> Any:
-        try:
-            return parse(data)
-        except (DecodeError, InvalidArgumentError) as exc:
-            return Malformed(str(exc)[:256])
-
-    return deserialize
-
-
-def _check_parsed(message: Any) -> None:
-    if isinstance(message, Malformed):
-        raise InvalidArgumentError(f"malformed request: {message.reason}")
+__all__ = ["Caller", "TierKVServicer", "lenient"]  # lenient: the server's deserializers
 
 
 def _silent_stream(idle_s: float) -> DeadlineExceededError:
@@ -93,52 +66,8 @@ def _silent_stream(idle_s: float) -> DeadlineExceededError:
     )
 
 
-class CallRefusedError(Exception):
-    """A call refused before it reaches the store (credentials, recovery): its status."""
 
-    def __init__(self, code: grpc.StatusCode, message: str) -> None:
-        super().__init__(message)
-        self.code = code
-
-
-_REFUSALS = (CallRefusedError, TierKVError, ValueError)
-
-
-def _status_of_refusal(exc: BaseException) -> tuple[grpc.StatusCode, str]:
-    return (exc.code, str(exc)) if isinstance(exc, CallRefusedError) else status_of(exc)
-
-
-def _end(context: grpc.aio.ServicerContext, status: tuple[grpc.StatusCode, str]) -> None:
-    """End a refused call with ``status``.
-
-    Not ``context.abort``: grpc keeps the AbortError that abort raises in a reference cycle
-    with the handler's frame, so every refused request (a Put's chunks, 65,536 hashes) would
-    live until the cyclic collector ran (1,500 refused Puts grew a server by 390 MiB). Callers
-    take the status inside their ``except`` block and call this after it, so that no exception
-    (whose traceback holds the handler's frames) outlives the block either.
-    """
-    context.set_code(status[0])
-    context.set_details(status[1])
-
-
-def unary(fn: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[Any]]:
-    """Wrap a unary (or stream-in) handler: authenticate, then map tierkv errors to codes."""
-
-    @functools.wraps(fn)
-    async def handler(self: TierKVServicer, request: Any, context: grpc.aio.ServicerContext) -> Any:
-        try:
-            caller = await self._caller(context)
-            _check_parsed(request)
-            return await fn(self, request, context, caller)
-        except _REFUSALS as exc:
-            status = _status_of_refusal(exc)
-        _end(context, status)
-        return None
-
-    return handler
-
-
-class TierKVServicer(pb_grpc.TierKVServicer):
+class TierKVServicer(OperatorCalls, pb_grpc.TierKVServicer):
     """Serves one ``TieredStore`` (set with ``attach`` once its disk index is recovered)."""
 
     def __init__(self, config: ServiceConfig) -> None:
@@ -267,15 +196,6 @@ class TierKVServicer(pb_grpc.TierKVServicer):
             return pb.CountResponse(count=0)
         return pb.CountResponse(count=await self._run(self.store.delete, namespace, hashes))
 
-    @unary
-    async def Stats(self, request: pb.StatsRequest, context: Any, caller: Caller) -> Any:
-        limit = request.max_namespaces or DEFAULT_STATS_NAMESPACES
-        stats = await self._run(self.store.stats)
-        namespaces = await self._run(self.store.namespace_stats,
-                                     None if caller.is_admin else caller.tenant)
-        holding = [n for n in namespaces if n.num_blocks or n.num_sessions]
-        return stats_to(stats, holding[:limit])
-
     # --- stream data path -----------------------------------------------------------------
 
     @unary
@@ -305,7 +225,7 @@ class TierKVServicer(pb_grpc.TierKVServicer):
 
     async def _put(self, chunks: AsyncIterator[RawPutChunk], caller: Caller) -> pb.CountResponse:
         first = await self._first_message(chunks)
-        _check_parsed(first)
+        check_parsed(first)
         if first is None or first.header is None:
             raise InvalidArgumentError("the first Put message must carry the header")
         header = first.header
@@ -355,7 +275,7 @@ class TierKVServicer(pb_grpc.TierKVServicer):
         try:
             async with asyncio.timeout(idle_s) as idle:
                 while chunk is not None:
-                    _check_parsed(chunk)
+                    check_parsed(chunk)
                     if chunk is not first and chunk.header is not None:
                         raise InvalidArgumentError("only the first Put message may carry a header")
                     filler.write(chunk.data)
@@ -397,12 +317,12 @@ class TierKVServicer(pb_grpc.TierKVServicer):
         status: tuple[grpc.StatusCode, str] | None = None
         try:
             caller = await self._caller(context)
-            _check_parsed(request)
+            check_parsed(request)
             num_bytes, num_blocks, buffer = await self._read(request, caller)
-        except _REFUSALS as exc:
-            status = _status_of_refusal(exc)
+        except REFUSALS as exc:
+            status = status_of_refusal(exc)
         if status is not None:
-            _end(context, status)
+            end_call(context, status)
             return
         try:
             data = memoryview(buffer or b"")[:num_bytes]

@@ -29,6 +29,7 @@ from tierkv.errors import (
     LeaseNotFoundError,
     LeaseStateError,
     NotFoundError,
+    PermissionDeniedError,
     ServiceUnavailableError,
     SessionNotFoundError,
     StaleSlabError,
@@ -40,6 +41,7 @@ from tierkv.keys import Namespace
 from tierkv.layout import DType, KVLayout
 from tierkv.service.errors import status_of
 from tierkv.store import (
+    ClearResult,
     NamespaceStats,
     ReadLease,
     SessionInfo,
@@ -70,6 +72,7 @@ SERVED = [
     (StoreClosedError("x"), Code.UNAVAILABLE, ServiceUnavailableError),
     (DeadlineExceededError("x"), Code.DEADLINE_EXCEEDED, DeadlineExceededError),
     (StaleSlabError("x"), Code.ABORTED, StaleSlabError),
+    (PermissionDeniedError("x"), Code.PERMISSION_DENIED, PermissionDeniedError),
     (IntegrityError("x"), Code.DATA_LOSS, IntegrityError),
     (DiskIOError("x"), Code.DATA_LOSS, IntegrityError),
     # A failing store (not the caller's input) is logged and served as UNAVAILABLE.
@@ -288,3 +291,20 @@ def test_stats_of_a_newer_server_with_a_tier_this_client_does_not_know_still_rea
     assert list(back.tiers) == [Tier.HOST] and back.tiers[Tier.HOST].used_bytes == 1
     assert set(back.bytes_moved) == {(Tier.HOST, Tier.DISK), (Tier.DISK, Tier.HOST)}
     assert back.namespaces == ()
+
+
+def test_clear_results_round_trip_and_cover_the_message() -> None:
+    names = [f.name for f in dataclasses.fields(ClearResult)]
+    assert list(convert.CLEAR_RESULT_FIELDS) == names
+    assert set(names) == set(pb.ClearProgress.DESCRIPTOR.fields_by_name) - {
+        "num_blocks_done", "num_blocks_total", "done"}
+    result = ClearResult(2, 5, 5 * 512, 1, 3)
+    wire = pb.ClearProgress.FromString(convert.clear_result_to(result, 8).SerializeToString())
+    assert (wire.done, wire.num_blocks_done, wire.num_blocks_total) == (True, 8, 8)
+    assert convert.clear_result_from(wire, ClearResult) == result
+    assert not convert.clear_progress_to(3, 8).done
+    namespace = Namespace("m", KVLayout(2, 4, 8), tenant="ignored")
+    request = convert.clear_request_to("acme", None, namespace, False)
+    assert (request.tenant, request.model_id, request.all) == ("acme", "", False)
+    assert namespace_from(request.namespace, "acme") == namespace.with_tenant("acme")
+    assert not convert.clear_request_to(None, None, None, True).HasField("namespace")

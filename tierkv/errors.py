@@ -73,6 +73,11 @@ class AuthenticationError(TierKVError):
     """The server rejected the call's credentials (missing or unknown bearer token)."""
 
 
+class PermissionDeniedError(TierKVError):
+    """PERMISSION_DENIED: an operator call (Clear) named another tenant than the caller's own,
+    and the server does not name the caller an admin tenant."""
+
+
 class ServiceUnavailableError(TierKVError):
     """The server could not be reached (after retries), or is starting or stopping."""
 

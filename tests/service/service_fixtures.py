@@ -29,6 +29,7 @@ ALLOWED_ERRORS = frozenset({
     grpc.StatusCode.NOT_FOUND,
     grpc.StatusCode.RESOURCE_EXHAUSTED,
     grpc.StatusCode.UNAUTHENTICATED,
+    grpc.StatusCode.PERMISSION_DENIED,  # an operator call (Clear) naming another tenant
 })
 
 def bearer(token: str) -> tuple[tuple[str, str], ...]:
@@ -160,14 +161,15 @@ def request_for(
         "ResumeSession": lambda: pb.SessionRequest(**({"session_id": "session"} | fields)),
         "DeleteSession": lambda: pb.SessionRequest(**({"session_id": "session"} | fields)),
         "ListSessions": pb.ListSessionsRequest,
+        "Clear": lambda: pb.ClearRequest(**({"namespace": ns} | fields)),
     }
     return builders[rpc]()
 
 
 async def invoke(stub: pb_grpc.TierKVStub, rpc: str, request: Any, metadata: Any = ALICE) -> Any:
     """Call ``rpc`` on an aio stub (Put takes a list of messages; Get's are collected)."""
-    if rpc == "Get":
-        return [chunk async for chunk in stub.Get(request, metadata=metadata)]
+    if rpc in ("Get", "Clear"):  # stream-out calls: every message
+        return [message async for message in getattr(stub, rpc)(request, metadata=metadata)]
     if rpc == "Put":
         return await stub.Put(aiter_of(request), metadata=metadata)
     return await getattr(stub, rpc)(request, metadata=metadata)

@@ -46,7 +46,7 @@ def test_the_helpers_cover_every_rpc() -> None:
     assert set(ALL_RPCS) == {
         "Describe", "Lookup", "Pin", "Unpin", "Delete", "Stats", "Put", "Get", "Acquire",
         "Release", "Allocate", "Commit", "Abort", "SaveSession", "ResumeSession",
-        "DeleteSession", "ListSessions",
+        "DeleteSession", "ListSessions", "Clear",
     }
 
 

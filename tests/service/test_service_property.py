@@ -189,7 +189,6 @@ REQUESTS: dict[str, st.SearchStrategy[Any]] = {
     "Pin": st.builds(lambda f, t: pb.PinRequest(**f, ttl_s=t), blocks_fields(), ttls),
     "Unpin": st.builds(lambda f: pb.BlocksRequest(**f), blocks_fields()),
     "Delete": st.builds(lambda f: pb.BlocksRequest(**f), blocks_fields()),
-    "Stats": st.just(pb.StatsRequest()),
     "Put": put_streams(),
     "Get": st.builds(lambda f: pb.BlocksRequest(**f), blocks_fields()),
     "Acquire": st.builds(lambda f, t: pb.AcquireRequest(**f, lease_ttl_s=t), blocks_fields(),
@@ -207,6 +206,16 @@ REQUESTS: dict[str, st.SearchStrategy[Any]] = {
     "ResumeSession": st.builds(pb.SessionRequest, session_id=session_ids),
     "DeleteSession": st.builds(pb.SessionRequest, session_id=session_ids),
     "ListSessions": st.just(pb.ListSessionsRequest()),
+    "Stats": st.builds(pb.StatsRequest, max_namespaces=u32),
+    # Never test-model's namespaces nor a bare `all`: the POOL blocks stay for the other calls.
+    "Clear": st.builds(
+        pb.ClearRequest,
+        tenant=st.one_of(st.sampled_from(["", "alice", "bob", "default"]), utf8_text),
+        model_id=st.one_of(st.sampled_from(["", "prop-fp16", "m" * 257]), utf8_text),
+        namespace=st.one_of(st.none(), st.sampled_from(GOOD_NAMESPACES[1:]), random_namespaces
+                            .filter(lambda ns: ns.model_id != "test-model")),
+        all=st.booleans(),
+    ).filter(lambda r: not r.all or bool(r.tenant or r.model_id or r.HasField("namespace"))),
 }
 credentials = st.one_of(st.sampled_from(GOOD_CREDENTIALS), st.just(ALICE),
                         st.sampled_from(BAD_CREDENTIALS))
@@ -220,8 +229,8 @@ def test_every_rpc_has_a_strategy() -> None:
 
 
 def call(stub: pb_grpc.TierKVStub, rpc: str, request: Any, metadata: Any) -> Any:
-    if rpc == "Get":
-        return list(stub.Get(request, metadata=metadata, timeout=TIMEOUT_S))
+    if rpc in ("Get", "Clear"):  # stream-out calls: every message
+        return list(getattr(stub, rpc)(request, metadata=metadata, timeout=TIMEOUT_S))
     if rpc == "Put":
         return stub.Put(iter(request), metadata=metadata, timeout=TIMEOUT_S)
     return getattr(stub, rpc)(request, metadata=metadata, timeout=TIMEOUT_S)
@@ -273,6 +282,9 @@ def check_response(rpc: str, request: Any, response: Any, shm_size: int) -> None
         GRANTED.append(response.lease_id)
     elif rpc == "SaveSession":
         assert response.num_tokens == len(request.token_ids)
+    elif rpc == "Clear":
+        assert response and response[-1].done and not any(m.done for m in response[:-1])
+        assert all(m.num_blocks_done <= m.num_blocks_total for m in response)
     del GRANTED[:-64]
 
 

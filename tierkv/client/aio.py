@@ -7,7 +7,7 @@ or put never blocks the caller's event loop.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 import grpc
@@ -19,7 +19,7 @@ from tierkv.client.flows import ClientFlows
 from tierkv.client.results import ServerStats
 from tierkv.config import Priority, WritePolicy
 from tierkv.keys import Namespace
-from tierkv.store import SessionInfo
+from tierkv.store import ClearResult, SessionInfo
 from tierkv.wire.convert import LookupDetail, ServerInfo
 from tierkv.wire.limits import DEFAULT_TARGET
 
@@ -118,11 +118,20 @@ class AsyncClient(ClientFlows):
                                            timeout_s))
 
     async def stats(self, *, max_namespaces: int = 0, timeout_s: float | None = None
-              ) -> ServerStats:
+                    ) -> ServerStats:
         """The server's tier and counter snapshot (``StoreStats``) and its largest namespaces
         (at most ``max_namespaces``; 0: the server's default, 20; only the caller's tenant's
         unless the server names it an admin tenant)."""
         return await self._run(self._stats(max_namespaces, timeout_s))
+
+    async def clear(
+        self, *, tenant: str | None = None, model_id: str | None = None,
+        namespace: Namespace | None = None, all_namespaces: bool = False,
+        progress: Callable[[int, int], None] | None = None, timeout_s: float | None = None,
+    ) -> ClearResult:
+        """``Client.clear``, awaitable (``progress`` is called on the event loop)."""
+        return await self._run(self._clear(tenant, model_id, namespace, all_namespaces,
+                                           progress, timeout_s))
 
     async def save_session(self, namespace: Namespace, session_id: str,
                            token_ids: Sequence[int], ttl_s: float | None = None, *,

@@ -127,6 +127,33 @@ class GetStream(Effect):
         return receiver.finish()
 
 
+class ServerStream(Effect):
+    """A call answered with a stream of messages, each handed to ``on_message`` as it comes
+    (in the calling thread, or on the event loop): the last message (None if there was
+    none)."""
+
+    __slots__ = ("method", "on_message", "request", "timeout_s")
+
+    def __init__(self, method: str, request: Any, timeout_s: float,
+                 on_message: Callable[[Any], None]) -> None:
+        self.method, self.request, self.timeout_s = method, request, timeout_s
+        self.on_message = on_message
+
+    def blocking(self, connection: Connection) -> Any:
+        last = None
+        for last in getattr(connection.stub, self.method)(
+                self.request, timeout=self.timeout_s, metadata=connection.metadata):
+            self.on_message(last)
+        return last
+
+    async def awaited(self, connection: Connection) -> Any:
+        last = None
+        async for last in getattr(connection.stub, self.method)(
+                self.request, timeout=self.timeout_s, metadata=connection.metadata):
+            self.on_message(last)
+        return last
+
+
 class Copy(Effect):
     """Blocking work (a bulk copy through the slab): ``fn(*args)``, on a worker thread when
     awaited."""

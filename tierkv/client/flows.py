@@ -19,29 +19,45 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import grpc
 import torch
 
 from tierkv.client import base
-from tierkv.client.effects import Copy, Effect, Flow, GetReceiver, GetStream, PutStream, Sleep, Unary
+from tierkv.client.effects import (
+    Copy,
+    Effect,
+    Flow,
+    GetReceiver,
+    GetStream,
+    PutStream,
+    ServerStream,
+    Sleep,
+    Unary,
+)
 from tierkv.client.results import ServerStats
 from tierkv.config import Priority, WritePolicy
 from tierkv.errors import InvalidArgumentError, ServiceUnavailableError, TierKVError
 from tierkv.keys import Namespace
-from tierkv.store import NamespaceStats, SessionInfo, TierStats, check_out
+from tierkv.store import ClearResult, NamespaceStats, SessionInfo, TierStats, check_out
 from tierkv.wire import tierkv_pb2 as pb
 from tierkv.wire.convert import (
     LookupDetail,
     ServerInfo,
+    clear_request_to,
+    clear_result_from,
     lookup_from,
     server_info_from,
     sessions_from,
     stats_from,
 )
 from tierkv.wire.namespaces import namespace_from
+
+CLEAR_TIMEOUT_S = 3600.0
+"""A Clear's deadline when the call names none: clearing millions of blocks takes minutes, far
+beyond the deadline of other calls (``ClientSettings.timeout_s``)."""
 
 
 class ClientFlows(base.ClientBase):
@@ -241,6 +257,23 @@ class ClientFlows(base.ClientBase):
         response = yield from self._call(
             "Stats", pb.StatsRequest(max_namespaces=max_namespaces), timeout_s)
         return stats_from(response, TierStats, ServerStats, NamespaceStats)
+
+    def _clear(self, tenant: str | None, model_id: str | None, namespace: Namespace | None,
+               all_namespaces: bool, progress: Callable[[int, int], None] | None,
+               timeout_s: float | None) -> Flow[ClearResult]:
+        request = clear_request_to(tenant, model_id, namespace, all_namespaces)
+
+        def on_message(message: pb.ClearProgress) -> None:
+            if progress is not None:
+                progress(int(message.num_blocks_done), int(message.num_blocks_total))
+
+        # Sent again after UNAVAILABLE: a second clear of the same filters deletes what the
+        # first did not get to, and nothing else.
+        last = yield from self._retrying(ServerStream(
+            "Clear", request, timeout_s or CLEAR_TIMEOUT_S, on_message))
+        if last is None or not last.done:
+            raise ServiceUnavailableError("the Clear stream ended before its counts")
+        return clear_result_from(last, ClearResult)
 
     # --- sessions -----------------------------------------------------------------------------
 

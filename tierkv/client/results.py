@@ -2,8 +2,8 @@
 
 ``Client.stats()`` answers with the same type as ``TieredStore.stats()`` (``StoreStats``), and
 what only a server reports with it: its largest namespaces. ``clear`` answers with
-``ClearResult``, ``lookup_detail`` with ``tierkv.wire.convert.LookupDetail``, ``describe`` with
-``tierkv.wire.convert.ServerInfo``.
+``tierkv.store.ClearResult`` (as ``TieredStore.clear``), ``lookup_detail`` with
+``tierkv.wire.convert.LookupDetail``, ``describe`` with ``tierkv.wire.convert.ServerInfo``.
 """
 
 from __future__ import annotations

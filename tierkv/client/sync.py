@@ -10,7 +10,7 @@ tierkv exception of their status code. The logic is ``tierkv.client.flows``'s, s
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 import grpc
@@ -22,7 +22,7 @@ from tierkv.client.flows import ClientFlows
 from tierkv.client.results import ServerStats
 from tierkv.config import Priority, WritePolicy
 from tierkv.keys import Namespace
-from tierkv.store import SessionInfo
+from tierkv.store import ClearResult, SessionInfo
 from tierkv.wire.convert import LookupDetail, ServerInfo
 from tierkv.wire.limits import DEFAULT_TARGET
 
@@ -121,6 +121,23 @@ class Client(ClientFlows):
         (at most ``max_namespaces``; 0: the server's default, 20; only the caller's tenant's
         unless the server names it an admin tenant)."""
         return self._run(self._stats(max_namespaces, timeout_s))
+
+    def clear(
+        self, *, tenant: str | None = None, model_id: str | None = None,
+        namespace: Namespace | None = None, all_namespaces: bool = False,
+        progress: Callable[[int, int], None] | None = None, timeout_s: float | None = None,
+    ) -> ClearResult:
+        """Delete every block and session of the namespaces matching the filters (an operator
+        call; see ``TieredStore.clear``): of ``tenant`` (None: every tenant this caller may
+        clear), of ``model_id``, or exactly ``namespace`` (of ``tenant``, or of the caller's own
+        tenant: the namespace's own ``tenant`` field is not sent); ``all_namespaces`` instead of
+        any filter clears everything the caller may. ``progress(num_blocks_done,
+        num_blocks_total)`` is called as the server reports it. The caller reaches its
+        own tenant only, unless the server names it an admin tenant:
+        ``PermissionDeniedError`` for another tenant. ``InvalidArgumentError`` for no filter
+        and not ``all_namespaces``, or both. The deadline is ``timeout_s`` or an hour."""
+        return self._run(self._clear(tenant, model_id, namespace, all_namespaces, progress,
+                                      timeout_s))
 
     # --- sessions -----------------------------------------------------------------------------
 

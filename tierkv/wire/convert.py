@@ -1,4 +1,4 @@
-"""Leases, lookups, stats and server facts <-> their wire messages (both sides).
+"""Leases, lookups, stats, clears and server facts <-> their wire messages (both sides).
 
 The wire sits below the store and the client: it never imports the store's types. What it
 converts from is described by the protocols below (the store's leases and stats match them),
@@ -202,6 +202,42 @@ def stats_from(response: pb.StatsResponse, tier_stats: Callable[..., Any],
             namespace=namespace, **{name: getattr(n, name) for name in NAMESPACE_STATS_FIELDS}))
     return store_stats(tiers=tiers, bytes_moved=moved, namespaces=tuple(namespaces),
                        **{name: getattr(response, name) for name in STORE_STATS_FIELDS})
+
+
+# --- clear ---------------------------------------------------------------------------------
+
+CLEAR_RESULT_FIELDS = ("num_namespaces", "num_blocks", "cleared_bytes", "num_sessions",
+                       "num_skipped_busy")
+"""The counts of a clear, named alike by ``tierkv.store.ClearResult`` and ``ClearProgress``."""
+
+
+def clear_request_to(tenant: str | None, model_id: str | None, namespace: Namespace | None,
+                     all_namespaces: bool) -> pb.ClearRequest:
+    """The wire form of a clear's filters (the namespace's own tenant does not travel:
+    ``tenant`` names it)."""
+    request = pb.ClearRequest(tenant=tenant or "", model_id=model_id or "", all=all_namespaces)
+    if namespace is not None:
+        request.namespace.CopyFrom(namespace_to(namespace))
+    return request
+
+
+def clear_progress_to(num_blocks_done: int, num_blocks_total: int) -> pb.ClearProgress:
+    """A progress message of a Clear stream."""
+    return pb.ClearProgress(num_blocks_done=num_blocks_done, num_blocks_total=num_blocks_total)
+
+
+def clear_result_to(result: Any, num_blocks_total: int) -> pb.ClearProgress:
+    """The last message of a Clear stream: ``done`` and the counts (``result`` has
+    ``CLEAR_RESULT_FIELDS``)."""
+    return pb.ClearProgress(num_blocks_done=num_blocks_total, num_blocks_total=num_blocks_total,
+                            done=True, **{name: getattr(result, name)
+                                          for name in CLEAR_RESULT_FIELDS})
+
+
+def clear_result_from(message: pb.ClearProgress, clear_result: Callable[..., S]) -> S:
+    """The counts of a Clear stream's last message as ``clear_result(**counts)`` (the client
+    passes ``tierkv.store.ClearResult``)."""
+    return clear_result(**{name: getattr(message, name) for name in CLEAR_RESULT_FIELDS})
 
 
 # --- server facts --------------------------------------------------------------------------

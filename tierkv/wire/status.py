@@ -22,6 +22,7 @@ from tierkv.errors import (
     LeaseNotFoundError,
     LeaseStateError,
     NotFoundError,
+    PermissionDeniedError,
     ServiceUnavailableError,
     SessionNotFoundError,
     StaleSlabError,
@@ -48,6 +49,7 @@ STATUS_TABLE: tuple[StatusRow, ...] = (
     StatusRow(grpc.StatusCode.UNAVAILABLE, ServiceUnavailableError, (StoreClosedError,)),
     StatusRow(grpc.StatusCode.DEADLINE_EXCEEDED, DeadlineExceededError, (DeadlineExceededError,)),
     StatusRow(grpc.StatusCode.ABORTED, StaleSlabError, (StaleSlabError,)),
+    StatusRow(grpc.StatusCode.PERMISSION_DENIED, PermissionDeniedError, (PermissionDeniedError,)),
     # A device that failed a write with room left: retrying (UNAVAILABLE) cannot help.
     StatusRow(grpc.StatusCode.DATA_LOSS, IntegrityError, (IntegrityError, DiskIOError)),
     # Bad input that is not a tierkv error: last, so that every subclass above decides first.

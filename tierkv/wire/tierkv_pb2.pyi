@@ -298,6 +298,38 @@ class StatsResponse(_message.Message):
     namespaces: _containers.RepeatedCompositeFieldContainer[NamespaceStats]
     def __init__(self, tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., num_namespaces: _Optional[int] = ..., num_pinned: _Optional[int] = ..., promotions: _Optional[int] = ..., demotions: _Optional[int] = ..., failed_demotions: _Optional[int] = ..., checksum_failures: _Optional[int] = ..., puts: _Optional[int] = ..., gets: _Optional[int] = ..., num_leases: _Optional[int] = ..., leases_expired: _Optional[int] = ..., num_sessions: _Optional[int] = ..., bytes_moved: _Optional[_Iterable[_Union[BytesMoved, _Mapping]]] = ..., namespaces: _Optional[_Iterable[_Union[NamespaceStats, _Mapping]]] = ...) -> None: ...
 
+class ClearRequest(_message.Message):
+    __slots__ = ("tenant", "model_id", "namespace", "all")
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    MODEL_ID_FIELD_NUMBER: _ClassVar[int]
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    ALL_FIELD_NUMBER: _ClassVar[int]
+    tenant: str
+    model_id: str
+    namespace: Namespace
+    all: bool
+    def __init__(self, tenant: _Optional[str] = ..., model_id: _Optional[str] = ..., namespace: _Optional[_Union[Namespace, _Mapping]] = ..., all: _Optional[bool] = ...) -> None: ...
+
+class ClearProgress(_message.Message):
+    __slots__ = ("num_blocks_done", "num_blocks_total", "done", "num_namespaces", "num_blocks", "cleared_bytes", "num_sessions", "num_skipped_busy")
+    NUM_BLOCKS_DONE_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    DONE_FIELD_NUMBER: _ClassVar[int]
+    NUM_NAMESPACES_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    CLEARED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    NUM_SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    NUM_SKIPPED_BUSY_FIELD_NUMBER: _ClassVar[int]
+    num_blocks_done: int
+    num_blocks_total: int
+    done: bool
+    num_namespaces: int
+    num_blocks: int
+    cleared_bytes: int
+    num_sessions: int
+    num_skipped_busy: int
+    def __init__(self, num_blocks_done: _Optional[int] = ..., num_blocks_total: _Optional[int] = ..., done: _Optional[bool] = ..., num_namespaces: _Optional[int] = ..., num_blocks: _Optional[int] = ..., cleared_bytes: _Optional[int] = ..., num_sessions: _Optional[int] = ..., num_skipped_busy: _Optional[int] = ...) -> None: ...
+
 class DescribeRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...

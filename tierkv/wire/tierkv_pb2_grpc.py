@@ -64,6 +64,11 @@ class TierKVStub:
                 request_serializer=tierkv_dot_v1_dot_tierkv__pb2.StatsRequest.SerializeToString,
                 response_deserializer=tierkv_dot_v1_dot_tierkv__pb2.StatsResponse.FromString,
                 _registered_method=True)
+        self.Clear = channel.unary_stream(
+                '/tierkv.v1.TierKV/Clear',
+                request_serializer=tierkv_dot_v1_dot_tierkv__pb2.ClearRequest.SerializeToString,
+                response_deserializer=tierkv_dot_v1_dot_tierkv__pb2.ClearProgress.FromString,
+                _registered_method=True)
         self.Put = channel.stream_unary(
                 '/tierkv.v1.TierKV/Put',
                 request_serializer=tierkv_dot_v1_dot_tierkv__pb2.PutChunk.SerializeToString,
@@ -158,6 +163,16 @@ class TierKVServicer:
 
     def Stats(self, request, context):
         """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Clear(self, request, context):
+        """Operator call: delete every block and session of the namespaces the filters name, streaming
+        progress; the last message (done) carries the counts. The caller's tenant (from its
+        credentials) reaches its own namespaces only, unless the server names it an admin tenant:
+        naming another tenant is then PERMISSION_DENIED. No filter and not `all`: INVALID_ARGUMENT.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -265,6 +280,11 @@ def add_TierKVServicer_to_server(servicer, server):
                     servicer.Stats,
                     request_deserializer=tierkv_dot_v1_dot_tierkv__pb2.StatsRequest.FromString,
                     response_serializer=tierkv_dot_v1_dot_tierkv__pb2.StatsResponse.SerializeToString,
+            ),
+            'Clear': grpc.unary_stream_rpc_method_handler(
+                    servicer.Clear,
+                    request_deserializer=tierkv_dot_v1_dot_tierkv__pb2.ClearRequest.FromString,
+                    response_serializer=tierkv_dot_v1_dot_tierkv__pb2.ClearProgress.SerializeToString,
             ),
             'Put': grpc.stream_unary_rpc_method_handler(
                     servicer.Put,
@@ -484,6 +504,33 @@ class TierKV:
             '/tierkv.v1.TierKV/Stats',
             tierkv_dot_v1_dot_tierkv__pb2.StatsRequest.SerializeToString,
             tierkv_dot_v1_dot_tierkv__pb2.StatsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Clear(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/tierkv.v1.TierKV/Clear',
+            tierkv_dot_v1_dot_tierkv__pb2.ClearRequest.SerializeToString,
+            tierkv_dot_v1_dot_tierkv__pb2.ClearProgress.FromString,
             options,
             channel_credentials,
             insecure,

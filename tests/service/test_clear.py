@@ -1,0 +1,164 @@
+"""Clear and the operator's Stats through a real server: who may clear what (tokens, admin
+tenants, a server without tokens), what a clear removes and reports, and a clear racing puts."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from harness import ALICE_TOKEN, BOB_TOKEN, BackgroundServer
+
+from tierkv import AsyncClient, Client, InvalidArgumentError, KVLayout, Namespace, WritePolicy
+from tierkv.errors import PermissionDeniedError
+from tierkv.store import ClearResult
+from tiny_blocks import BLOCK_BYTES, TINY_LAYOUT, blocks, keys, same_bytes
+
+ADMIN_TOKEN = "v" * 32
+TOKENS = {ALICE_TOKEN: "alice", BOB_TOKEN: "bob", ADMIN_TOKEN: "ops"}
+MODEL_A = Namespace("model-a", TINY_LAYOUT)
+MODEL_B = Namespace("model-b", KVLayout(2, 2, 8, 4))
+
+
+@pytest.fixture
+def server(tmp_path: Path) -> Iterator[BackgroundServer]:
+    background = BackgroundServer(tmp_path / "store", tokens=TOKENS, admin_tenants=("ops",),
+                                  host_blocks=64, disk_blocks=256)
+    try:
+        yield background
+    finally:
+        background.close()
+
+
+def client(server: BackgroundServer, token: str | None) -> Client:
+    return Client(server.target, token=token, use_shm=False)
+
+
+def fill(server: BackgroundServer, token: str, seed: int) -> None:
+    """Three blocks in each of MODEL_A and MODEL_B (write_through) and a session."""
+    with client(server, token) as c:
+        for index, ns in enumerate((MODEL_A, MODEL_B)):
+            c.put(ns, keys(3), blocks(3, seed=seed + index), write_policy=WritePolicy.WRITE_THROUGH)
+        c.save_session(MODEL_A, "chat", [1, 2, 3])
+
+
+def held(server: BackgroundServer, token: str) -> list[int]:
+    with client(server, token) as c:
+        return [c.lookup(ns, keys(3)) for ns in (MODEL_A, MODEL_B)]
+
+
+def test_a_tenant_clears_its_own_namespaces_and_never_another_tenants(
+        server: BackgroundServer) -> None:
+    fill(server, ALICE_TOKEN, 0)
+    fill(server, BOB_TOKEN, 10)
+    with client(server, BOB_TOKEN) as bob:
+        with pytest.raises(PermissionDeniedError, match="alice"):
+            bob.clear(tenant="alice")
+        with pytest.raises(PermissionDeniedError):
+            bob.clear(tenant="alice", model_id="model-a")
+        assert held(server, ALICE_TOKEN) == [3, 3]  # the refusal changed nothing
+        assert bob.clear(all_namespaces=True) == ClearResult(2, 6, 6 * BLOCK_BYTES, 1, 0)
+        assert bob.list_sessions() == []
+        assert bob.clear(tenant="bob", model_id="model-a").num_blocks == 0  # its own: allowed
+    assert held(server, BOB_TOKEN) == [0, 0]
+    assert held(server, ALICE_TOKEN) == [3, 3]
+    with client(server, ALICE_TOKEN) as alice:
+        assert same_bytes(alice.get(MODEL_A, keys(3)), blocks(3, seed=0))
+        assert [s.session_id for s in alice.list_sessions()] == ["chat"]
+
+
+def test_an_admin_clears_any_tenant_and_sees_every_namespace(server: BackgroundServer) -> None:
+    fill(server, ALICE_TOKEN, 0)
+    fill(server, BOB_TOKEN, 10)
+    with client(server, ADMIN_TOKEN) as ops, client(server, BOB_TOKEN) as bob:
+        tenants = {(n.namespace.tenant, n.namespace.model_id) for n in ops.stats().namespaces}
+        assert tenants == {(t, m) for t in ("alice", "bob") for m in ("model-a", "model-b")}
+        assert {n.namespace.tenant for n in bob.stats().namespaces} == {"bob"}
+        assert ops.clear(tenant="alice", model_id="model-a") == ClearResult(
+            1, 3, 3 * BLOCK_BYTES, 1, 0)
+        assert held(server, ALICE_TOKEN) == [0, 3] and held(server, BOB_TOKEN) == [3, 3]
+        assert ops.clear(model_id="model-b").num_blocks == 6  # every tenant's model-b
+        assert held(server, ALICE_TOKEN) == [0, 0] and held(server, BOB_TOKEN) == [3, 0]
+        stats = ops.stats()
+        assert [(n.namespace.tenant, n.namespace.model_id) for n in stats.namespaces] == [
+            ("bob", "model-a")]
+        assert (stats.num_sessions, stats.namespaces[0].stored_bytes) == (1, 3 * BLOCK_BYTES)
+        assert ops.clear(all_namespaces=True).num_blocks == 3
+        assert ops.stats().namespaces == ()
+
+
+def test_a_clear_names_a_filter_or_all_but_not_both(server: BackgroundServer) -> None:
+    fill(server, ALICE_TOKEN, 0)
+    with client(server, ALICE_TOKEN) as alice:
+        with pytest.raises(InvalidArgumentError, match="name a tenant"):
+            alice.clear()
+        with pytest.raises(InvalidArgumentError, match="no tenant"):
+            alice.clear(all_namespaces=True, model_id="model-a")
+        assert alice.clear(namespace=MODEL_B).num_blocks == 3
+    assert held(server, ALICE_TOKEN) == [3, 0]
+
+
+def test_progress_is_reported_and_the_async_client_clears_too(server: BackgroundServer) -> None:
+    fill(server, ALICE_TOKEN, 0)
+    seen: list[tuple[int, int]] = []
+
+    async def run() -> ClearResult:
+        async with AsyncClient(server.target, token=ALICE_TOKEN, use_shm=False) as alice:
+            return await alice.clear(model_id="model-a",
+                                     progress=lambda done, total: seen.append((done, total)))
+
+    assert asyncio.run(run()) == ClearResult(1, 3, 3 * BLOCK_BYTES, 1, 0)
+    assert seen[0] == (0, 3) and seen[-1] == (3, 3)
+
+
+def test_a_server_without_tokens_lets_its_one_tenant_clear_everything(tmp_path: Path) -> None:
+    background = BackgroundServer(tmp_path / "store", tokens={})
+    try:
+        with client(background, None) as anyone:
+            anyone.put(MODEL_A, keys(2), blocks(2))
+            assert anyone.stats().namespaces[0].namespace.tenant == "default"
+            assert anyone.clear(tenant="default").num_blocks == 2
+            anyone.put(MODEL_A, keys(2), blocks(2))
+            assert anyone.clear(all_namespaces=True).num_blocks == 2
+            assert anyone.lookup(MODEL_A, keys(2)) == 0
+    finally:
+        background.close()
+
+
+def test_a_clear_racing_puts_keeps_every_hit_exact(server: BackgroundServer) -> None:
+    fill(server, BOB_TOKEN, 10)
+    stop = threading.Event()
+    errors: list[BaseException] = []
+
+    def writer() -> None:
+        try:
+            with client(server, ALICE_TOKEN) as alice:
+                round_ = 0
+                while not stop.is_set():
+                    chain = keys(4, start=4 * (round_ % 3), salt="race")
+                    data = blocks(4, seed=round_ % 3)
+                    alice.put(MODEL_A, chain, data)
+                    got = alice.get(MODEL_A, chain)
+                    assert same_bytes(got, data[: len(got)])
+                    round_ += 1
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=writer) for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    try:
+        with client(server, ALICE_TOKEN) as alice:
+            for _ in range(15):
+                alice.clear(tenant="alice")
+    finally:
+        stop.set()
+        for thread in threads:
+            thread.join()
+    assert errors == []
+    assert held(server, BOB_TOKEN) == [3, 3]  # zero cross-tenant effect
+    with client(server, ALICE_TOKEN) as alice:
+        alice.clear(all_namespaces=True)
+        assert alice.stats().namespaces == ()
