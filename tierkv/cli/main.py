@@ -10,7 +10,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from tierkv.cli import bench_cmd, demo_cmd, serve_cmd, size_cmd
+from tierkv.cli import bench_cmd, demo_cmd, health_cmd, serve_cmd, size_cmd
 from tierkv.errors import TierKVError
 
 
@@ -24,6 +24,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve_cmd.register(subparsers)
     bench_cmd.register(subparsers)
     demo_cmd.register(subparsers)
+    health_cmd.register(subparsers)
     return parser
 
 
