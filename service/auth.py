@@ -7,20 +7,20 @@ UNAUTHENTICATED. Every string encodes to UTF-8 (lone surrogates included, with
 
 A rejected call is logged as the event ``auth_failure``, at most one line per
 ``AUTH_FAILURE_LOG_INTERVAL_S``: a client retrying a bad token in a loop must not flood the
-log, so each line carries the number of failures since the previous one. The record follows
-``tierkv.logs``'s convention (``extra`` ``event`` and ``fields``); that module is not imported
-here because the service may import only the package's public modules (tests/test_import_rules).
+log, so each line carries the number of failures since the previous one (``tierkv.logs``'s
+``Throttle``).
 """
 
 from __future__ import annotations
 
 import hmac
 import logging
-import threading
 import time
 from collections.abc import Callable
 
 import grpc
+
+from tierkv.logs import Throttle, log_event
 
 DEFAULT_TENANT = "default"
 CLIENT_ID_KEY = "x-tierkv-client"
@@ -40,10 +40,7 @@ class Authenticator:
 
     def __init__(self, tokens: dict[str, str], clock: Callable[[], float] = time.monotonic) -> None:
         self._tokens = {_as_bytes(token): tenant for token, tenant in tokens.items()}
-        self._clock = clock
-        self._failures_lock = threading.Lock()
-        self._last_logged_s: float | None = None
-        self._num_failures = 0  # since the last line
+        self._failures = Throttle(AUTH_FAILURE_LOG_INTERVAL_S, clock)
 
     @property
     def required(self) -> bool:
@@ -71,18 +68,12 @@ class Authenticator:
         return None
 
     def _log_failure(self, reason: str) -> None:
-        with self._failures_lock:
-            self._num_failures += 1
-            now_s = self._clock()
-            last_s = self._last_logged_s
-            if last_s is not None and now_s - last_s < AUTH_FAILURE_LOG_INTERVAL_S:
-                return
-            self._last_logged_s = now_s
-            num_failures, self._num_failures = self._num_failures, 0
-        fields = {"reason": reason, "num_failures": num_failures,
-                  "interval_s": AUTH_FAILURE_LOG_INTERVAL_S}
-        log.warning("call refused: %s (%d refused since the last line)", reason, num_failures,
-                    extra={"event": "auth_failure", "fields": fields})
+        num_failures = self._failures.admit()
+        if num_failures:
+            log_event(log, logging.WARNING, "auth_failure",
+                      f"call refused: {reason} ({num_failures} refused since the last line)",
+                      reason=reason, num_failures=num_failures,
+                      interval_s=AUTH_FAILURE_LOG_INTERVAL_S)
 
 
 def client_id_of(metadata: tuple[tuple[str, str | bytes], ...] | None) -> str:

@@ -24,7 +24,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "tierkv"
 # Modules any side may import: they define public types and stand-alone functions.
 PUBLIC = frozenset({
     "tierkv", "tierkv.errors", "tierkv.config", "tierkv.keys", "tierkv.checksums",
-    "tierkv.codec", "tierkv.layout", "tierkv.hashing", "tierkv.store",
+    "tierkv.codec", "tierkv.layout", "tierkv.hashing", "tierkv.store", "tierkv.logs",
 })
 
 
