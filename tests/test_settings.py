@@ -277,3 +277,16 @@ def test_misspelt_variables_are_found() -> None:
     environ = {"TIERKV_HOST_BYTE": "1GiB", "TIERKV_HOST_BYTES": "1GiB", "TIERKV_CONFIG": "x",
                "HOME": "/root"}
     assert unknown_variables(environ) == ["TIERKV_HOST_BYTE"]
+
+
+@pytest.mark.parametrize("argv", [["serve", "--host-byte", "1GiB", "--print-config"],
+                                  ["serve", "--metrics", "9433", "--print-config"]])
+def test_a_prefix_of_a_flag_is_refused(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    # argparse would take "--host-byte" for "--host-bytes" by default: a deployment file written
+    # with it would break the day another flag shares the prefix.
+    with pytest.raises(SystemExit) as exited:
+        main(argv)
+    assert exited.value.code == 2
+    assert "unrecognized arguments" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        resolve(argv[1:], {})

@@ -61,8 +61,10 @@ SAMPLE_INTERVAL_S = 1.0
 
 def register(subparsers: Any) -> None:
     """Add ``serve`` to the command line."""
+    # Whole flag names only: a prefix (--host-byte) that works today would turn into an error
+    # in a deployment file the day a flag sharing it is added.
     parser = subparsers.add_parser("serve", help="run the KV-cache sidecar on this node",
-                                   description=DESCRIPTION)
+                                   description=DESCRIPTION, allow_abbrev=False)
     add_arguments(parser)
     parser.set_defaults(func=run)
 

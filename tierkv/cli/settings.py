@@ -337,7 +337,8 @@ DESCRIPTION = (
 
 def build_parser() -> argparse.ArgumentParser:
     """A parser of ``tierkv serve``'s arguments alone (what ``tierkv serve`` registers)."""
-    parser = argparse.ArgumentParser(prog="tierkv serve", description=DESCRIPTION)
+    parser = argparse.ArgumentParser(prog="tierkv serve", description=DESCRIPTION,
+                                     allow_abbrev=False)
     add_arguments(parser)
     return parser
 
