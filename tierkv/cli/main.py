@@ -10,7 +10,16 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from tierkv.cli import bench_cmd, demo_cmd, health_cmd, serve_cmd, size_cmd
+from tierkv.cli import (
+    bench_cmd,
+    clear_cmd,
+    demo_cmd,
+    health_cmd,
+    inspect_cmd,
+    serve_cmd,
+    size_cmd,
+    stats_cmd,
+)
 from tierkv.errors import TierKVError
 
 
@@ -25,6 +34,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench_cmd.register(subparsers)
     demo_cmd.register(subparsers)
     health_cmd.register(subparsers)
+    stats_cmd.register(subparsers)
+    inspect_cmd.register(subparsers)
+    clear_cmd.register(subparsers)
     return parser
 
 

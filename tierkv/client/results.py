@@ -9,6 +9,7 @@ what only a server reports with it: its largest namespaces. ``clear`` answers wi
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from tierkv.store import NamespaceStats, StoreStats
 
@@ -22,3 +23,9 @@ class ServerStats(StoreStats):
     from a server older than this field)."""
 
     namespaces: tuple[NamespaceStats, ...]
+
+    def as_dict(self) -> dict[str, Any]:
+        """``StoreStats.as_dict`` with each namespace as plain data too (for JSON)."""
+        data = StoreStats.as_dict(self)  # (not super(): a slots dataclass has no __class__ cell)
+        data["namespaces"] = [n.as_dict() for n in self.namespaces]
+        return data

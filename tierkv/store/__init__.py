@@ -6,16 +6,27 @@ other user import from this package only, never from its modules. Its errors are
 """
 
 from tierkv.store.clearing import ClearResult
+from tierkv.store.inspection import BadRecord, DiskReport, NamespaceReport, inspect_disk
 from tierkv.store.lease_writer import LeaseWriter
 from tierkv.store.leases import ReadLease, WriteLease
 from tierkv.store.sessions import SessionInfo
-from tierkv.store.stats import NamespaceStats, StoreStats, TierStats, layout_label, route_label
+from tierkv.store.stats import (
+    NamespaceStats,
+    StoreStats,
+    TierStats,
+    layout_label,
+    parse_layout_label,
+    route_label,
+)
 from tierkv.store.tiered import TieredStore
 from tierkv.store.validation import check_lookup_hashes, check_out, check_ttl
 
 __all__ = [
+    "BadRecord",
     "ClearResult",
+    "DiskReport",
     "LeaseWriter",
+    "NamespaceReport",
     "NamespaceStats",
     "ReadLease",
     "SessionInfo",
@@ -26,6 +37,8 @@ __all__ = [
     "check_lookup_hashes",
     "check_out",
     "check_ttl",
+    "inspect_disk",
     "layout_label",
+    "parse_layout_label",
     "route_label",
 ]

@@ -61,6 +61,16 @@ def namespace_from_descriptor(data: bytes) -> Namespace:
     return Namespace(fields["model_id"], layout, tp_rank, tp_size, fields["tenant"])
 
 
+def parse_descriptor(namespace_id: bytes, data: bytes) -> Namespace:
+    """The namespace a stored descriptor (unsealed) describes under ``namespace_id``; raises
+    ``ValueError``, ``KeyError`` or ``TypeError`` for one that does not parse or describes
+    another namespace (decision 1)."""
+    namespace = namespace_from_descriptor(data)
+    if namespace.id != namespace_id:
+        raise ValueError(f"it describes namespace {bytes(namespace.id).hex()}")
+    return namespace
+
+
 def namespace_state(namespace: Namespace) -> NamespaceState:
     """A fresh state with the namespace's record size."""
     return NamespaceState(namespace, block_record_bytes(namespace.layout))
@@ -75,9 +85,7 @@ def recover(core: StoreCore) -> int:
         core.counters.checksum_failures += disk.num_unreadable_records
     for ns_id, data in disk.load_namespaces().items():
         try:
-            namespace = namespace_from_descriptor(data)
-            if namespace.id != ns_id:
-                raise ValueError(f"it describes namespace {bytes(namespace.id).hex()}")
+            namespace = parse_descriptor(ns_id, data)
         except (ValueError, KeyError, TypeError) as exc:
             log.error("unreadable namespace descriptor %s (its blocks are dropped): %s",
                       ns_id.hex(), exc)

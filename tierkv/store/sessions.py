@@ -138,6 +138,21 @@ class SessionRecord:
         return cls(namespace_from_descriptor(fields["namespace"]), tokens, last_use, ttl)
 
 
+UNPARSABLE = (ValueError, KeyError, TypeError, msgpack.UnpackException)
+"""What ``parse_session`` raises for a record it cannot read."""
+
+
+def parse_session(key: bytes, data: bytes) -> tuple[str, str, SessionRecord]:
+    """``(tenant, session_id, record)`` of a stored session (its unsealed value); raises one of
+    ``UNPARSABLE`` for a record this version cannot read, or whose namespace names another
+    tenant than its key."""
+    tenant, _, session_id = key.decode().rpartition("\x00")
+    record = SessionRecord.decode(data)
+    if record.namespace.tenant != tenant:
+        raise ValueError(f"tenant {record.namespace.tenant!r} in the key of {tenant!r}")
+    return tenant, session_id, record
+
+
 # --- input checks ---------------------------------------------------------------------------
 
 
@@ -241,11 +256,8 @@ class SessionTable:
         expired: list[bytes] = []
         for key, data in disk.load_sessions().items():
             try:
-                tenant, _, session_id = key.decode().rpartition("\x00")
-                record = SessionRecord.decode(data)
-                if record.namespace.tenant != tenant:
-                    raise ValueError(f"tenant {record.namespace.tenant!r} in the key of {tenant!r}")
-            except (ValueError, KeyError, TypeError, msgpack.UnpackException) as exc:
+                tenant, session_id, record = parse_session(key, data)
+            except UNPARSABLE as exc:
                 log.warning("unreadable session record %r (kept): %s", key, exc)
                 continue
             if record.expired(now):

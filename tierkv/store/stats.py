@@ -16,8 +16,9 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from tierkv.config import Tier
+from tierkv.errors import InvalidArgumentError
 from tierkv.keys import Namespace
-from tierkv.layout import KVLayout
+from tierkv.layout import DType, KVLayout
 from tierkv.store.books import StoreCore
 
 
@@ -108,6 +109,21 @@ def layout_label(layout: KVLayout) -> str:
     head dim / block size / dtype)."""
     return (f"{layout.num_layers}x{layout.num_kv_heads}x{layout.head_dim}/"
             f"{layout.block_size}/{layout.dtype.value}")
+
+
+def parse_layout_label(text: str) -> KVLayout:
+    """Inverse of ``layout_label``; ``InvalidArgumentError`` (``ConfigError``) naming the
+    expected form for anything else."""
+    dims, _, rest = text.partition("/")
+    block_size, _, dtype = rest.partition("/")
+    parts = dims.split("x")
+    if len(parts) != 3 or not all(p.isdigit() for p in (*parts, block_size)) or not dtype:
+        raise InvalidArgumentError(
+            f"layout {text!r}: expected LAYERSxKV_HEADSxHEAD_DIM/BLOCK_SIZE/DTYPE, e.g. "
+            "32x8x128/16/fp16"
+        )
+    num_layers, num_kv_heads, head_dim = (int(p) for p in parts)
+    return KVLayout(num_layers, num_kv_heads, head_dim, int(block_size), DType.parse(dtype))
 
 
 def snapshot(core: StoreCore, leases: Sized, num_sessions: int) -> StoreStats:

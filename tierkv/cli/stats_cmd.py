@@ -1,0 +1,102 @@
+"""``tierkv stats``: a live server's tiers, counters, largest namespaces and sessions.
+
+A readable table by default, JSON with ``--json`` (one object per refresh with ``--watch``:
+JSON lines). ``--watch [SECONDS]`` refreshes until Ctrl-C. What a caller sees of namespaces is
+what its token reaches: its own tenant's, or every tenant's for an admin tenant.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from typing import Any
+
+from tierkv.cli.ops_common import add_server_args, open_client, table
+from tierkv.client import ServerStats
+from tierkv.sizes import format_size
+from tierkv.store import layout_label, route_label
+
+DEFAULT_WATCH_S = 2.0
+_CLEAR_SCREEN = "\x1b[H\x1b[2J"
+
+
+def register(subparsers: Any) -> None:
+    """Add ``stats`` to the command line."""
+    parser = subparsers.add_parser(
+        "stats", help="a live server's tiers, counters and largest namespaces",
+        description="Show a running sidecar's tiers (used/budget, blocks, hit ratio, "
+        "evictions), its counters, and its largest namespaces with their sessions.",
+    )
+    add_server_args(parser)
+    parser.add_argument("--watch", type=float, nargs="?", const=DEFAULT_WATCH_S, default=None,
+                        metavar="SECONDS",
+                        help=f"refresh every SECONDS (default {DEFAULT_WATCH_S:g}) until Ctrl-C")
+    parser.add_argument("--json", action="store_true", help="print JSON instead of tables")
+    parser.add_argument("--max-namespaces", type=int, default=20,
+                        help="namespaces to show, largest first (default 20)")
+    parser.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Print the stats once, or every ``--watch`` seconds until Ctrl-C (exit 0 then)."""
+    if args.watch is not None and not args.watch > 0:
+        print("tierkv stats: --watch needs a positive number of seconds", file=sys.stderr)
+        return 2
+    with open_client(args) as client:
+        try:
+            while True:
+                stats = client.stats(max_namespaces=args.max_namespaces)
+                if args.json:
+                    print(json.dumps(stats.as_dict()), flush=True)
+                else:
+                    screen = _CLEAR_SCREEN if args.watch and sys.stdout.isatty() else ""
+                    print(screen + render(stats, args.target), flush=True)
+                if args.watch is None:
+                    return 0
+                time.sleep(args.watch)
+                if not sys.stdout.isatty() and not args.json:
+                    print()
+        except KeyboardInterrupt:
+            return 0
+
+
+def _ratio(hits: int, misses: int) -> str:
+    return f"{hits / (hits + misses):.1%}" if hits + misses else "-"
+
+
+def render(stats: ServerStats, target: str) -> str:
+    """The stats as text: tiers, counters, namespaces."""
+    tier_rows = [
+        [tier.label, f"{format_size(t.used_bytes)} / {format_size(t.capacity_bytes)}",
+         f"{t.used_bytes / t.capacity_bytes:.0%}" if t.capacity_bytes else "-",
+         t.num_blocks, t.hits, t.misses, _ratio(t.hits, t.misses), t.evictions]
+        for tier, t in stats.tiers.items()
+    ]
+    moved = ", ".join(f"{route_label(route)} {format_size(n)}"
+                      for route, n in sorted(stats.bytes_moved.items())) or "none"
+    lines = [
+        f"tierkv at {target}",
+        "",
+        table(["tier", "used / budget", "full", "blocks", "hits", "misses", "hit ratio",
+               "evictions"], tier_rows),
+        "",
+        f"puts {stats.puts}  gets {stats.gets}  promotions {stats.promotions}  demotions "
+        f"{stats.demotions} (failed {stats.failed_demotions})  checksum failures "
+        f"{stats.checksum_failures}",
+        f"moved: {moved}",
+        f"leases open {stats.num_leases} (expired {stats.leases_expired})  pinned "
+        f"{stats.num_pinned}  namespaces {stats.num_namespaces}  sessions {stats.num_sessions}",
+        "",
+    ]
+    if stats.namespaces:
+        rows = [[n.namespace.tenant, n.namespace.model_id, layout_label(n.namespace.layout),
+                 f"{n.namespace.tp_rank}/{n.namespace.tp_size}", n.num_blocks,
+                 format_size(n.stored_bytes), n.num_sessions]
+                for n in stats.namespaces]
+        lines.append(table(["tenant", "model", "layout", "tp", "blocks", "stored", "sessions"],
+                           rows))
+    else:
+        lines.append("no namespace holds blocks or sessions")
+    return "\n".join(lines)
