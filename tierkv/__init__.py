@@ -27,6 +27,7 @@ from tierkv.errors import (
     LeaseNotFoundError,
     LeaseStateError,
     NotFoundError,
+    PermissionDeniedError,
     ServiceUnavailableError,
     SessionNotFoundError,
     StaleSlabError,
@@ -37,7 +38,15 @@ from tierkv.errors import (
 from tierkv.hashing import ExtraKeys, MultiModalItem, block_hashes
 from tierkv.keys import BlockHash, BlockKey, Namespace, NamespaceId
 from tierkv.layout import DType, KVLayout
-from tierkv.store import ReadLease, StoreStats, TieredStore, TierStats, WriteLease
+from tierkv.store import (
+    ClearResult,
+    NamespaceStats,
+    ReadLease,
+    StoreStats,
+    TieredStore,
+    TierStats,
+    WriteLease,
+)
 
 __all__ = [
     "AsyncClient",
@@ -45,6 +54,7 @@ __all__ = [
     "BlockHash",
     "BlockKey",
     "CapacityError",
+    "ClearResult",
     "Client",
     "ConfigError",
     "DType",
@@ -58,11 +68,13 @@ __all__ = [
     "IntegrityError",
     "InvalidArgumentError",
     "KVLayout",
+    "NamespaceStats",
     "LeaseNotFoundError",
     "LeaseStateError",
     "MultiModalItem",
     "Namespace",
     "NotFoundError",
+    "PermissionDeniedError",
     "NamespaceId",
     "Priority",
     "ReadLease",

@@ -25,6 +25,7 @@ from __future__ import annotations
 import logging
 
 import msgpack
+from tqdm import tqdm
 
 from tierkv.config import Priority, Tier
 from tierkv.errors import InvalidArgumentError, TierKVError
@@ -35,6 +36,8 @@ from tierkv.store.ledger import Entry, NamespaceState
 from tierkv.tiers.records import block_record_bytes
 
 log = logging.getLogger(__name__)
+PROGRESS_FROM_BLOCKS = 10_000
+"""Fewer blocks recover in well under a second: no progress bar for them."""
 
 
 def namespace_descriptor(namespace: Namespace) -> bytes:
@@ -76,8 +79,10 @@ def namespace_state(namespace: Namespace) -> NamespaceState:
     return NamespaceState(namespace, block_record_bytes(namespace.layout))
 
 
-def recover(core: StoreCore) -> int:
-    """Load namespaces and block keys from disk into ``core``; returns the blocks recovered."""
+def recover(core: StoreCore, show_progress: bool = False) -> int:
+    """Load namespaces and block keys from disk into ``core``; returns the blocks recovered.
+    ``show_progress``: draw a progress bar (on stderr) over the blocks when there are at least
+    ``PROGRESS_FROM_BLOCKS`` of them."""
     disk, ledger = core.disk, core.disk_ledger
     if disk is None or ledger is None:
         return 0
@@ -96,8 +101,12 @@ def recover(core: StoreCore) -> int:
     num_recovered = 0
     surplus: list[bytes] = []
     orphans: dict[bytes, int] = {}  # namespace id -> blocks whose descriptor is lost
-    with core.lock:
+    num_found = disk.num_found_blocks
+    with core.lock, tqdm(total=num_found, unit="block", unit_scale=True, desc="recovering disk index",
+                         disable=not (show_progress and num_found >= PROGRESS_FROM_BLOCKS),
+                         miniters=PROGRESS_FROM_BLOCKS // 10) as bar:
         for raw_key, size in disk.scan_blocks():
+            bar.update()
             try:
                 key = BlockKey.from_raw(raw_key)
             except InvalidArgumentError:

@@ -84,7 +84,7 @@ class TieredStore(AsyncMethods, LeaseMethods):
                 self._presence = PresenceTable(config.presence_slots,
                                                f"{self._host.shm_name}-presence")
             self._core = StoreCore(config, paged, self._disk, clock, self._presence)
-            self.num_recovered_blocks = recovery.recover(self._core)
+            self.num_recovered_blocks = recovery.recover(self._core, show_progress)
             self._sessions = SessionTable(self._disk)
         except BaseException:
             self._release_resources()

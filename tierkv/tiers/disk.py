@@ -132,6 +132,11 @@ class DiskTier:
 
     # --- recovery -----------------------------------------------------------------------------
 
+    @property
+    def num_found_blocks(self) -> int:
+        """Block keys found at open that ``scan_blocks`` has not given out yet."""
+        return len(self._found_blocks or ())
+
     def scan_blocks(self) -> Iterator[tuple[bytes, int]]:
         """Every block key found at open with its record size, in key order (no payload is
         read). Given out once: the list is dropped as it is consumed (it can be large)."""

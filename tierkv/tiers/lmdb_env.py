@@ -63,7 +63,8 @@ log = logging.getLogger(__name__)
 LOCK_FILE_NAME = "tierkv.lock"
 DATA_FILE_NAME = "data.mdb"
 _LMDB_FILE_NAMES = (DATA_FILE_NAME, "lock.mdb")
-_DB_NAMES = (b"blocks", b"namespaces", b"sessions")
+DB_NAMES = (b"blocks", b"namespaces", b"sessions")
+"""The named databases of a disk store, in the order ``OpenedEnvironment.dbs`` holds them."""
 # Errors about the environment around the files, not the files: never a reason to move aside.
 _NOT_THE_FILES = (lmdb.ReadonlyError, lmdb.LockError, lmdb.ReadersFullError, lmdb.TlsFullError)
 # Errors of a write that say the files are damaged (a full disk or map says nothing about them).
@@ -193,7 +194,7 @@ def _open_checked(config: DiskTierConfig) -> OpenedEnvironment:
             raise UnreadableError(f"structure: {exc}") from exc
         try:
             _check_blocks_db_exists(env)
-            dbs = (env.open_db(_DB_NAMES[0]), env.open_db(_DB_NAMES[1]), env.open_db(_DB_NAMES[2]))
+            dbs = (env.open_db(DB_NAMES[0]), env.open_db(DB_NAMES[1]), env.open_db(DB_NAMES[2]))
             opened = OpenedEnvironment(env, dbs, MapBounds(data_file, None, file_bytes))
             opened.bounds.start = _map_start(env, opened.bounds)
             _walk(opened)
@@ -236,7 +237,7 @@ def _map_start(env: lmdb.Environment, bounds: MapBounds) -> int | None:
     """The address the data file is mapped at: the mapping of ``/proc/self/maps`` that holds a
     value LMDB hands out from a page known to be inside the file (the main DB's)."""
     with env.begin(buffers=True) as txn:
-        value = txn.get(_DB_NAMES[0])
+        value = txn.get(DB_NAMES[0])
         if value is None or not len(value):
             return None
         address = int(np.frombuffer(value, np.uint8).ctypes.data)
@@ -262,7 +263,7 @@ def _check_blocks_db_exists(env: lmdb.Environment) -> None:
     if not int(env.info()["last_txnid"]):
         return  # a new environment
     with env.begin() as txn:
-        if txn.get(_DB_NAMES[0]) is None:
+        if txn.get(DB_NAMES[0]) is None:
             raise UnreadableError("it has commits but no 'blocks' DB (not a tierkv store?)")
 
 

@@ -30,7 +30,7 @@ import lmdb
 
 from tierkv.errors import ConfigError
 from tierkv.tiers.lmdb_check import DamagedError, check_data_file
-from tierkv.tiers.lmdb_env import _DB_NAMES, DATA_FILE_NAME, LOCK_FILE_NAME
+from tierkv.tiers.lmdb_env import DATA_FILE_NAME, DB_NAMES, LOCK_FILE_NAME
 
 
 class NotAStoreError(ConfigError):
@@ -74,10 +74,10 @@ class ReadOnlyStore:
         try:
             self._check(data_file)
             with self._env.begin() as txn:
-                if txn.get(_DB_NAMES[0]) is None:
+                if txn.get(DB_NAMES[0]) is None:
                     raise NotAStoreError(f"{self.path}: an LMDB store without a 'blocks' DB "
                                          "(not a tierkv disk store)")
-            self._dbs = [self._env.open_db(name, create=False) for name in _DB_NAMES]
+            self._dbs = [self._env.open_db(name, create=False) for name in DB_NAMES]
         except lmdb.Error as exc:
             self._env.close()
             raise NotAStoreError(f"{self.path}: unreadable LMDB store ({exc})") from exc
