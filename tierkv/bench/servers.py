@@ -48,6 +48,7 @@ class ServiceBenchConfig:
     lookup_calls: int = 200
     small_calls: int = 2000
     redis_command: tuple[str, ...] = field(default_factory=_default_redis_command)
+    with_metrics: bool = False  # the sidecar counts every call for a Prometheus endpoint
 
 
 # --- the two servers -------------------------------------------------------------------------
@@ -90,10 +91,11 @@ def _stop(process: subprocess.Popen[bytes]) -> None:
 
 
 @contextlib.contextmanager
-def tierkv_server(work_dir: Path, host_bytes: int, *,
-                  disk_bytes: int = 1024 * MiB) -> Iterator[tuple[str, str]]:
+def tierkv_server(work_dir: Path, host_bytes: int, *, disk_bytes: int = 1024 * MiB,
+                  with_metrics: bool = False) -> Iterator[tuple[str, str]]:
     """``tierkv serve`` in a subprocess, its files under ``work_dir/tierkv``; yields its (unix,
-    tcp) targets once it is ready, and stops it (SIGTERM) at the end."""
+    tcp) targets once it is ready, and stops it (SIGTERM) at the end. ``with_metrics``: with its
+    Prometheus endpoint on (a free loopback port), so that every call is counted."""
     work = work_dir / "tierkv"
     work.mkdir(parents=True, exist_ok=True)
     sock = work / "s.sock"
@@ -109,6 +111,8 @@ def tierkv_server(work_dir: Path, host_bytes: int, *,
             "--disk-path", str(work / "disk"), "--disk-bytes", str(disk_bytes),
             "--stats-interval-s", "0", "--log-level", "WARNING",
         ]
+        if with_metrics:
+            command += ["--metrics-port", str(_free_port())]
         # Only these flags configure it: no TIERKV_* settings (tokens, TLS, ...) from this shell.
         env = {key: value for key, value in os.environ.items() if not key.startswith("TIERKV_")}
         with stdout_path.open("wb") as stdout, stderr_path.open("wb") as stderr:
@@ -180,7 +184,8 @@ def _redis_server(cfg: ServiceBenchConfig) -> Iterator[tuple[int, str]]:
 def running_servers(cfg: ServiceBenchConfig, host_bytes: int) -> Iterator[Servers]:
     """Both servers, stopped at the end (also on errors)."""
     with _redis_server(cfg) as (redis_port, redis_socket), \
-            tierkv_server(cfg.work_dir, host_bytes) as (unix_target, tcp_target):
+            tierkv_server(cfg.work_dir, host_bytes, with_metrics=cfg.with_metrics) as (
+                unix_target, tcp_target):
         yield Servers(unix_target, tcp_target, redis_port, redis_socket)
 
 

@@ -32,6 +32,9 @@ def register(subparsers: Any) -> None:
     )
     _add_common(service, "service", ["local", "remote", "lookup", "calls"],
                 "where the servers keep sockets, logs and disk (default: a temp dir)")
+    service.add_argument("--with-metrics", action="store_true",
+                         help="run the sidecar with its Prometheus endpoint on (every call "
+                         "counted): its cost is the difference with a run without")
     service.set_defaults(func=run_service)
     gpu = targets.add_parser("gpu", help="CUDA copies through the store vs raw pinned copies")
     gpu.add_argument("--repeats", type=int, default=5)
@@ -161,15 +164,16 @@ def run_service(args: argparse.Namespace) -> int:
     from tierkv.bench.service_bench import num_steps, run_service_bench
 
     with tempfile.TemporaryDirectory(prefix="tierkv-bench-", dir=args.work_dir) as work:
-        cfg = ServiceBenchConfig(Path(work), repeats=args.repeats)
+        cfg = ServiceBenchConfig(Path(work), repeats=args.repeats,
+                                 with_metrics=args.with_metrics)
         if args.quick:
             cfg = ServiceBenchConfig(Path(work), num_batches=2, num_stream_batches=1,
                                      repeats=min(args.repeats, 3), lookup_calls=50,
-                                     small_calls=500)
+                                     small_calls=500, with_metrics=args.with_metrics)
         with _progress(num_steps(cfg, args.only), "bench service") as progress:
             rows = run_service_bench(cfg, args.only, progress)
     extra = {"repeats": cfg.repeats, "batch_blocks": cfg.batch_blocks, "quick": args.quick,
-             "redis_parser": redis_parser()}
+             "redis_parser": redis_parser(), "with_metrics": cfg.with_metrics}
     return _report(rows, args, extra, "tierkv bench service")
 
 
