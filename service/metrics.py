@@ -11,11 +11,15 @@ Decisions:
    server's thread (``StoreCollector``): nothing on a call's path, nothing on the event loop.
 2. RPCs are counted by a wrapper around each handler (``RpcRecorder.wrap``): one count per
    call with its final status code (``context.set_code``, ``context.abort``, an exception:
-   UNKNOWN, a cancellation: CANCELLED, or DEADLINE_EXCEEDED when the deadline had passed) and
-   its duration in a fixed-bucket histogram. Its counters are plain ints written only on the
-   server's event loop (every handler runs there) and read by the scrape, so a call pays a
-   ``perf_counter``, a ``bisect`` and three increments, no lock. A scrape may see a histogram's
-   ``_sum`` one observation apart from its buckets; the buckets and ``_count`` agree.
+   UNKNOWN, a cancellation: CANCELLED; DEADLINE_EXCEEDED whenever the deadline had passed by
+   the end, what the client then got) and its duration in a fixed-bucket histogram. Its
+   counters are plain ints written only on the server's event loop (every handler runs there)
+   and read by the scrape, so a call pays a ``perf_counter``, a ``bisect`` and three
+   increments, no lock. A scrape may see a histogram's ``_sum`` one observation apart from its
+   buckets; the buckets and ``_count`` agree. Not counted, since no handler runs: a request
+   grpc refuses itself (larger than ``max_message_bytes``, an unknown method). A Put stream
+   the client cancels (no deadline) ends for its handler like a short stream, so it counts
+   as the INVALID_ARGUMENT the handler answered: grpc.aio tells a handler nothing more.
 3. ``tierkv_prefill_tokens_saved_total{tenant,model}``: tokens whose K/V a caller got from the
    cache instead of a prefill, blocks served times the namespace's ``block_size`` (0 on the
    wire: 16), counted when a Get (its first chunk's ``num_blocks``) or an Acquire (blocks
@@ -34,12 +38,13 @@ import asyncio
 import bisect
 import contextlib
 import inspect
+import socket
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Iterable, Iterator
 from typing import Any
 
 import grpc
-from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client import CollectorRegistry
 from prometheus_client.core import (
     CounterMetricFamily,
     GaugeMetricFamily,
@@ -51,6 +56,7 @@ from prometheus_client.registry import Collector
 from tierkv.errors import ConfigError, StoreClosedError
 from tierkv.service.auth import Authenticator
 from tierkv.service.config import ServiceConfig
+from tierkv.service.metrics_http import ScrapeServer
 from tierkv.store import StoreStats, TieredStore
 
 # Upper bounds of the RPC latency buckets: 50 us (a lookup answered on the loop) to 10 s (a
@@ -111,6 +117,17 @@ def _failure_code(exc: BaseException, context: grpc.aio.ServicerContext) -> int:
     return _UNKNOWN  # what grpc answers for any other exception
 
 
+def _final_code(context: grpc.aio.ServicerContext) -> int:
+    """The status a handler that returned ends with: the code it set, or DEADLINE_EXCEEDED
+    when the call's deadline passed meanwhile, which is what the client got. (A Put stream
+    cut by its deadline looks to the handler like a stream that ended early: it answers
+    INVALID_ARGUMENT for the missing bytes, and nobody receives that.)"""
+    remaining_s = context.time_remaining()
+    if remaining_s is not None and remaining_s <= 0:
+        return _DEADLINE_EXCEEDED
+    return _code_number(context.code())
+
+
 class RpcRecorder:
     """Counts every call of the wrapped handlers and the prefill tokens they served.
 
@@ -142,7 +159,7 @@ class RpcRecorder:
             except BaseException as exc:
                 stats.observe(time.perf_counter() - start_s, _failure_code(exc, context))
                 raise
-            code = _code_number(context.code())
+            code = _final_code(context)
             stats.observe(time.perf_counter() - start_s, code)
             if counts_tokens and code == _OK and response is not None and response.num_blocks:
                 self._count_tokens(request, context, response.num_blocks)
@@ -169,7 +186,7 @@ class RpcRecorder:
             except BaseException as exc:
                 stats.observe(time.perf_counter() - start_s, _failure_code(exc, context))
                 raise
-            code = _code_number(context.code())
+            code = _final_code(context)
             stats.observe(time.perf_counter() - start_s, code)
             if counts_tokens and code == _OK and num_blocks > 0:
                 self._count_tokens(request, context, num_blocks)
@@ -316,8 +333,7 @@ class ServerMetrics:
         self._store_collector = StoreCollector()
         self.registry.register(self._store_collector)
         self.registry.register(_RpcCollector(self.recorder))
-        self._http: Any = None
-        self._http_thread: Any = None
+        self._http: ScrapeServer | None = None
         self.port = 0
 
     def attach(self, store: TieredStore) -> None:
@@ -325,30 +341,33 @@ class ServerMetrics:
         self._store_collector.store = store
 
     def start(self) -> None:
-        """Listen on ``metrics_host:metrics_port`` (a thread of its own answers scrapes);
-        ``port`` is then the bound port. ``ConfigError`` when the address cannot be bound."""
+        """Listen on ``metrics_host:metrics_port`` (``tierkv.service.metrics_http``: a thread of
+        its own answers scrapes); ``port`` is then the bound port. ``ConfigError`` when the
+        address cannot be bound."""
         if not self.enabled or self._http is not None:
             return
         host, port = self.config.metrics_host, self.config.metrics_port
         try:
-            self._http, self._http_thread = start_http_server(port, host, self.registry)
+            http = ScrapeServer(host, port, self.registry)
+        except socket.gaierror as exc:
+            raise ConfigError(
+                f"--metrics-host {host!r}: cannot listen on it ({exc}); give an address of "
+                "this machine (0.0.0.0: every interface)"
+            ) from None
         except OSError as exc:
             raise ConfigError(
                 f"--metrics-port {port}: cannot listen on {host}:{port} ({exc}); pick another "
                 "port or 0 for no metrics endpoint"
             ) from exc
-        self.port = int(self._http.server_port)
+        http.start()
+        self._http = http
+        self.port = int(http.server_port)
 
     async def stop(self) -> None:
-        """Stop answering scrapes (``shutdown`` waits for the server's poll: off the loop)."""
-        http, thread = self._http, self._http_thread
+        """Stop answering scrapes and end every open connection (off the loop: it waits for
+        the server's poll and the connections' threads)."""
+        http = self._http
         if http is None:
             return
-        self._http = self._http_thread = None
-        await asyncio.to_thread(_shut_down, http, thread)
-
-
-def _shut_down(http: Any, thread: Any) -> None:
-    http.shutdown()
-    http.server_close()
-    thread.join()
+        self._http = None
+        await asyncio.to_thread(http.close)
