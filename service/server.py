@@ -13,13 +13,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import ssl
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from tierkv.codec import decode_put_chunk
-from tierkv.service.config import ServiceConfig
+from tierkv.errors import ConfigError
+from tierkv.service.config import ServiceConfig, TlsConfig
 from tierkv.service.metrics import RpcRecorder, ServerMetrics
 from tierkv.service.servicer import TierKVServicer, lenient
 from tierkv.store import TieredStore
@@ -60,6 +62,26 @@ def _handlers(servicer: TierKVServicer, recorder: RpcRecorder | None = None
     return grpc.method_handlers_generic_handler(SERVICE_NAME, methods)
 
 
+def _server_credentials(tls: TlsConfig) -> grpc.ServerCredentials:
+    """``tls``'s files as gRPC credentials, once OpenSSL has read them as a certificate chain
+    and its (unencrypted) private key."""
+    try:
+        context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        context.load_cert_chain(tls.cert_path, tls.key_path, password=_no_password)
+        key, chain = tls.key_path.read_bytes(), tls.cert_path.read_bytes()
+    except (ssl.SSLError, OSError, ValueError) as exc:
+        raise ConfigError(
+            f"--tls-cert {tls.cert_path}, --tls-key {tls.key_path}: not a PEM certificate chain "
+            f"and its unencrypted private key ({exc})"
+        ) from None
+    return grpc.ssl_server_credentials([(key, chain)])
+
+
+def _no_password() -> bytes:
+    # An encrypted key: refused (grpc cannot use it), never a prompt on the terminal.
+    raise ValueError("the private key is encrypted")
+
+
 class TierKVServer:
     """A started-or-not gRPC server around one ``TieredStore``.
 
@@ -90,18 +112,25 @@ class TierKVServer:
         self._reaper: asyncio.Task[None] | None = None
 
     def bind(self) -> int:
-        """Add every listener; returns the first TCP port (0 if none)."""
+        """Add every listener; returns the first TCP port (0 if none). ``ConfigError`` naming
+        the address for one that cannot be bound, and naming the files for TLS files that are
+        not a certificate chain and its key (grpc raises a bare RuntimeError for both)."""
         first_port = 0
         credentials = None
         if self.config.tls is not None:
-            credentials = grpc.ssl_server_credentials([(
-                self.config.tls.key_path.read_bytes(), self.config.tls.cert_path.read_bytes()
-            )])
+            credentials = _server_credentials(self.config.tls)
         for address in self.config.listen:
-            if address.startswith("unix:") or credentials is None:
-                port = self.grpc_server.add_insecure_port(address)
-            else:
-                port = self.grpc_server.add_secure_port(address, credentials)
+            try:
+                if address.startswith("unix:") or credentials is None:
+                    port = self.grpc_server.add_insecure_port(address)
+                else:
+                    port = self.grpc_server.add_secure_port(address, credentials)
+            except RuntimeError:
+                raise ConfigError(
+                    f"--listen {address}: cannot listen there (in use, not an address of this "
+                    "machine, a socket path over 107 bytes or in a folder that is not there, or "
+                    "not host:port or unix:///path)"
+                ) from None
             if not address.startswith("unix:") and not first_port:
                 first_port = port
         return first_port

@@ -134,6 +134,8 @@ def run(args: argparse.Namespace) -> int:
     settings = _settings(args)
     config = build_config(settings)
     service_config = build_service_config(settings)
+    if settings["stats_interval_s"] < 0:
+        raise settings.error("stats_interval_s", "must be 0 (no stats events) or positive")
     if args.print_config:
         print(settings.to_toml(), end="", flush=True)
         return 0
@@ -198,7 +200,14 @@ async def _serve(settings: Resolved, config: StoreConfig, service_config: Servic
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(signum, _on_signal, signal.Signals(signum).name, reasons, stop)
-    store = await _open_store(settings, config)
+    try:
+        store = await _open_store(settings, config)
+    except BaseException:
+        # Stopped here, on the loop: left to the collector, grpc's server schedules its
+        # shutdown on a closed loop (tracebacks after the error line) and the metrics
+        # endpoint's thread is left running.
+        await server.stop(close_store=False)
+        raise
     await server.attach(store)
     tiers = {t.label: format_size(s.capacity_bytes) for t, s in store.stats().tiers.items()}
     ready = {

@@ -72,15 +72,23 @@ def _toml_type(value: object) -> str:
     return type(value).__name__
 
 
+MAX_SIZE_BYTES = (1 << 63) - 1
+"""The largest size a setting takes: larger ones overflowed deep in the tiers (a traceback, not
+an error naming the setting)."""
+
+
 def _size(value: object) -> int:
     if isinstance(value, bool) or not isinstance(value, int | str):
         raise BadValueError(f"a size is a string such as \"8GiB\" or an integer of bytes, "
                        f"not {_toml_type(value)}")
     try:
-        return parse_size(value)
+        num_bytes = parse_size(value)
     except ConfigError:
         raise BadValueError("not a size; use a number with an optional unit such as 512MiB, 8GiB "
                        "or 1.5GB") from None
+    if num_bytes > MAX_SIZE_BYTES:
+        raise BadValueError(f"too large: at most {MAX_SIZE_BYTES} bytes (8EiB)")
+    return num_bytes
 
 
 def check_text(value: str, setting: Setting) -> str:
@@ -113,7 +121,10 @@ def from_toml(setting: Setting, value: object) -> Any:
                 Kind.LIST: "an array of strings"}.get(kind, "a string")
         raise BadValueError(f"{name} is expected, not {_toml_type(value)}")
     if isinstance(value, int | float) and kind is Kind.FLOAT:
-        return _finite(float(value))
+        try:
+            return _finite(float(value))
+        except OverflowError:  # a TOML integer of more than 308 digits
+            raise BadValueError("not a finite number") from None
     if isinstance(value, list):
         if not all(isinstance(item, str) for item in value):
             raise BadValueError("an array of strings is expected")

@@ -181,8 +181,14 @@ class Resolved:
                  "# Sources, lowest first: defaults, --config file, TIERKV_* environment, flags."]
         for setting in SETTINGS:
             literal = setting_value(setting, self.values[setting.name])
-            lines.append(f"{setting.name} = {literal}  # {self.sources[setting.name]}")
+            lines.append(f"{setting.name} = {literal}  # {_comment(self.sources[setting.name])}")
         return "\n".join(lines) + "\n"
+
+
+def _comment(text: str) -> str:
+    # A source is a file's path, which may hold a newline: raw, it would end the comment and
+    # the rest of the path would be read as TOML.
+    return text if text.isprintable() else toml_string(text)
 
 
 _WORD = re.compile(r"--[a-z0-9-]+|[a-z0-9_]+")
