@@ -15,6 +15,13 @@ Decisions:
    ``tierkv.tiers.lmdb_check`` must find every B-tree well formed (as at a server's open), so
    a damaged or truncated file is a clear error, never a crash. Then every value LMDB hands out
    lies inside the file.
+4. Everything is read from one snapshot: one read transaction, begun before the check and held
+   until ``close``, serves the check and every DB. With a server writing, separate
+   transactions per DB saw blocks whose namespace was stored after the namespaces DB was read
+   (good blocks reported as bad), and a check run outside a transaction walked pages that the
+   server's commits recycled meanwhile (a healthy store reported damaged). The check reads the
+   meta page of that snapshot's commit; a server that committed twice since the transaction
+   began has overwritten it, so the snapshot is taken again (``_SNAPSHOT_TRIES`` times).
 """
 
 from __future__ import annotations
@@ -31,6 +38,9 @@ import lmdb
 from tierkv.errors import ConfigError
 from tierkv.tiers.lmdb_check import DamagedError, check_data_file
 from tierkv.tiers.lmdb_env import DATA_FILE_NAME, DB_NAMES, LOCK_FILE_NAME
+
+_SNAPSHOT_TRIES = 50
+"""Snapshots taken before a store a server is writing is reported damaged (decision 4)."""
 
 
 class NotAStoreError(ConfigError):
@@ -62,6 +72,8 @@ class ReadOnlyStore:
         data_file = self.path / DATA_FILE_NAME
         if not data_file.is_file():
             raise NotAStoreError(f"{self.path}: no LMDB data file ({DATA_FILE_NAME}) there")
+        if data_file.stat().st_size == 0:  # LMDB itself says only "Bad file descriptor"
+            raise NotAStoreError(f"{data_file} is empty (0 B): not a tierkv disk store")
         self.server_running = server_holds(self.path)
         try:
             self._env = lmdb.open(
@@ -71,22 +83,37 @@ class ReadOnlyStore:
             )
         except lmdb.Error as exc:
             raise NotAStoreError(f"{self.path}: not an LMDB store ({exc})") from exc
+        self._txn: lmdb.Transaction | None = None
         try:
-            self._check(data_file)
-            with self._env.begin() as txn:
-                if txn.get(DB_NAMES[0]) is None:
-                    raise NotAStoreError(f"{self.path}: an LMDB store without a 'blocks' DB "
-                                         "(not a tierkv disk store)")
-            self._dbs = [self._env.open_db(name, create=False) for name in DB_NAMES]
+            self._txn = self._snapshot(data_file)
+            if self._txn.get(DB_NAMES[0]) is None:
+                raise NotAStoreError(f"{self.path}: an LMDB store without a 'blocks' DB "
+                                     "(not a tierkv disk store)")
+            self._dbs = [self._env.open_db(name, txn=self._txn, create=False)
+                         for name in DB_NAMES]
         except lmdb.Error as exc:
-            self._env.close()
+            self.close()
             raise NotAStoreError(f"{self.path}: unreadable LMDB store ({exc})") from exc
         except BaseException:
-            self._env.close()
+            self.close()
             raise
 
-    def _check(self, data_file: Path) -> None:
-        """Decision 3: the file holds the last commit and its B-trees are well formed."""
+    def _snapshot(self, data_file: Path) -> lmdb.Transaction:
+        """A read transaction whose snapshot passed the check (decisions 3 and 4)."""
+        for attempt in range(_SNAPSHOT_TRIES):
+            txn = self._env.begin(buffers=True)
+            try:
+                self._check(data_file, int(txn.id()))
+            except NotAStoreError:
+                txn.abort()
+                if not self.server_running or attempt == _SNAPSHOT_TRIES - 1:
+                    raise
+                continue
+            return txn
+        raise AssertionError("unreachable")
+
+    def _check(self, data_file: Path, txnid: int) -> None:
+        """Decision 3: the file holds the commit ``txnid`` and its B-trees are well formed."""
         page_bytes = int(self._env.stat()["psize"])
         info = self._env.info()
         needed_bytes = (int(info["last_pgno"]) + 1) * page_bytes
@@ -94,19 +121,23 @@ class ReadOnlyStore:
             raise NotAStoreError(f"{data_file} is shorter than its last commit uses "
                                  f"({needed_bytes} B): truncated")
         try:
-            check_data_file(data_file, page_bytes, int(info["last_txnid"]))
+            check_data_file(data_file, page_bytes, txnid)
         except (DamagedError, OSError) as exc:
             raise NotAStoreError(f"{data_file} is damaged: {exc}") from exc
 
     def records(self, db_index: int) -> Iterator[tuple[bytes, memoryview]]:
         """Every ``(key, value)`` of one DB (0 blocks, 1 namespaces, 2 sessions), in key order,
-        from one read transaction; a value is valid only until the next one is given."""
-        with self._env.begin(db=self._dbs[db_index], buffers=True) as txn:
-            for key, value in txn.cursor():
-                yield bytes(key), memoryview(value)
+        from the store's one snapshot (decision 4); a value is valid until ``close``."""
+        assert self._txn is not None, "the store is closed"
+        for key, value in self._txn.cursor(db=self._dbs[db_index]):
+            yield bytes(key), memoryview(value)
 
     def close(self) -> None:
-        """Close the environment (idempotent)."""
+        """End the snapshot and close the environment (idempotent)."""
+        if self._txn is not None:
+            with contextlib.suppress(lmdb.Error):
+                self._txn.abort()
+            self._txn = None
         with contextlib.suppress(lmdb.Error):
             self._env.close()
 
