@@ -9,7 +9,11 @@ Formats (``setup_logging``):
 
 * ``json``: one JSON object per line: ``ts`` (ISO 8601, UTC, milliseconds), ``level``,
   ``logger``, ``event``, ``message``, then the event's fields (a field named like one of those
-  five is written as ``field_<name>``), and ``exception`` when there is one.
+  or the next two is written as ``field_<name>``), ``exception`` when there is one and
+  ``stack`` when the call asked for it. Whatever a record holds, it is one line of strict
+  JSON: a value JSON cannot write is written as text, a message whose arguments do not fit
+  its format as the format and the arguments, and no character a reader could split a line
+  at is left raw.
 * ``text``: ``<ts> <LEVEL> <logger> <event>: <message> key=value ...``; a value with spaces,
   quotes or ``=`` is JSON-quoted.
 
@@ -37,7 +41,7 @@ LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 PLAIN_EVENT = "log"
 """The ``event`` of a record logged without one."""
 
-_RESERVED = frozenset({"ts", "level", "logger", "event", "message", "exception"})
+_RESERVED = frozenset({"ts", "level", "logger", "event", "message", "exception", "stack"})
 
 
 def log_event(logger: logging.Logger, level: int, event: str, message: str, /, **fields: Any) -> None:
@@ -63,15 +67,46 @@ def _timestamp(created: float) -> str:
     return moment.isoformat(timespec="milliseconds").replace("+00:00", "Z")
 
 
-def _plain(value: Any) -> Any:
-    # json.dumps would write NaN/Infinity, which is not JSON.
-    if isinstance(value, float) and not math.isfinite(value):
+_MAX_DEPTH = 8
+"""How deep a field's containers are written; deeper ones (a cycle) are written with ``str``."""
+
+
+def _safe_str(value: Any) -> str:
+    try:
         return str(value)
-    return value
+    except Exception:  # a field's own __str__ failed: the line is still written
+        return f"<{type(value).__name__} that cannot be written>"
+
+
+def _plain(value: Any, depth: int = 0) -> Any:
+    """``value`` as what ``json.dumps`` writes as JSON, whatever it holds: a float that is not
+    finite as text (json.dumps would write NaN, which is not JSON), a mapping with text keys,
+    a tuple or set as a list, anything else as ``str`` (a cycle too, past ``_MAX_DEPTH``)."""
+    if value is None or isinstance(value, bool | int | str):
+        return value
+    if isinstance(value, float):
+        return value if math.isfinite(value) else str(value)
+    if depth < _MAX_DEPTH and isinstance(value, dict):
+        return {key if isinstance(key, str) else _safe_str(key): _plain(item, depth + 1)
+                for key, item in value.items()}
+    if depth < _MAX_DEPTH and isinstance(value, list | tuple | set | frozenset):
+        return [_plain(item, depth + 1) for item in value]
+    return _safe_str(value)
+
+
+def message_of(record: logging.LogRecord) -> str:
+    """``record``'s message; for a call whose arguments do not fit its format (``log.info("%d",
+    "x")``), the format and the arguments as they are, rather than a lost record and a
+    traceback on stderr between the log lines."""
+    try:
+        return record.getMessage()
+    except Exception as exc:  # the caller's format string, not ours: keep the record
+        return f"{_safe_str(record.msg)} (arguments {_safe_str(record.args)}: {exc})"
 
 
 class JsonFormatter(logging.Formatter):
-    """One JSON object per record, on one line (see the module docstring)."""
+    """One JSON object per record, on one line (see the module docstring), whatever the record
+    holds: fields that JSON cannot write are written as text, never lost."""
 
     def format(self, record: logging.LogRecord) -> str:
         data: dict[str, Any] = {
@@ -79,13 +114,25 @@ class JsonFormatter(logging.Formatter):
             "level": record.levelname,
             "logger": record.name,
             "event": event_of(record),
-            "message": record.getMessage(),
+            "message": message_of(record),
         }
         for key, value in fields_of(record).items():
             data[f"field_{key}" if key in _RESERVED else key] = _plain(value)
         if record.exc_info:
             data["exception"] = self.formatException(record.exc_info)
-        return json.dumps(data, default=str, ensure_ascii=False)
+        if record.stack_info:
+            data["stack"] = self.formatStack(record.stack_info)
+        return _one_line(json.dumps(data, ensure_ascii=False, allow_nan=False))
+
+
+# Line breaks to str.splitlines and to JavaScript that JSON leaves raw inside its strings: a
+# reader that splits on them would cut the record. (json.dumps escapes every C0 control.)
+_LINE_BREAKS = {"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"}
+_LINE_BREAK_TABLE = str.maketrans(_LINE_BREAKS)
+
+
+def _one_line(text: str) -> str:
+    return text.translate(_LINE_BREAK_TABLE)
 
 
 def _text_value(value: Any) -> str:
@@ -94,7 +141,7 @@ def _text_value(value: Any) -> str:
         return value if plain else json.dumps(value, ensure_ascii=False)
     if isinstance(value, bool | int | float) or value is None:
         return json.dumps(_plain(value))
-    return json.dumps(value, default=str, ensure_ascii=False, separators=(",", ":"))
+    return json.dumps(_plain(value), ensure_ascii=False, separators=(",", ":"))
 
 
 class TextFormatter(logging.Formatter):
@@ -104,14 +151,15 @@ class TextFormatter(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
         head = f"{_timestamp(record.created)} {record.levelname} {record.name}"
         event = event_of(record)
-        line = f"{head} {event}: {record.getMessage()}" if event != PLAIN_EVENT else (
-            f"{head}: {record.getMessage()}"
-        )
+        message = message_of(record)
+        line = f"{head} {event}: {message}" if event != PLAIN_EVENT else f"{head}: {message}"
         pairs = " ".join(f"{key}={_text_value(value)}" for key, value in fields_of(record).items())
         if pairs:
             line = f"{line} {pairs}"
         if record.exc_info:
             line = f"{line}\n{self.formatException(record.exc_info)}"
+        if record.stack_info:
+            line = f"{line}\n{self.formatStack(record.stack_info)}"
         return line
 
 

@@ -300,8 +300,10 @@ class EvictionStormWatch:
             samples.append((now_s, tier_stats.evictions))
             while len(samples) > 1 and samples[1][0] <= now_s - self.window_s:
                 samples.popleft()
-            num_evictions = tier_stats.evictions - samples[0][1]
+            num_evictions = tier_stats.evictions - self._evictions_at(now_s - self.window_s,
+                                                                      samples)
             hot = num_evictions >= self.min_evictions and num_evictions > tier_stats.num_blocks
+            num_evictions = round(num_evictions)
             storm = self._storms.get(label)
             if hot and storm is None:
                 self._storms[label] = _Storm(now_s, now_s, samples[0][1])
@@ -321,3 +323,14 @@ class EvictionStormWatch:
                           f"eviction storm in the {label} tier over: {total} blocks evicted "
                           f"since it started", tier=label, num_evictions=total,
                           duration_s=duration_s)  # first to last sample that found it
+
+    @staticmethod
+    def _evictions_at(moment_s: float, samples: deque[tuple[float, int]]) -> float:
+        """The eviction counter at ``moment_s``, between the samples around it (the oldest
+        one is at or before it). A sample that came late (a stats() that waited out a long
+        flush) must not make every eviction of the gap look like one window's."""
+        oldest_s, oldest = samples[0]
+        if len(samples) == 1 or oldest_s >= moment_s:
+            return oldest
+        next_s, following = samples[1]  # after moment_s: observe keeps it so
+        return oldest + (following - oldest) * (moment_s - oldest_s) / (next_s - oldest_s)
