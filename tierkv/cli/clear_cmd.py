@@ -10,6 +10,7 @@ skipped (and counted): run it again once they are released.
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 from typing import Any
 
@@ -20,6 +21,7 @@ from tierkv.errors import InvalidArgumentError
 from tierkv.keys import Namespace
 from tierkv.sizes import format_size
 from tierkv.store import ClearResult, parse_layout_label
+from tierkv.wire.namespaces import namespace_from, namespace_to
 
 REFUSED_EXIT = 1
 
@@ -48,19 +50,29 @@ def register(subparsers: Any) -> None:
     parser.set_defaults(func=run)
 
 
+_TP_SHARD = re.compile(r"([0-9]+)/([0-9]+)")
+
+
 def parse_namespace(text: str) -> Namespace:
     """``MODEL:LAYOUT[:RANK/SIZE]`` as a namespace (its tenant is not part of it: the server
-    names it). ``InvalidArgumentError`` saying the expected form otherwise."""
+    names it). ``InvalidArgumentError`` saying the expected form, or naming the field out of
+    the wire's bounds, otherwise."""
     parts = text.split(":")
     tp_rank, tp_size = 0, 1
-    if len(parts) >= 3 and "/" in parts[-1] and parts[-1].replace("/", "").isdigit():
-        rank, _, size = parts.pop().partition("/")
-        tp_rank, tp_size = int(rank), int(size)
+    shard = _TP_SHARD.fullmatch(parts[-1]) if len(parts) >= 3 else None
+    if shard is not None:
+        parts.pop()
+        tp_rank, tp_size = int(shard[1]), int(shard[2])
     if len(parts) < 2:
         raise InvalidArgumentError(
             f"--namespace {text!r}: expected MODEL:LAYOUT[:RANK/SIZE], e.g. m:32x8x128/16/fp16")
     layout = parse_layout_label(parts.pop())
-    return Namespace(":".join(parts), layout, tp_rank, tp_size)
+    namespace = Namespace(":".join(parts), layout, tp_rank, tp_size)
+    try:  # what the server would refuse (or the wire could not carry) is refused here
+        namespace_from(namespace_to(namespace), namespace.tenant)
+    except ValueError as exc:  # protobuf's "Value out of range" for a field past 32 bits
+        raise InvalidArgumentError(f"--namespace {text!r}: {exc}") from None
+    return namespace
 
 
 def _scope(args: argparse.Namespace) -> str:

@@ -15,10 +15,14 @@ from typing import Any
 
 from tierkv.cli.ops_common import add_server_args, open_client, table
 from tierkv.client import ServerStats
+from tierkv.errors import DeadlineExceededError, ServiceUnavailableError
 from tierkv.sizes import format_size
 from tierkv.store import layout_label, route_label
 
 DEFAULT_WATCH_S = 2.0
+MAX_WATCH_S = 86400.0
+MAX_NAMESPACES = 2**32 - 1
+"""The largest --max-namespaces (0: the server's default, 20)."""
 _CLEAR_SCREEN = "\x1b[H\x1b[2J"
 
 
@@ -30,36 +34,77 @@ def register(subparsers: Any) -> None:
         "evictions), its counters, and its largest namespaces with their sessions.",
     )
     add_server_args(parser)
-    parser.add_argument("--watch", type=float, nargs="?", const=DEFAULT_WATCH_S, default=None,
-                        metavar="SECONDS",
+    parser.add_argument("--watch", type=_seconds, nargs="?", const=DEFAULT_WATCH_S,
+                        default=None, metavar="SECONDS",
                         help=f"refresh every SECONDS (default {DEFAULT_WATCH_S:g}) until Ctrl-C")
     parser.add_argument("--json", action="store_true", help="print JSON instead of tables")
-    parser.add_argument("--max-namespaces", type=int, default=20,
+    parser.add_argument("--max-namespaces", type=_count, default=20,
                         help="namespaces to show, largest first (default 20)")
     parser.set_defaults(func=run)
 
 
+def _seconds(text: str) -> float:
+    """A --watch interval: positive and at most ``MAX_WATCH_S`` (``time.sleep`` overflows
+    on an infinite one)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from None
+    if not 0 < value <= MAX_WATCH_S:
+        raise argparse.ArgumentTypeError(f"must be in (0, {MAX_WATCH_S:g}] seconds, got {text}")
+    return value
+
+
+def _count(text: str) -> int:
+    """A --max-namespaces count: what the wire's uint32 carries."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
+    if not 0 <= value <= MAX_NAMESPACES:
+        raise argparse.ArgumentTypeError(f"must be in [0, {MAX_NAMESPACES}], got {text}")
+    return value
+
+
 def run(args: argparse.Namespace) -> int:
-    """Print the stats once, or every ``--watch`` seconds until Ctrl-C (exit 0 then)."""
-    if args.watch is not None and not args.watch > 0:
-        print("tierkv stats: --watch needs a positive number of seconds", file=sys.stderr)
-        return 2
+    """Print the stats once, or every ``--watch`` seconds until Ctrl-C (exit 0 then).
+
+    A watch outlives the server going away (a restart, a recovery): it says so once on stderr
+    and goes on asking; an answer that will not change by waiting (a wrong token) ends it."""
     with open_client(args) as client:
         try:
+            down = False
             while True:
-                stats = client.stats(max_namespaces=args.max_namespaces)
-                if args.json:
-                    print(json.dumps(stats.as_dict()), flush=True)
+                try:
+                    stats = client.stats(max_namespaces=args.max_namespaces)
+                except _TRANSIENT as exc:
+                    if args.watch is None:
+                        raise
+                    if not down:
+                        print(f"tierkv stats: {exc}; asking again every {args.watch:g} s",
+                              file=sys.stderr, flush=True)
+                    down = True
                 else:
-                    screen = _CLEAR_SCREEN if args.watch and sys.stdout.isatty() else ""
-                    print(screen + render(stats, args.target), flush=True)
+                    down = False
+                    _show(args, stats)
                 if args.watch is None:
                     return 0
                 time.sleep(args.watch)
-                if not sys.stdout.isatty() and not args.json:
-                    print()
         except KeyboardInterrupt:
             return 0
+
+
+_TRANSIENT = (ServiceUnavailableError, DeadlineExceededError)
+"""What a server that is restarting, recovering or stalled answers: a watch waits it out."""
+
+
+def _show(args: argparse.Namespace, stats: ServerStats) -> None:
+    if args.json:
+        print(json.dumps(stats.as_dict()), flush=True)
+        return
+    screen = _CLEAR_SCREEN if args.watch and sys.stdout.isatty() else ""
+    separator = "\n" if args.watch and not sys.stdout.isatty() else ""
+    print(screen + render(stats, args.target) + separator, flush=True)
 
 
 def _ratio(hits: int, misses: int) -> str:

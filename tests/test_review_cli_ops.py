@@ -1,0 +1,132 @@
+"""Review attacks on ``tierkv stats`` and ``tierkv clear`` as an operator under stress runs
+them: a watch across a server restart, wrong tokens, and arguments past what the wire
+carries: one line and an exit code, never a traceback, and nothing cleared by mistake."""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import shutil
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from harness import ALICE_TOKEN, BackgroundServer, SidecarFactory, short_socket_dir, stream_client
+
+from tierkv import Client, Namespace, WritePolicy
+from tierkv.cli.clear_cmd import parse_namespace
+from tierkv.cli.main import main
+from tierkv.errors import InvalidArgumentError
+from tiny_blocks import TINY_LAYOUT, blocks, keys
+
+MODEL = Namespace("model-a", TINY_LAYOUT)
+ENV = {**os.environ, "TQDM_DISABLE": "1"}
+
+
+def tierkv(*args: str) -> subprocess.Popen[str]:
+    return subprocess.Popen([sys.executable, "-m", "tierkv", *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=ENV)
+
+
+def next_line(process: subprocess.Popen[str], timeout_s: float = 60.0) -> str:
+    assert process.stdout is not None
+    readable, _, _ = select.select([process.stdout], [], [], timeout_s)
+    assert readable, "no line came"
+    return process.stdout.readline()
+
+
+def test_a_stats_watch_outlives_a_server_restart(
+        sidecar_factory: SidecarFactory, tmp_path: Path) -> None:
+    """The watch said the server was gone (exit 2) at its first refresh after a restart began;
+    now it says so once and shows the restarted server's figures."""
+    socket_dir = short_socket_dir()
+    first = sidecar_factory(socket_dir=socket_dir)
+    watch = tierkv("stats", "--target", first.unix_target, "--json", "--watch", "0.05")
+    try:
+        assert json.loads(next_line(watch))["tiers"]["host"]["num_blocks"] == 0
+        first.kill()
+        second = sidecar_factory(socket_dir=socket_dir)
+        with stream_client(second) as client:
+            client.put(MODEL, keys(2), blocks(2))
+        while json.loads(next_line(watch))["tiers"]["host"]["num_blocks"] != 2:
+            assert watch.poll() is None
+        watch.send_signal(signal.SIGINT)
+        _, err = watch.communicate(timeout=30)
+        assert watch.returncode == 0, err
+        assert err.count("asking again every 0.05 s") == 1 and "UNAVAILABLE" in err
+    finally:
+        if watch.poll() is None:
+            watch.kill()
+            watch.communicate()
+        shutil.rmtree(socket_dir, ignore_errors=True)
+
+
+@pytest.fixture
+def server(tmp_path: Path) -> Iterator[BackgroundServer]:
+    background = BackgroundServer(tmp_path / "store")
+    try:
+        with Client(background.target, token=ALICE_TOKEN, use_shm=False) as client:
+            client.put(MODEL, keys(3), blocks(3), write_policy=WritePolicy.WRITE_THROUGH)
+            client.save_session(MODEL, "chat", [1, 2, 3])
+        yield background
+    finally:
+        background.close()
+
+
+def held(server: BackgroundServer) -> tuple[int, int]:
+    with Client(server.target, token=ALICE_TOKEN, use_shm=False) as client:
+        return client.lookup(MODEL, keys(3)), len(client.list_sessions())
+
+
+def test_a_wrong_token_ends_a_watch_and_clears_nothing(server: BackgroundServer) -> None:
+    """A refusal that waiting cannot change ends a watch (it is not taken for a restart)."""
+    watch = tierkv("stats", "--target", server.target, "--token", "w" * 32, "--watch", "0.05")
+    _, err = watch.communicate(timeout=60)
+    assert watch.returncode == 2 and "UNAUTHENTICATED" in err and "Traceback" not in err
+    clear = tierkv("clear", "--target", server.target, "--token", "w" * 32, "--all", "--yes")
+    _, err = clear.communicate(timeout=60)
+    assert clear.returncode == 2 and "UNAUTHENTICATED" in err and "Traceback" not in err
+    assert held(server) == (3, 1)
+
+
+@pytest.mark.parametrize("argv", [
+    ["stats", "--max-namespaces", "-1"],
+    ["stats", "--max-namespaces", str(2**32)],
+    ["stats", "--watch", "inf"],
+    ["stats", "--watch", "nan"],
+    ["stats", "--watch", "0"],
+])
+def test_stats_arguments_out_of_range_are_usage_errors(
+        server: BackgroundServer, capsys: pytest.CaptureFixture[str], argv: list[str]) -> None:
+    """They were a protobuf ValueError traceback (the count), an OverflowError from
+    ``time.sleep`` after the first refresh (an infinite watch)."""
+    with pytest.raises(SystemExit) as exited:
+        main([*argv, "--target", server.target, "--token", ALICE_TOKEN])
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert f"argument {argv[1]}: must be in" in err or "needs a positive" in err
+
+
+@pytest.mark.parametrize(("text", "why"), [
+    ("model-a:2x2x8/4/fp16:1/2/3", "expected LAYERSxKV_HEADS"),
+    ("model-a:2x2x8/99999999999/fp16", "out of range"),
+    ("model-a:2x2x8/4/fp16:0/4294967296", "out of range"),
+    ("model-a:2000x2x8/4/fp16", "num_layers must be in [1, 1024]"),
+])
+def test_a_namespace_the_wire_cannot_carry_is_one_line_and_clears_nothing(
+        server: BackgroundServer, capsys: pytest.CaptureFixture[str], text: str, why: str) -> None:
+    """``--namespace`` values with a second shard slash or fields past 32 bits were ValueError
+    tracebacks; past the server's bounds, a call that could only be refused."""
+    with pytest.raises(InvalidArgumentError, match=r"\S"):
+        parse_namespace(text)
+    argv = ["clear", "--target", server.target, "--token", ALICE_TOKEN, "--yes",
+            "--namespace", text]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("tierkv clear: ") and why in err
+    assert held(server) == (3, 1)
+    assert parse_namespace("org/m:v2:2x2x8/4/fp16:1/4").tp_size == 4  # still parsed
