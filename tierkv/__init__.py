@@ -5,48 +5,116 @@ HBM, shared host memory and LMDB on local disk. The first rule: a hit returns ex
 stored under that key, or is a miss; never anything else.
 """
 
-from tierkv.client import AsyncClient, Client
-from tierkv.config import (
-    DiskTierConfig,
-    GpuTierConfig,
-    HostTierConfig,
-    Priority,
-    StoreConfig,
-    Tier,
-    WritePolicy,
-)
-from tierkv.errors import (
-    AuthenticationError,
-    CapacityError,
-    ConfigError,
-    DeadlineExceededError,
-    DiskFullError,
-    DiskIOError,
-    IntegrityError,
-    InvalidArgumentError,
-    LeaseNotFoundError,
-    LeaseStateError,
-    NotFoundError,
-    PermissionDeniedError,
-    ServiceUnavailableError,
-    SessionNotFoundError,
-    StaleSlabError,
-    StoreClosedError,
-    TierKVError,
-    UnknownNamespaceError,
-)
-from tierkv.hashing import ExtraKeys, MultiModalItem, block_hashes
-from tierkv.keys import BlockHash, BlockKey, Namespace, NamespaceId
-from tierkv.layout import DType, KVLayout
-from tierkv.store import (
-    ClearResult,
-    NamespaceStats,
-    ReadLease,
-    StoreStats,
-    TieredStore,
-    TierStats,
-    WriteLease,
-)
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from tierkv.client import AsyncClient, Client
+    from tierkv.config import (
+        DiskTierConfig,
+        GpuTierConfig,
+        HostTierConfig,
+        Priority,
+        StoreConfig,
+        Tier,
+        WritePolicy,
+    )
+    from tierkv.errors import (
+        AuthenticationError,
+        CapacityError,
+        ConfigError,
+        DeadlineExceededError,
+        DiskFullError,
+        DiskIOError,
+        IntegrityError,
+        InvalidArgumentError,
+        LeaseNotFoundError,
+        LeaseStateError,
+        NotFoundError,
+        PermissionDeniedError,
+        ServiceUnavailableError,
+        SessionNotFoundError,
+        StaleSlabError,
+        StoreClosedError,
+        TierKVError,
+        UnknownNamespaceError,
+    )
+    from tierkv.hashing import ExtraKeys, MultiModalItem, block_hashes
+    from tierkv.keys import BlockHash, BlockKey, Namespace, NamespaceId
+    from tierkv.layout import DType, KVLayout
+    from tierkv.store import (
+        ClearResult,
+        NamespaceStats,
+        ReadLease,
+        StoreStats,
+        TieredStore,
+        TierStats,
+        WriteLease,
+    )
+
+# Names are imported on first use (PEP 562): `import tierkv` alone, or a command such as
+# `tierkv health` that needs none of them, does not pay for torch and the client (1.3 s here).
+_MODULE_OF: dict[str, str] = {
+    "AsyncClient": "tierkv.client",
+    "Client": "tierkv.client",
+    "DiskTierConfig": "tierkv.config",
+    "GpuTierConfig": "tierkv.config",
+    "HostTierConfig": "tierkv.config",
+    "Priority": "tierkv.config",
+    "StoreConfig": "tierkv.config",
+    "Tier": "tierkv.config",
+    "WritePolicy": "tierkv.config",
+    "AuthenticationError": "tierkv.errors",
+    "CapacityError": "tierkv.errors",
+    "ConfigError": "tierkv.errors",
+    "DeadlineExceededError": "tierkv.errors",
+    "DiskFullError": "tierkv.errors",
+    "DiskIOError": "tierkv.errors",
+    "IntegrityError": "tierkv.errors",
+    "InvalidArgumentError": "tierkv.errors",
+    "LeaseNotFoundError": "tierkv.errors",
+    "LeaseStateError": "tierkv.errors",
+    "NotFoundError": "tierkv.errors",
+    "PermissionDeniedError": "tierkv.errors",
+    "ServiceUnavailableError": "tierkv.errors",
+    "SessionNotFoundError": "tierkv.errors",
+    "StaleSlabError": "tierkv.errors",
+    "StoreClosedError": "tierkv.errors",
+    "TierKVError": "tierkv.errors",
+    "UnknownNamespaceError": "tierkv.errors",
+    "ExtraKeys": "tierkv.hashing",
+    "MultiModalItem": "tierkv.hashing",
+    "block_hashes": "tierkv.hashing",
+    "BlockHash": "tierkv.keys",
+    "BlockKey": "tierkv.keys",
+    "Namespace": "tierkv.keys",
+    "NamespaceId": "tierkv.keys",
+    "DType": "tierkv.layout",
+    "KVLayout": "tierkv.layout",
+    "ClearResult": "tierkv.store",
+    "NamespaceStats": "tierkv.store",
+    "ReadLease": "tierkv.store",
+    "StoreStats": "tierkv.store",
+    "TieredStore": "tierkv.store",
+    "TierStats": "tierkv.store",
+    "WriteLease": "tierkv.store",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _MODULE_OF.get(name)
+    if module is None:
+        raise AttributeError(f"module 'tierkv' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_MODULE_OF])
+
 
 __all__ = [
     "AsyncClient",

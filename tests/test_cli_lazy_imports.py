@@ -1,0 +1,47 @@
+"""`tierkv health` (a container's health check, every few seconds) and `import tierkv` do not
+import torch or the client: each command imports its own module only, and the package's names
+load on first use."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import tierkv
+
+
+def _modules_after(code: str) -> set[str]:
+    done = subprocess.run(
+        [sys.executable, "-c", f"{code}\nimport sys\nprint(' '.join(sorted(sys.modules)))"],
+        capture_output=True, text=True, timeout=120, check=True,
+    )
+    return set(done.stdout.split())
+
+
+def test_tierkv_health_imports_neither_torch_nor_the_client() -> None:
+    loaded = _modules_after(
+        "from tierkv.cli.main import main\n"
+        "assert main(['health', '--target', 'unix:///nonexistent/t.sock', '--timeout-s', '0.1',"
+        " '--quiet']) == 2"
+    )
+    assert "tierkv.cli.health_cmd" in loaded
+    assert "torch" not in loaded and "tierkv.client" not in loaded
+
+
+def test_importing_the_package_loads_its_names_on_first_use() -> None:
+    loaded = _modules_after("import tierkv")
+    assert "torch" not in loaded
+    loaded = _modules_after("import tierkv\ntierkv.Client")
+    assert "torch" in loaded and "tierkv.client" in loaded
+    assert set(tierkv.__all__) <= set(dir(tierkv))
+    for name in tierkv.__all__:
+        assert getattr(tierkv, name) is not None
+
+
+def test_every_command_is_listed_and_reachable() -> None:
+    from tierkv.cli.main import COMMANDS, build_parser
+
+    everything = build_parser().format_help()
+    for command in COMMANDS:
+        assert command in everything
+        assert f"{{{command}}}" in build_parser(command).format_help()
