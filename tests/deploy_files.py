@@ -115,6 +115,13 @@ def pod_spec(doc: dict[str, Any]) -> dict[str, Any] | None:
     return dict(template["spec"]) if template else None
 
 
+def pod_metadata(doc: dict[str, Any]) -> dict[str, Any]:
+    """The metadata of a Pod, or of a workload's pod template (where its annotations are)."""
+    if doc["kind"] == "Pod":
+        return dict(doc.get("metadata", {}))
+    return dict(doc.get("spec", {}).get("template", {}).get("metadata", {}))
+
+
 def size_of(quantity: str) -> int:
     """Bytes of a Kubernetes memory quantity (``9Gi``, ``512Mi``, ``100G``)."""
     match = re.fullmatch(r"(\d+)([KMGT]i?)?", quantity)

@@ -21,6 +21,7 @@ from deploy_files import (
     DEPLOY,
     TIERKV_IMAGES,
     k8s_manifests,
+    pod_metadata,
     pod_spec,
     read_dockerfile,
     read_yaml,
@@ -31,6 +32,7 @@ from deploy_files import (
 from tierkv.cli import main as cli_main
 from tierkv.cli.settings import BY_FLAG, Resolved, resolve, unknown_variables
 from tierkv.config import MiB
+from tierkv.service.server import SERVICE_NAME
 from tierkv.sizes import parse_size
 
 PROCESS_MEMORY_BYTES = 512 * MiB
@@ -69,8 +71,39 @@ def _tierkv_containers() -> list[tuple[str, dict[str, Any], dict[str, Any]]]:
             spec = pod_spec(doc)
             for container in (spec or {}).get("containers", []):
                 if container["image"] in TIERKV_IMAGES:
+                    assert spec is not None
+                    spec = {**spec, "metadata": pod_metadata(doc)}  # the pod's annotations
                     found.append((f"{name}:{container['name']}", spec, container))
     return found
+
+
+HEALTH_START_S = 2.0
+"""What ``tierkv health`` may take to start before it asks (0.15 s here; more on a busy node)."""
+ALL_INTERFACES = frozenset({"0.0.0.0", "[::]", "[::0]"})
+
+
+def check_probe(probe: dict[str, Any], settings: Resolved) -> None:
+    """``probe`` reaches the server from where it runs. kubelet runs an ``exec`` probe inside
+    the container: it must be ``tierkv health`` on an address the server listens on, with a
+    ``timeoutSeconds`` that leaves it time (kubelet's default is 1 s). kubelet dials a
+    ``grpc``, ``tcpSocket`` or ``httpGet`` probe at the pod's IP, which a listener on
+    127.0.0.1 never sees: its port must be on a listener of every interface."""
+    if "exec" in probe:
+        command = probe["exec"]["command"]
+        assert command[0] in (IMAGE.entrypoint[0], f"{IMAGE.workdir}/{IMAGE.entrypoint[0]}")
+        parsed = cli_main.build_parser().parse_args(command[1:])
+        assert parsed.func.__module__ == "tierkv.cli.health_cmd", command
+        assert parsed.target in settings["listen"], command
+        assert parsed.service in ("", SERVICE_NAME), command
+        assert probe.get("timeoutSeconds", 1) >= parsed.timeout_s + HEALTH_START_S, probe
+        return
+    (kind,) = probe.keys() & {"grpc", "tcpSocket", "httpGet"}
+    port = probe[kind]["port"]
+    hosts = {a.rsplit(":", 1)[0] for a in settings["listen"]
+             if not a.startswith("unix:") and int(a.rsplit(":", 1)[1]) == port}
+    assert hosts & ALL_INTERFACES, (
+        f"a {kind} probe of port {port}: kubelet dials the pod's IP, the server listens on "
+        f"{sorted(hosts) or 'no such port'} only")
 
 
 CONTAINERS = _tierkv_containers()
@@ -99,9 +132,9 @@ def test_a_tierkv_container_runs_settings_the_server_accepts(
     # The disk tier and the socket live on volumes, not in the container's layer.
     assert settings["disk_path"] in mounts
     assert _socket_folders(settings) and _socket_folders(settings) <= mounts.keys()
-    # The probes ask the gRPC health service on a port the server listens on.
+    # The probes ask the gRPC health service where the server answers them.
     for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
-        assert container[probe]["grpc"]["port"] in _tcp_ports(settings), probe
+        check_probe(container[probe], settings)
     # Metrics: the declared port is the one the server binds, on every interface.
     assert settings["metrics_port"] > 0 and settings["metrics_host"] == "0.0.0.0"
     assert {p["containerPort"] for p in container["ports"]} == {settings["metrics_port"]}

@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from tierkv.errors import ConfigError
 from tierkv.wire.limits import DEFAULT_TARGET
 
 SERVING_EXIT = 0
@@ -45,13 +46,17 @@ def register(subparsers: Any) -> None:
 def check(target: str, service: str = "", timeout_s: float = 3.0,
           tls_ca: Path | None = None) -> str:
     """The health status name the server at ``target`` answers for ``service`` (``SERVING``,
-    ``NOT_SERVING``, ...), or ``UNREACHABLE`` when it does not answer within ``timeout_s``."""
+    ``NOT_SERVING``, ...), or ``UNREACHABLE`` when it does not answer within ``timeout_s``.
+    ``ConfigError`` when ``tls_ca`` cannot be read."""
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
     if tls_ca is not None:
-        credentials = grpc.ssl_channel_credentials(Path(tls_ca).read_bytes())
-        channel = grpc.secure_channel(target, credentials)
+        try:
+            root_certificates = Path(tls_ca).read_bytes()
+        except OSError as exc:  # exit 2 with one line, not 1 (NOT_SERVING) with a traceback
+            raise ConfigError(f"--tls-ca {tls_ca}: cannot read it ({exc.strerror})") from None
+        channel = grpc.secure_channel(target, grpc.ssl_channel_credentials(root_certificates))
     else:
         channel = grpc.insecure_channel(target)
     with channel:
