@@ -334,3 +334,22 @@ async def test_a_scrape_before_attach_and_after_the_store_closed_answers(tmp_pat
         await server.stop(close_store=False)
         if store is not None:
             store.close()
+
+
+def _listening_addresses(port: int) -> set[str]:
+    """The local addresses of the sockets listening on TCP ``port`` (Linux's /proc/net)."""
+    found = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            local, state = line.split()[1], line.split()[3]
+            address, hex_port = local.rsplit(":", 1)
+            if int(hex_port, 16) == port and state == "0A":  # LISTEN
+                found.add(address)
+    return found
+
+
+@pytest.mark.asyncio
+async def test_the_endpoint_listens_on_metrics_host_only(tmp_path: Path) -> None:
+    async with serving(tmp_path / "store", metrics_port=free_port()) as served:
+        port = served.server.metrics_port
+        assert _listening_addresses(port) == {"0100007F"}  # 127.0.0.1, little-endian
