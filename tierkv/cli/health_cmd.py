@@ -2,7 +2,9 @@
 
 What a container's health check or a probe runs: exit 0 when the server answers SERVING, 1 when
 it answers anything else (NOT_SERVING while its disk index recovers or while it drains at
-shutdown), 2 when nothing answers within ``--timeout-s``. It speaks the standard
+shutdown) or nothing answers within ``--timeout-s`` (the line printed says which), 2 for a
+mistake in the command itself (Docker reserves 2 in health checks: it never means the server is
+down). It speaks the standard
 ``grpc.health.v1.Health`` protocol, so Kubernetes' built-in ``grpc`` probe and this command ask
 the same question; this one also reaches a Unix socket, which Kubernetes' probe cannot.
 """
@@ -19,7 +21,7 @@ from tierkv.wire.limits import DEFAULT_TARGET
 
 SERVING_EXIT = 0
 NOT_SERVING_EXIT = 1
-UNREACHABLE_EXIT = 2
+UNREACHABLE_EXIT = 1
 
 
 def register(subparsers: Any) -> None:
@@ -27,7 +29,7 @@ def register(subparsers: Any) -> None:
     parser = subparsers.add_parser(
         "health", help="exit 0 when a sidecar's gRPC health service answers SERVING",
         description="Ask a running sidecar's gRPC health service (grpc.health.v1) for its "
-        "status: exit 0 when SERVING, 1 otherwise, 2 when it does not answer in time.",
+        "status: exit 0 when SERVING, 1 otherwise (NOT_SERVING, or no answer in time).",
     )
     parser.add_argument("--target", default=DEFAULT_TARGET,
                         help=f"unix:///path or host:port (default {DEFAULT_TARGET})")
