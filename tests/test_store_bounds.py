@@ -7,10 +7,17 @@ pins stayed counted. Namespaces were stored for good.
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
 from fake_clock import FakeClock
 
 from tierkv import Namespace, TieredStore
-from tierkv.config import Priority
+from tierkv.config import HostTierConfig, Priority, StoreConfig
+from tierkv.errors import ConfigError
 from tierkv.store.ledger import Entry
 from tierkv.store.pins import PinTable
 from tierkv.store.recovery import namespace_state
@@ -161,3 +168,19 @@ def test_a_write_lease_outlives_the_pruning_of_its_namespace(
     store.register(namespace)  # takes back the state the lease holds, not a second one
     assert store.commit(lease.lease_id) == 2
     assert store.lookup(namespace, keys(2)) == 2
+
+
+def test_a_host_tier_larger_than_dev_shm_is_one_config_error(tmp_path: Path) -> None:
+    # Refused before the segment exists: a pre-fault past /dev/shm's room would be a SIGBUS,
+    # and Python's SharedMemory answers a failed ftruncate with a resource-tracker traceback.
+    free_bytes = os.statvfs("/dev/shm").f_bavail * os.statvfs("/dev/shm").f_frsize
+    config = StoreConfig(host=HostTierConfig(free_bytes + 1024 * 1024 * 1024, 256 * 1024))
+    with pytest.raises(ConfigError, match="free in /dev/shm"):
+        TieredStore(config)
+    done = subprocess.run(
+        [sys.executable, "-m", "tierkv", "serve", "--host-bytes", "1000TiB", "--no-disk",
+         "--listen", f"unix://{tmp_path}/s.sock"],
+        capture_output=True, text=True, timeout=120, check=False,
+    )
+    assert done.returncode == 2
+    assert "free in /dev/shm" in done.stderr and "Traceback" not in done.stderr

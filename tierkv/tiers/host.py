@@ -45,6 +45,8 @@ class HostSlab(PagedSlab):
         self._lock_fd: int | None = None
         with sweep_lock():
             remove_stale_segments(name)
+            if config.prefault:
+                _check_room(size_bytes)
             try:
                 self._shm = shared_memory.SharedMemory(name=name, create=True, size=size_bytes)
             except FileExistsError:
@@ -119,3 +121,20 @@ def _cuda_host_register(tensor: torch.Tensor) -> bool:
         log.warning("cudaHostRegister of the host slab failed (%s); copies will be slower", result)
         return False
     return True
+
+
+def _check_room(size_bytes: int) -> None:
+    """``ConfigError`` when ``/dev/shm`` has less room than ``size_bytes``. Checked before the
+    segment is made: the pre-fault of a slab larger than the room left would end the process
+    with SIGBUS, and Python 3.11's ``SharedMemory`` answers a failed ``ftruncate`` with a
+    resource-tracker traceback after the error."""
+    try:
+        fs = os.statvfs(SHM_DIR)
+    except OSError:  # no /dev/shm to ask: SharedMemory will say what is wrong
+        return
+    room_bytes = fs.f_bavail * fs.f_frsize
+    if size_bytes > room_bytes:
+        raise ConfigError(
+            f"host capacity_bytes: {size_bytes} bytes of shared memory asked for, {room_bytes} "
+            f"free in {SHM_DIR}; lower --host-bytes or enlarge /dev/shm"
+        )
