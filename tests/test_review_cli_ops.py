@@ -4,6 +4,8 @@ carries: one line and an exit code, never a traceback, and nothing cleared by mi
 
 from __future__ import annotations
 
+import asyncio
+import io
 import json
 import os
 import select
@@ -11,7 +13,8 @@ import shutil
 import signal
 import subprocess
 import sys
-from collections.abc import Iterator
+import threading
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import pytest
@@ -21,6 +24,8 @@ from tierkv import Client, Namespace, WritePolicy
 from tierkv.cli.clear_cmd import parse_namespace
 from tierkv.cli.main import main
 from tierkv.errors import InvalidArgumentError
+from tierkv.service.servicer import TierKVServicer
+from tierkv.wire import tierkv_pb2 as pb
 from tiny_blocks import TINY_LAYOUT, blocks, keys
 
 MODEL = Namespace("model-a", TINY_LAYOUT)
@@ -130,3 +135,71 @@ def test_a_namespace_the_wire_cannot_carry_is_one_line_and_clears_nothing(
     assert err.startswith("tierkv clear: ") and why in err
     assert held(server) == (3, 1)
     assert parse_namespace("org/m:v2:2x2x8/4/fp16:1/4").tp_size == 4  # still parsed
+
+
+class HeldClear(TierKVServicer):
+    """The real servicer, whose Clear holds its first message (the store's clear has begun)
+    until ``go`` is set, without blocking the loop: a clear under way when its caller is
+    interrupted."""
+
+    arrived = threading.Event()
+    go = threading.Event()
+
+    async def Clear(self, request: pb.ClearRequest, context: object
+                    ) -> AsyncIterator[pb.ClearProgress]:
+        async for message in super().Clear(request, context):
+            HeldClear.arrived.set()
+            while not HeldClear.go.is_set():
+                await asyncio.sleep(0.01)
+            yield message
+
+
+def test_ctrl_c_during_a_clear_is_one_line_and_the_server_finishes_it(tmp_path: Path) -> None:
+    """Ctrl-C while the server clears was a KeyboardInterrupt traceback (exit -2); now one line
+    saying the server finishes what it began (exit 130), and it does."""
+    HeldClear.arrived.clear()
+    HeldClear.go.clear()
+    server = BackgroundServer(tmp_path / "store", servicer=HeldClear)
+    try:
+        with Client(server.target, token=ALICE_TOKEN, use_shm=False) as client:
+            client.put(MODEL, keys(3), blocks(3), write_policy=WritePolicy.WRITE_THROUGH)
+        clear = tierkv("clear", "--target", server.target, "--token", ALICE_TOKEN, "--all",
+                       "--yes")
+        try:
+            assert HeldClear.arrived.wait(60)
+            clear.send_signal(signal.SIGINT)
+            _, err = clear.communicate(timeout=60)
+        finally:
+            HeldClear.go.set()
+            if clear.poll() is None:
+                clear.kill()
+                clear.communicate()
+        assert clear.returncode == 130 and "Traceback" not in err
+        assert "interrupted: a clear the server had begun runs to its end" in err
+        with Client(server.target, token=ALICE_TOKEN, use_shm=False) as client:
+            for _ in range(6000):  # the abandoned clear runs to its end (in well under 60 s)
+                if not client.lookup(MODEL, keys(3)):
+                    break
+                threading.Event().wait(0.01)
+            assert client.lookup(MODEL, keys(3)) == 0
+    finally:
+        server.close()
+
+
+class Interrupted(io.StringIO):
+    """A terminal whose operator presses Ctrl-C at the question."""
+
+    def isatty(self) -> bool:
+        return True
+
+    def readline(self, size: int | None = -1) -> str:
+        raise KeyboardInterrupt
+
+
+def test_ctrl_c_at_the_confirmation_clears_nothing(
+        server: BackgroundServer, capsys: pytest.CaptureFixture[str],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(sys, "stdin", Interrupted())
+    assert main(["clear", "--target", server.target, "--token", ALICE_TOKEN, "--all"]) == 130
+    assert "interrupted: nothing cleared" in capsys.readouterr().err
+    assert held(server) == (3, 1)

@@ -24,6 +24,8 @@ from tierkv.store import ClearResult, parse_layout_label
 from tierkv.wire.namespaces import namespace_from, namespace_to
 
 REFUSED_EXIT = 1
+INTERRUPTED_EXIT = 130
+"""Ctrl-C (128 + SIGINT), as a shell reports a command it interrupted."""
 
 
 def register(subparsers: Any) -> None:
@@ -111,8 +113,23 @@ def run(args: argparse.Namespace) -> int:
         print("tierkv clear: name --tenant, --model or --namespace, or --all", file=sys.stderr)
         return REFUSED_EXIT
     namespace = parse_namespace(args.namespace) if args.namespace else None
-    if not _confirmed(args):
-        return REFUSED_EXIT
+    try:
+        if not _confirmed(args):
+            return REFUSED_EXIT
+    except KeyboardInterrupt:
+        print("\ntierkv clear: interrupted: nothing cleared", file=sys.stderr)
+        return INTERRUPTED_EXIT
+    try:
+        result = _clear(args, namespace)
+    except KeyboardInterrupt:  # the server does not stop a clear its caller left
+        print("\ntierkv clear: interrupted: a clear the server had begun runs to its end "
+              "there (tierkv stats shows what is left)", file=sys.stderr)
+        return INTERRUPTED_EXIT
+    print(summary(result))
+    return 0
+
+
+def _clear(args: argparse.Namespace, namespace: Namespace | None) -> ClearResult:
     with open_client(args) as client, tqdm(desc="clearing", unit="block", file=sys.stderr,
                                            disable=not sys.stderr.isatty()) as bar:
 
@@ -120,10 +137,8 @@ def run(args: argparse.Namespace) -> int:
             bar.total = total
             bar.update(done - bar.n)
 
-        result = client.clear(tenant=args.tenant, model_id=args.model, namespace=namespace,
-                              all_namespaces=args.all, progress=progress)
-    print(summary(result))
-    return 0
+        return client.clear(tenant=args.tenant, model_id=args.model, namespace=namespace,
+                            all_namespaces=args.all, progress=progress)
 
 
 def summary(result: ClearResult) -> str:
