@@ -39,8 +39,10 @@ from tierkv.errors import ConfigError
 from tierkv.tiers.lmdb_check import DamagedError, check_data_file
 from tierkv.tiers.lmdb_env import DATA_FILE_NAME, DB_NAMES, LOCK_FILE_NAME
 
-_SNAPSHOT_TRIES = 50
-"""Snapshots taken before a store a server is writing is reported damaged (decision 4)."""
+_SNAPSHOT_TRIES = 5
+"""Snapshots taken before a store a server is writing is reported damaged (decision 4): the
+meta page is lost only to two commits between the transaction's start and the check's first
+read, microseconds apart, and a store that is really damaged is walked this many times."""
 
 
 class NotAStoreError(ConfigError):
