@@ -18,6 +18,7 @@ from harness import SidecarFactory, stream_client
 from tierkv import DiskTierConfig, HostTierConfig, Namespace, StoreConfig, TieredStore
 from tierkv import WritePolicy as Policy
 from tierkv.cli.main import main
+from tierkv.errors import ConfigError
 from tierkv.store import inspect_disk
 from tierkv.tiers.lmdb_readonly import NotAStoreError, ReadOnlyStore
 from tiny_blocks import BLOCK_BYTES, PAGE_BYTES, TINY_LAYOUT, blocks, keys
@@ -187,3 +188,28 @@ def test_a_store_without_its_lmdb_lock_file_is_read_and_none_is_created(tmp_path
     report = inspect_disk(path)
     assert (report.num_blocks, report.num_sessions, report.num_bad_records) == (60, 3, 0)
     assert sorted(p.name for p in path.iterdir()) == before
+
+
+def test_a_server_cannot_start_on_a_store_an_offline_inspection_is_reading(
+        tmp_path: Path) -> None:
+    """An offline inspection is no LMDB reader a server can see: a server that started on the
+    store halfway through and rewrote its blocks recycled the pages being read, and LMDB
+    aborted the inspecting process (``mdb_cursor_sibling`` assertion). Now the inspection
+    holds the directory lock shared, so the server is refused until it ends, and the figures
+    are the store's."""
+    path = small_store(tmp_path / "store")
+    config = StoreConfig(host=HostTierConfig(64 * BLOCK_BYTES, PAGE_BYTES),
+                         disk=DiskTierConfig(path, 1 << 20))
+    refusals: list[str] = []
+
+    def start_a_server(num_bytes: int) -> None:
+        if not refusals:
+            with pytest.raises(ConfigError, match="another tierkv process holds it") as refused:
+                TieredStore(config).close()
+            refusals.append(str(refused.value))
+
+    report = inspect_disk(path, progress=start_a_server)
+    assert refusals and not report.server_running
+    assert (report.num_blocks, report.num_sessions, report.num_bad_records) == (60, 3, 0)
+    with TieredStore(config) as store:  # the lock went with the inspection
+        assert store.num_recovered_blocks == 60

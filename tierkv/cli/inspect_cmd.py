@@ -1,8 +1,10 @@
 """``tierkv inspect --disk-path P``: what a disk store holds, offline and read-only.
 
 No server is needed, and one may be running on the store: nothing on disk changes either way
-(``tierkv.tiers.lmdb_readonly``). Every record is verified by the store's own parsers; those
-that fail (torn, flipped, foreign) are counted and listed. Exit codes: 0 every record verified,
+(``tierkv.tiers.lmdb_readonly``). While a store no server runs on is read, a server cannot
+start on it (it is refused, as by another server, until the inspection ends). Every record
+is verified by the store's own parsers; those that fail (torn, flipped, foreign) are counted
+and listed. Exit codes: 0 every record verified,
 3 the store holds bad records, 1 the path is not a readable tierkv disk store.
 """
 
@@ -33,8 +35,9 @@ def register(subparsers: Any) -> None:
         "inspect", help="what a disk store holds (offline, read-only)",
         description="Read a tierkv disk store (the --disk-path of tierkv serve) without "
         "changing it, with or without a server running on it: its namespaces, blocks, bytes "
-        "and sessions, and every record that fails its checks. Exit 0 when every record "
-        "verifies, 3 when some do not, 1 when the path is not a tierkv disk store.",
+        "and sessions, and every record that fails its checks. While it reads a store no "
+        "server runs on, a server cannot start there. Exit 0 when every record verifies, 3 "
+        "when some do not, 1 when the path is not a tierkv disk store.",
     )
     parser.add_argument("--disk-path", type=Path, required=True, help="the store's folder")
     parser.add_argument("--json", action="store_true", help="print JSON instead of tables")

@@ -4,7 +4,13 @@ Decisions:
 1. No server holds the directory (its ``tierkv.lock`` is free): the environment is opened
    read-only without LMDB's lock file (``readonly=True, lock=False``). LMDB then opens
    ``data.mdb`` with ``O_RDONLY`` and never opens ``lock.mdb``: no byte and no mtime of any
-   file changes, and nothing is created (not even a missing directory).
+   file changes, and nothing is created (not even a missing directory). Such a reader is
+   invisible to LMDB, so a server must not start on the store while it reads: the shared
+   ``flock`` on ``tierkv.lock`` that found it free is held until ``close``, and a server
+   starting meanwhile is refused (its exclusive lock fails, and it says another tierkv
+   process holds the path) instead of recycling the pages being read, which made LMDB
+   ``abort()`` the inspection. A store without ``tierkv.lock`` was never served, or was
+   copied without it; nothing here can keep a server off it, since that would create a file.
 2. A server in another process holds the directory: the environment is opened read-only *with*
    the lock file, as one more LMDB reader. Its slot in ``lock.mdb`` (which the server writes
    anyway) keeps the server from reusing the pages of the snapshot being read: without it a
@@ -49,20 +55,30 @@ class NotAStoreError(ConfigError):
     """The path is not a readable tierkv disk store (the message says why)."""
 
 
-def server_holds(path: Path) -> bool:
-    """Whether another process (a server) holds the directory lock of ``path`` now. Opens the
-    lock file read-only (never creating it) and takes a shared lock for an instant."""
+def share_directory(path: Path) -> tuple[bool, int | None]:
+    """``(server_running, fd)``: whether another process (a server) holds the directory lock
+    of ``path`` now, and else the lock file's descriptor holding a shared lock on it (None when
+    there is no lock file), to close when the reading is done (decision 1). Opens the lock
+    file read-only, never creating it."""
     try:
         fd = os.open(path / LOCK_FILE_NAME, os.O_RDONLY | os.O_CLOEXEC)
     except OSError:
-        return False
+        return False, None
     try:
         fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
     except OSError as exc:
-        return exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN)
-    finally:
+        os.close(fd)
+        return exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN), None
+    return False, fd
+
+
+def server_holds(path: Path) -> bool:
+    """Whether another process (a server) holds the directory lock of ``path`` now (a shared
+    lock taken for an instant)."""
+    running, fd = share_directory(path)
+    if fd is not None:
         os.close(fd)  # closing releases the shared lock
-    return False
+    return running
 
 
 class ReadOnlyStore:
@@ -76,16 +92,19 @@ class ReadOnlyStore:
             raise NotAStoreError(f"{self.path}: no LMDB data file ({DATA_FILE_NAME}) there")
         if data_file.stat().st_size == 0:  # LMDB itself says only "Bad file descriptor"
             raise NotAStoreError(f"{data_file} is empty (0 B): not a tierkv disk store")
-        self.server_running = server_holds(self.path)
+        self.server_running, self._shared_fd = share_directory(self.path)
+        self._txn: lmdb.Transaction | None = None
         try:
             self._env = lmdb.open(
                 str(self.path), readonly=True, lock=self.server_running, create=False,
                 max_dbs=4, subdir=True, map_size=max(data_file.stat().st_size, 1 << 20),
                 readahead=False,
             )
-        except lmdb.Error as exc:
-            raise NotAStoreError(f"{self.path}: not an LMDB store ({exc})") from exc
-        self._txn: lmdb.Transaction | None = None
+        except BaseException as exc:
+            self._unshare()
+            if isinstance(exc, lmdb.Error):
+                raise NotAStoreError(f"{self.path}: not an LMDB store ({exc})") from exc
+            raise
         try:
             self._txn = self._snapshot(data_file)
             if self._txn.get(DB_NAMES[0]) is None:
@@ -135,13 +154,19 @@ class ReadOnlyStore:
             yield bytes(key), memoryview(value)
 
     def close(self) -> None:
-        """End the snapshot and close the environment (idempotent)."""
+        """End the snapshot, close the environment and let servers start again (idempotent)."""
         if self._txn is not None:
             with contextlib.suppress(lmdb.Error):
                 self._txn.abort()
             self._txn = None
         with contextlib.suppress(lmdb.Error):
             self._env.close()
+        self._unshare()
+
+    def _unshare(self) -> None:
+        if self._shared_fd is not None:
+            os.close(self._shared_fd)  # releases the shared lock
+            self._shared_fd = None
 
     def __enter__(self) -> ReadOnlyStore:
         return self
