@@ -8,6 +8,8 @@ from __future__ import annotations
 import os
 import random
 import shutil
+import subprocess
+import sys
 import threading
 from pathlib import Path
 
@@ -213,3 +215,46 @@ def test_a_server_cannot_start_on_a_store_an_offline_inspection_is_reading(
     assert (report.num_blocks, report.num_sessions, report.num_bad_records) == (60, 3, 0)
     with TieredStore(config) as store:  # the lock went with the inspection
         assert store.num_recovered_blocks == 60
+
+
+HOLD_A_SNAPSHOT = """
+import sys, time
+from tierkv.tiers.lmdb_readonly import ReadOnlyStore
+store = ReadOnlyStore(sys.argv[1])
+assert store.server_running
+print("holding", flush=True)
+time.sleep(600)
+"""
+
+
+def test_an_inspection_killed_on_a_live_store_does_not_pin_its_pages_for_good(
+        sidecar_factory: SidecarFactory) -> None:
+    """An inspection killed with SIGKILL left its LMDB reader slot (and snapshot) behind; the
+    server clears dead readers only when it opens the store, so it could reuse no page freed
+    since: measured, its file grew by every rewrite until the map was full and puts were
+    refused. The next inspection clears the dead slot."""
+    sidecar = sidecar_factory(*BUSY_FLAGS)
+    with stream_client(sidecar) as client:
+        client.put(Namespace("m", TINY_LAYOUT), keys(2), blocks(2),
+                   write_policy=Policy.WRITE_THROUGH)
+    holder = subprocess.Popen([sys.executable, "-c", HOLD_A_SNAPSHOT, str(sidecar.disk_path)],
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout is not None and holder.stdout.readline() == "holding\n"
+    finally:
+        holder.kill()
+        holder.wait()
+        if holder.stdout is not None:
+            holder.stdout.close()
+
+    def reader_pids() -> str:
+        env = lmdb.open(str(sidecar.disk_path), readonly=True, lock=True, max_dbs=4)
+        try:
+            return str(env.readers())
+        finally:
+            env.close()
+
+    assert f" {holder.pid} " in reader_pids()  # the dead process still holds a slot
+    assert inspect_disk(sidecar.disk_path).num_blocks == 2
+    assert f" {holder.pid} " not in reader_pids()
+    assert sidecar.alive

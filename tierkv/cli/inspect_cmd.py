@@ -4,8 +4,8 @@ No server is needed, and one may be running on the store: nothing on disk change
 (``tierkv.tiers.lmdb_readonly``). While a store no server runs on is read, a server cannot
 start on it (it is refused, as by another server, until the inspection ends). Every record
 is verified by the store's own parsers; those that fail (torn, flipped, foreign) are counted
-and listed. Exit codes: 0 every record verified,
-3 the store holds bad records, 1 the path is not a readable tierkv disk store.
+and listed. Exit codes: 0 every record verified, 3 the store holds bad records, 1 the path is
+not a readable tierkv disk store.
 """
 
 from __future__ import annotations

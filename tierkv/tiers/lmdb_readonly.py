@@ -17,6 +17,11 @@ Decisions:
    commit could recycle them under the reader, and LMDB ``abort()``s on a page of the wrong
    type. Never open it so from inside the process that serves the store: LMDB forbids two
    opens of one environment in a process (closing one drops the other's ``fcntl`` locks).
+   A reader whose process died without closing (``kill -9`` of an inspection) keeps its slot
+   and its snapshot, and the server clears dead readers only at its own open: it then reused
+   no page freed since, so its file grew with every rewrite until the map was full and puts
+   were refused. Each such open first clears the slots of dead processes (LMDB's
+   ``reader_check``), so the next inspection undoes what a killed one left.
 3. Before LMDB walks anything, the file must hold every page of the last commit and
    ``tierkv.tiers.lmdb_check`` must find every B-tree well formed (as at a server's open), so
    a damaged or truncated file is a clear error, never a crash. Then every value LMDB hands out
@@ -105,6 +110,9 @@ class ReadOnlyStore:
             if isinstance(exc, lmdb.Error):
                 raise NotAStoreError(f"{self.path}: not an LMDB store ({exc})") from exc
             raise
+        if self.server_running:  # decision 2: slots of dead inspections pin the server's pages
+            with contextlib.suppress(lmdb.Error):
+                self._env.reader_check()
         try:
             self._txn = self._snapshot(data_file)
             if self._txn.get(DB_NAMES[0]) is None:
