@@ -203,3 +203,33 @@ def test_ctrl_c_at_the_confirmation_clears_nothing(
     assert main(["clear", "--target", server.target, "--token", ALICE_TOKEN, "--all"]) == 130
     assert "interrupted: nothing cleared" in capsys.readouterr().err
     assert held(server) == (3, 1)
+
+
+class Answer(io.StringIO):
+    """A terminal where the operator answers the question."""
+
+    def isatty(self) -> bool:
+        return True
+
+
+def test_the_question_names_the_tenant_a_namespace_clear_reaches(
+        server: BackgroundServer, capsys: pytest.CaptureFixture[str],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """``--namespace`` without ``--tenant`` clears the token's own tenant's namespace (for an
+    admin too), but the question said "every tenant this token reaches": an admin confirmed a
+    clear of every tenant's namespace and got his own (nothing)."""
+    monkeypatch.setattr(sys, "stdin", Answer("n\n"))
+    argv = ["clear", "--target", server.target, "--token", ALICE_TOKEN,
+            "--namespace", "model-a:2x2x8/4/fp16"]
+    assert main(argv) == 1
+    question = capsys.readouterr().out
+    assert "this token's own tenant, namespace 'model-a:2x2x8/4/fp16'" in question
+    assert "every tenant" not in question
+    monkeypatch.setattr(sys, "stdin", Answer("n\n"))
+    assert main([*argv, "--tenant", "alice"]) == 1
+    assert "tenant 'alice', namespace" in capsys.readouterr().out
+    monkeypatch.setattr(sys, "stdin", Answer("n\n"))
+    assert main(["clear", "--target", server.target, "--token", ALICE_TOKEN,
+                 "--model", "model-a"]) == 1
+    assert "every tenant this token reaches, model 'model-a'" in capsys.readouterr().out
+    assert held(server) == (3, 1)

@@ -78,9 +78,17 @@ def parse_namespace(text: str) -> Namespace:
 
 
 def _scope(args: argparse.Namespace) -> str:
+    """What the confirmation names: as the server reads the filters (a namespace without
+    --tenant is of the token's own tenant, never of every tenant an admin reaches)."""
     if args.all:
         return "every namespace this token reaches"
-    named = [f"tenant {args.tenant!r}" if args.tenant else "every tenant this token reaches"]
+    if args.tenant:
+        tenant = f"tenant {args.tenant!r}"
+    elif args.namespace:
+        tenant = "this token's own tenant"
+    else:
+        tenant = "every tenant this token reaches"
+    named = [tenant]
     if args.model:
         named.append(f"model {args.model!r}")
     if args.namespace:
