@@ -233,3 +233,31 @@ def test_the_question_names_the_tenant_a_namespace_clear_reaches(
                  "--model", "model-a"]) == 1
     assert "every tenant this token reaches, model 'model-a'" in capsys.readouterr().out
     assert held(server) == (3, 1)
+
+
+EVIL_MODEL = "evil\x1b[2J\x1b[H\nalice    model-a    2x2x8/4/fp16    0/1    999\u200b"
+
+
+def test_a_tenants_model_id_cannot_redraw_or_forge_an_operators_table(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Model ids are the clients' choice: one with a terminal escape and a newline was printed
+    raw by the admin's ``tierkv stats`` (a cleared screen and a forged row); so was a disk
+    record's, by ``tierkv inspect``. Every cell is now printed escaped (JSON was safe)."""
+    evil = Namespace(EVIL_MODEL, TINY_LAYOUT)
+    server = BackgroundServer(tmp_path / "store", tokens={ALICE_TOKEN: "alice", "a" * 32: "ops"},
+                              admin_tenants=("ops",))
+    try:
+        with Client(server.target, token=ALICE_TOKEN, use_shm=False) as client:
+            client.put(evil, keys(1), blocks(1), write_policy=WritePolicy.WRITE_THROUGH)
+        assert main(["stats", "--target", server.target, "--token", "a" * 32]) == 0
+        out = capsys.readouterr().out
+        assert "\x1b" not in out and "\u200b" not in out
+        assert r"evil\x1b[2J\x1b[H\nalice" in out
+        assert out.count("model-a") == 1  # the forged row is inside the one escaped cell
+        assert main(["stats", "--target", server.target, "--token", "a" * 32, "--json"]) == 0
+        assert json.loads(capsys.readouterr().out)["namespaces"][0]["model_id"] == EVIL_MODEL
+    finally:
+        server.close()
+    assert main(["inspect", "--disk-path", str(tmp_path / "store" / "disk")]) == 0
+    out = capsys.readouterr().out
+    assert "\x1b" not in out and r"evil\x1b[2J" in out and out.count("model-a") == 1

@@ -18,7 +18,7 @@ from typing import Any
 
 from tqdm import tqdm
 
-from tierkv.cli.ops_common import table
+from tierkv.cli.ops_common import printable, table
 from tierkv.errors import ConfigError
 from tierkv.sizes import format_size
 from tierkv.store import DiskReport, inspect_disk, layout_label
@@ -62,7 +62,7 @@ def render(report: DiskReport) -> str:
     """The report as text: totals, namespaces, bad records."""
     running = " (a server is running on it: figures of one moment)" if report.server_running else ""
     lines = [
-        f"disk store {report.path}{running}",
+        f"disk store {printable(str(report.path))}{running}",
         f"{len(report.namespaces)} namespaces, {report.num_blocks} blocks "
         f"({format_size(report.stored_bytes)}), {report.num_sessions} sessions, "
         f"{report.num_bad_records} bad records",
@@ -78,7 +78,7 @@ def render(report: DiskReport) -> str:
     if report.num_bad_records:
         lines.append("bad records:")
         listed = report.bad_records[:_NUM_LISTED_IN_TEXT]
-        lines += [f"  {bad.db:<10} {bad.key_hex}  {bad.reason}" for bad in listed]
+        lines += [f"  {bad.db:<10} {bad.key_hex}  {printable(bad.reason)}" for bad in listed]
         if report.num_bad_records > len(listed):
             lines.append(f"  ... and {report.num_bad_records - len(listed)} more (--json lists "
                          f"up to {len(report.bad_records)})")

@@ -36,9 +36,22 @@ def open_client(args: argparse.Namespace) -> Client:
     return Client(args.target, **settings)
 
 
+def printable(text: str) -> str:
+    """``text`` with every character a terminal would act on (escape sequences, newlines,
+    other controls and unprintables) written as a Python escape: model ids and session keys
+    come from clients and disk records, and printed raw they could redraw an operator's screen
+    or forge rows of a table."""
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii")
+                   for c in text)
+
+
 def table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
-    """``rows`` under ``headers`` in aligned columns (text left, numbers right)."""
-    cells = [[str(h) for h in headers], *[[str(c) for c in row] for row in rows]]
+    """``rows`` under ``headers`` in aligned columns (text left, numbers right), every cell
+    ``printable``."""
+    cells = [[printable(str(h)) for h in headers],
+             *[[printable(str(c)) for c in row] for row in rows]]
     widths = [max(len(row[i]) for row in cells) for i in range(len(headers))]
     numeric = [all(isinstance(row[i], int | float) for row in rows) and bool(rows)
                for i in range(len(headers))]
