@@ -11,7 +11,11 @@ straight out of LMDB's map.
 Decisions (each from a failure seen in LMDB users):
 1. Never ``writemap``: with it a full disk is a SIGBUS; without it, a write error we can report.
 2. The map size is fixed at open and never changed while transactions may be open.
-3. ``reader_check()`` at open reclaims reader slots left by a process killed with SIGKILL.
+3. ``reader_check()`` reclaims reader slots left by a process killed with SIGKILL (an
+   inspection's, say): at open, every ``READER_CHECK_INTERVAL_S`` on the writer thread, and
+   before a commit that found the map full is tried again. A dead reader's snapshot keeps
+   LMDB from reusing every page freed after it; left alone, the file grows with each rewrite
+   until the map is full.
 4. Read transactions are short (one batch), so that LMDB can reuse freed pages.
 5. The environment belongs to the process that opened it; use after ``fork`` is refused.
 6. Opening never crashes on what is in the files and never shares the directory with another
@@ -37,6 +41,7 @@ import logging
 import os
 import queue
 import threading
+import time
 from collections.abc import Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -59,6 +64,7 @@ _GROUP_COMMIT_BYTES = 256 * MiB
 _SALVAGE_DELETES = 4
 # Free map pages kept for deletes and B-tree copies (at least; 1% of the map when larger).
 _RESERVE_PAGES = 64
+READER_CHECK_INTERVAL_S = 10.0
 # An EIO with less free space than a failed write needs plus this is a full disk (decision 8).
 _FULL_DISK_MARGIN_BYTES = 4 * MiB
 DISK_ERROR_LOG_INTERVAL_S = 10.0
@@ -129,6 +135,7 @@ class DiskTier:
         self.readers = ThreadPoolExecutor(config.num_reader_threads, "tierkv-disk-read")
         self._closed = False
         self._error_lines = {kind: Throttle(DISK_ERROR_LOG_INTERVAL_S) for kind in _ERROR_KINDS}
+        self._next_reader_check_s = time.monotonic() + READER_CHECK_INTERVAL_S
 
     # --- recovery -----------------------------------------------------------------------------
 
@@ -182,9 +189,33 @@ class DiskTier:
                 num_bytes += following.num_bytes
             self._commit_group(batch)
 
-    def _commit_group(self, batch: list[DiskWrite]) -> None:
+    def _clear_dead_readers(self) -> int:
+        """Reclaim the reader slots of dead processes (decision 3); how many were freed."""
+        self._next_reader_check_s = time.monotonic() + READER_CHECK_INTERVAL_S
+        try:
+            num_freed = int(self._env.reader_check())
+        except lmdb.Error as exc:
+            self._log_error("reader check", exc)
+            return 0
+        if num_freed:
+            log.warning("freed %d LMDB reader slots of dead processes (their snapshots kept "
+                        "freed pages from reuse)", num_freed)
+        return num_freed
+
+    def _commit_with_reader_check(self, batch: list[DiskWrite]) -> None:
+        if time.monotonic() >= self._next_reader_check_s:
+            self._clear_dead_readers()
         try:
             self._commit(batch)
+        except lmdb.MapFullError:
+            # A dead reader may be all that keeps the freed pages from reuse.
+            if not self._clear_dead_readers():
+                raise
+            self._commit(batch)
+
+    def _commit_group(self, batch: list[DiskWrite]) -> None:
+        try:
+            self._commit_with_reader_check(batch)
         except (lmdb.Error, OSError, DiskFullError) as exc:
             if len(batch) == 1:
                 self._fail(batch[0], exc)
