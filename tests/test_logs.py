@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+import lmdb
 import pytest
 from fake_clock import FakeClock
 from harness import SidecarFactory
@@ -162,6 +163,26 @@ def test_disk_write_failures_are_one_disk_error_line(
     (line,) = events(caplog.records, "disk_error")
     assert (line["op"], line["kind"], line["num_errors"]) == ("write", "full", 1)
     assert line["path"] == str(config.path) and "no room" in line["error"]
+
+
+def test_a_failing_disk_under_write_back_logs_a_few_lines_not_one_per_batch(
+    make_store: StoreFactory, namespace: Namespace, caplog: pytest.LogCaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Every commit fails, as on a dying device: each put evicts to disk and each demotion
+    # batch fails. Measured before: 400 puts, 491 lines.
+    def failing_commit(self: DiskTier, batch: list[DiskWrite]) -> None:
+        raise lmdb.Error("injected: the device is gone")
+
+    store = make_store(host_blocks=4, disk_blocks=64)
+    store.register(namespace)
+    monkeypatch.setattr(DiskTier, "_commit", failing_commit)
+    caplog.set_level(logging.INFO)
+    for number in range(200):
+        store.put(namespace, keys(2, start=2 * number), blocks(2))
+    store.wait_for_background(timeout_s=60)
+    assert len(caplog.records) <= 4, [record.getMessage() for record in caplog.records]
+    assert len(events(caplog.records, "disk_error")) == 1
 
 
 # --- eviction storms -----------------------------------------------------------------------------

@@ -24,6 +24,7 @@ import torch
 
 from tierkv.config import Tier
 from tierkv.errors import CapacityError, TierKVError
+from tierkv.logs import Throttle
 from tierkv.paging import Location, location_num_pages
 from tierkv.store.books import StoreCore
 from tierkv.store.ledger import DOOMED, Entry, NamespaceState, PagedLedger
@@ -31,6 +32,7 @@ from tierkv.tiers.paged import PagedSlab
 from tierkv.tiers.records import RecordStatus, encode_record
 
 log = logging.getLogger(__name__)
+FAILED_WRITE_LOG_INTERVAL_S = 10.0
 
 # How long a reservation waits for room held by in-flight reads and copies.
 _RESERVE_WAIT_S = 5.0
@@ -42,6 +44,8 @@ class Mover:
 
     def __init__(self, core: StoreCore) -> None:
         self.core = core
+        # A failing disk fails every demotion batch: one line a while, with the count.
+        self._failed_writes = Throttle(FAILED_WRITE_LOG_INTERVAL_S)
 
     def reserve_pages(
         self,
@@ -442,7 +446,10 @@ class Mover:
         try:
             self.core.wait_disk(job)
         except TierKVError as exc:
-            log.warning("writing %d records to disk failed: %s", len(records), exc)
+            num_failures = self._failed_writes.admit()
+            if num_failures:
+                log.warning("writing records to disk failed (%d batches since the last line, "
+                            "this one of %d): %s", num_failures, len(records), exc)
             with self.core.lock:
                 for entry in entries:
                     self.core.disk_ledger.release_bytes(entry.ns.record_bytes)  # type: ignore[union-attr]
