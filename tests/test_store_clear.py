@@ -72,15 +72,19 @@ def test_a_clear_is_durable_across_a_restart(make_store: StoreFactory) -> None:
     assert [reopened.lookup(ns, keys(3)) for ns in ALL] == [0, 0, 3]
 
 
-def test_leased_blocks_are_skipped_and_counted_until_released(make_store: StoreFactory) -> None:
+def test_leased_blocks_are_misses_at_once_and_their_room_comes_back_at_release(
+    make_store: StoreFactory,
+) -> None:
     store = filled(make_store)
+    used_bytes = store.stats().tiers[Tier.HOST].used_bytes
     lease = store.acquire(ALICE_A, keys(2), owner="reader")
     result = store.clear(tenant="alice")
-    assert (result.num_blocks, result.num_skipped_busy) == (4, 2)
-    assert store.lookup(ALICE_A, keys(2)) == 2
-    store.release(lease.lease_id, owner="reader")
-    assert store.clear(tenant="alice") == ClearResult(2, 2, 2 * BLOCK_BYTES, 0, 0)
+    assert (result.num_blocks, result.num_busy) == (6, 2)
     assert store.lookup(ALICE_A, keys(3)) == 0
+    assert store.stats().tiers[Tier.HOST].used_bytes == used_bytes - 4 * BLOCK_BYTES
+    store.release(lease.lease_id, owner="reader")
+    assert store.stats().tiers[Tier.HOST].used_bytes == used_bytes - 6 * BLOCK_BYTES
+    assert store.clear(tenant="alice") == ClearResult(2, 0, 0, 0, 0)
 
 
 def test_a_large_clear_reports_progress_in_batches(make_store: StoreFactory) -> None:

@@ -4,7 +4,7 @@ Scope: ``--tenant``, ``--model`` and ``--namespace`` combine (all must match), o
 alone: everything the token reaches (its own tenant, every tenant for an admin tenant). It asks
 for confirmation on a terminal and refuses without one unless ``--yes``; a progress bar follows
 the server's progress; the counts are printed at the end. Blocks being read at that moment are
-skipped (and counted): run it again once they are released.
+misses at once like the others; their room comes back when those reads end.
 """
 
 from __future__ import annotations
@@ -153,7 +153,7 @@ def summary(result: ClearResult) -> str:
     """The counts, in one or two lines."""
     line = (f"cleared {result.num_blocks} blocks ({format_size(result.cleared_bytes)}) and "
             f"{result.num_sessions} sessions of {result.num_namespaces} namespaces")
-    if result.num_skipped_busy:
-        line += (f"\n{result.num_skipped_busy} blocks were being read and stay: run tierkv "
-                 "clear again once they are released")
+    if result.num_busy:
+        line += (f"\n{result.num_busy} of them were being read: their room comes back when "
+                 "those reads end")
     return line

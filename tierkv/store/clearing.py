@@ -2,9 +2,12 @@
 
 Decisions:
 1. Pinned blocks go too: clear is an operator's decision, above any client's pin. Blocks that
-   are busy (being read, leased for reading, or copied between tiers) are left in place and
-   counted as skipped: clear never waits for a reader, and a caller clears again once they are
-   released. Blocks put while a clear runs may stay (they were not there when it began).
+   are busy (being read, leased for reading, or copied between tiers) go as ``delete`` takes
+   them: misses at once, while the reader keeps the bytes it was given and their room comes
+   back when it is done; they are counted in ``num_busy`` too. Clear never waits for a reader,
+   and a cleared block never stays a hit (skipping them left most blocks of a namespace being
+   read, or promoted after a get, as hits until someone cleared again). Blocks put while a
+   clear runs may stay (they were not there when it began).
 2. The work is done in batches of ``_BATCH_BLOCKS`` under one hold of the store lock each, with
    the delete path every other delete takes (``StoreCore.doom_locked``): a clear is safe
    against concurrent puts, gets and evictions, and never holds the lock for long. The disk
@@ -35,13 +38,14 @@ Progress = Callable[[int, int], None]
 class ClearResult:
     """What a clear removed: from ``num_namespaces`` matching namespaces, ``num_blocks`` blocks
     of ``cleared_bytes`` payload bytes (each block once, whatever tiers held it) and
-    ``num_sessions`` sessions; ``num_skipped_busy`` blocks were being read or copied and stay."""
+    ``num_sessions`` sessions. ``num_busy`` of those blocks were being read or copied: misses
+    already, their room comes back when those reads end."""
 
     num_namespaces: int
     num_blocks: int
     cleared_bytes: int
     num_sessions: int
-    num_skipped_busy: int
+    num_busy: int
 
 
 def namespace_filter(
@@ -94,7 +98,7 @@ class Clearer:
         return ClearResult(len(states), num_blocks, cleared_bytes, num_sessions, num_busy)
 
     def _delete_batch(self, state: NamespaceState, batch: list[Entry]) -> tuple[int, int]:
-        """Delete the idle entries of ``batch`` still indexed; ``(deleted, busy)``."""
+        """Delete the entries of ``batch`` still indexed; ``(deleted, of those busy)``."""
         core = self._core
         deleted = busy = 0
         with core.lock:
@@ -102,8 +106,7 @@ class Clearer:
                 if entry.priority == DOOMED or state.blocks.get(entry.block_hash) is not entry:
                     continue  # deleted or evicted meanwhile
                 if entry.readers:
-                    busy += 1
-                    continue
+                    busy += 1  # freed when its reads end, as delete() does it
                 core.doom_locked(entry)
                 deleted += 1
             job = core.submit_deletes_locked()

@@ -359,7 +359,8 @@ class TieredStore(AsyncMethods, LeaseMethods):
         """Delete every block (in every tier, disk included; pinned ones too) and every session
         of the namespaces matching all the filters given (none given: every namespace);
         ``progress(num_blocks_done, num_blocks_total)`` is called as it goes, from this thread.
-        Blocks being read or copied are skipped and counted; namespaces stay registered; the
+        Blocks being read or copied are misses at once too (``num_busy`` counts them: their
+        room comes back when the reads end); namespaces stay registered; the
         disk deletes are durable on return (see ``tierkv.store.clearing``). Safe against
         concurrent calls of every kind. ``InvalidArgumentError`` for a filter of the wrong type.
         """

@@ -207,7 +207,7 @@ def stats_from(response: pb.StatsResponse, tier_stats: Callable[..., Any],
 # --- clear ---------------------------------------------------------------------------------
 
 CLEAR_RESULT_FIELDS = ("num_namespaces", "num_blocks", "cleared_bytes", "num_sessions",
-                       "num_skipped_busy")
+                       "num_busy")
 """The counts of a clear, named alike by ``tierkv.store.ClearResult`` and ``ClearProgress``."""
 
 

@@ -311,7 +311,7 @@ class ClearRequest(_message.Message):
     def __init__(self, tenant: _Optional[str] = ..., model_id: _Optional[str] = ..., namespace: _Optional[_Union[Namespace, _Mapping]] = ..., all: _Optional[bool] = ...) -> None: ...
 
 class ClearProgress(_message.Message):
-    __slots__ = ("num_blocks_done", "num_blocks_total", "done", "num_namespaces", "num_blocks", "cleared_bytes", "num_sessions", "num_skipped_busy")
+    __slots__ = ("num_blocks_done", "num_blocks_total", "done", "num_namespaces", "num_blocks", "cleared_bytes", "num_sessions", "num_busy")
     NUM_BLOCKS_DONE_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCKS_TOTAL_FIELD_NUMBER: _ClassVar[int]
     DONE_FIELD_NUMBER: _ClassVar[int]
@@ -319,7 +319,7 @@ class ClearProgress(_message.Message):
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     CLEARED_BYTES_FIELD_NUMBER: _ClassVar[int]
     NUM_SESSIONS_FIELD_NUMBER: _ClassVar[int]
-    NUM_SKIPPED_BUSY_FIELD_NUMBER: _ClassVar[int]
+    NUM_BUSY_FIELD_NUMBER: _ClassVar[int]
     num_blocks_done: int
     num_blocks_total: int
     done: bool
@@ -327,8 +327,8 @@ class ClearProgress(_message.Message):
     num_blocks: int
     cleared_bytes: int
     num_sessions: int
-    num_skipped_busy: int
-    def __init__(self, num_blocks_done: _Optional[int] = ..., num_blocks_total: _Optional[int] = ..., done: _Optional[bool] = ..., num_namespaces: _Optional[int] = ..., num_blocks: _Optional[int] = ..., cleared_bytes: _Optional[int] = ..., num_sessions: _Optional[int] = ..., num_skipped_busy: _Optional[int] = ...) -> None: ...
+    num_busy: int
+    def __init__(self, num_blocks_done: _Optional[int] = ..., num_blocks_total: _Optional[int] = ..., done: _Optional[bool] = ..., num_namespaces: _Optional[int] = ..., num_blocks: _Optional[int] = ..., cleared_bytes: _Optional[int] = ..., num_sessions: _Optional[int] = ..., num_busy: _Optional[int] = ...) -> None: ...
 
 class DescribeRequest(_message.Message):
     __slots__ = ()
