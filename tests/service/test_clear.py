@@ -100,6 +100,19 @@ def test_a_clear_names_a_filter_or_all_but_not_both(server: BackgroundServer) ->
     assert held(server, ALICE_TOKEN) == [3, 0]
 
 
+def test_arguments_past_the_wires_bounds_are_invalid_arguments_not_protobuf_errors(
+    server: BackgroundServer,
+) -> None:
+    too_deep = Namespace("m", KVLayout(num_layers=2**32, num_kv_heads=2, head_dim=8, block_size=4))
+    with client(server, ALICE_TOKEN) as alice:
+        for bad in (-1, 2**32, 1.5):
+            with pytest.raises(InvalidArgumentError, match="max_namespaces"):
+                alice.stats(max_namespaces=bad)  # type: ignore[arg-type]
+        with pytest.raises(InvalidArgumentError, match="clear"):
+            alice.clear(namespace=too_deep)
+        assert alice.stats(max_namespaces=2**32 - 1).num_namespaces >= 0
+
+
 def test_progress_is_reported_and_the_async_client_clears_too(server: BackgroundServer) -> None:
     fill(server, ALICE_TOKEN, 0)
     seen: list[tuple[int, int]] = []

@@ -55,6 +55,8 @@ from tierkv.wire.convert import (
 )
 from tierkv.wire.namespaces import namespace_from
 
+_MAX_UINT32 = 2**32 - 1
+
 CLEAR_TIMEOUT_S = 3600.0
 """A Clear's deadline when the call names none: clearing millions of blocks takes minutes, far
 beyond the deadline of other calls (``ClientSettings.timeout_s``)."""
@@ -254,6 +256,9 @@ class ClientFlows(base.ClientBase):
         ), timeout_s))
 
     def _stats(self, max_namespaces: int, timeout_s: float | None) -> Flow[ServerStats]:
+        if type(max_namespaces) is not int or not 0 <= max_namespaces <= _MAX_UINT32:
+            raise InvalidArgumentError(
+                f"max_namespaces must be an int in [0, {_MAX_UINT32}], got {max_namespaces!r}")
         response = yield from self._call(
             "Stats", pb.StatsRequest(max_namespaces=max_namespaces), timeout_s)
         return stats_from(response, TierStats, ServerStats, NamespaceStats)
@@ -261,7 +266,10 @@ class ClientFlows(base.ClientBase):
     def _clear(self, tenant: str | None, model_id: str | None, namespace: Namespace | None,
                all_namespaces: bool, progress: Callable[[int, int], None] | None,
                timeout_s: float | None) -> Flow[ClearResult]:
-        request = clear_request_to(tenant, model_id, namespace, all_namespaces)
+        try:
+            request = clear_request_to(tenant, model_id, namespace, all_namespaces)
+        except (ValueError, TypeError) as exc:  # a field past the wire's bounds or of a bad type
+            raise InvalidArgumentError(f"clear: {exc}") from None
 
         def on_message(message: pb.ClearProgress) -> None:
             if progress is not None:
