@@ -18,10 +18,10 @@ from typing import Any
 
 from tqdm import tqdm
 
-from tierkv.cli.ops_common import printable, table
+from tierkv.cli.ops_common import namespaces_table, printable
 from tierkv.errors import ConfigError
 from tierkv.sizes import format_size
-from tierkv.store import DiskReport, inspect_disk, layout_label
+from tierkv.store import DiskReport, inspect_disk
 
 CLEAN_EXIT = 0
 NOT_A_STORE_EXIT = 1
@@ -69,12 +69,7 @@ def render(report: DiskReport) -> str:
         "",
     ]
     if report.namespaces:
-        rows = [[n.namespace.tenant, n.namespace.model_id, layout_label(n.namespace.layout),
-                 f"{n.namespace.tp_rank}/{n.namespace.tp_size}", n.num_blocks,
-                 format_size(n.stored_bytes), n.num_sessions]
-                for n in report.namespaces]
-        lines += [table(["tenant", "model", "layout", "tp", "blocks", "stored", "sessions"],
-                        rows), ""]
+        lines += [namespaces_table(report.namespaces), ""]
     if report.num_bad_records:
         lines.append("bad records:")
         listed = report.bad_records[:_NUM_LISTED_IN_TEXT]

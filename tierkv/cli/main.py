@@ -27,6 +27,7 @@ COMMANDS = {
     "clear": "tierkv.cli.clear_cmd",
 }
 """Command name -> its module, in the order ``tierkv --help`` lists them."""
+INTERRUPTED_EXIT = 130
 
 
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:
@@ -51,6 +52,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except TierKVError as exc:
         print(f"tierkv {args.command}: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C: one line, the shell's code for SIGINT, no traceback
+        print(f"tierkv {args.command}: interrupted", file=sys.stderr)
+        return INTERRUPTED_EXIT
     return code
 
 

@@ -9,6 +9,8 @@ from pathlib import Path
 from typing import Any
 
 from tierkv.client import Client
+from tierkv.sizes import format_size
+from tierkv.store import layout_label
 from tierkv.wire.limits import DEFAULT_TARGET
 
 CALL_TIMEOUT_S = 10.0
@@ -62,3 +64,13 @@ def table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
             for cell, width, right in zip(row, widths, numeric, strict=True)
         ).rstrip())
     return "\n".join(lines)
+
+
+def namespaces_table(namespaces: Sequence[Any]) -> str:
+    """One row per namespace: each has ``namespace``, ``num_blocks``, ``stored_bytes`` and
+    ``num_sessions`` (``tierkv.store.NamespaceStats``, or inspect's ``NamespaceReport``)."""
+    rows = [[n.namespace.tenant, n.namespace.model_id, layout_label(n.namespace.layout),
+             f"{n.namespace.tp_rank}/{n.namespace.tp_size}", n.num_blocks,
+             format_size(n.stored_bytes), n.num_sessions]
+            for n in namespaces]
+    return table(["tenant", "model", "layout", "tp", "blocks", "stored", "sessions"], rows)

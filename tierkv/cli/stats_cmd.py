@@ -13,11 +13,11 @@ import sys
 import time
 from typing import Any
 
-from tierkv.cli.ops_common import add_server_args, open_client, table
+from tierkv.cli.ops_common import add_server_args, namespaces_table, open_client, table
 from tierkv.client import ServerStats
 from tierkv.errors import DeadlineExceededError, ServiceUnavailableError
 from tierkv.sizes import format_size
-from tierkv.store import layout_label, route_label
+from tierkv.store import route_label
 
 DEFAULT_WATCH_S = 2.0
 MAX_WATCH_S = 86400.0
@@ -136,12 +136,7 @@ def render(stats: ServerStats, target: str) -> str:
         "",
     ]
     if stats.namespaces:
-        rows = [[n.namespace.tenant, n.namespace.model_id, layout_label(n.namespace.layout),
-                 f"{n.namespace.tp_rank}/{n.namespace.tp_size}", n.num_blocks,
-                 format_size(n.stored_bytes), n.num_sessions]
-                for n in stats.namespaces]
-        lines.append(table(["tenant", "model", "layout", "tp", "blocks", "stored", "sessions"],
-                           rows))
+        lines.append(namespaces_table(stats.namespaces))
     else:
         lines.append("no namespace holds blocks or sessions")
     return "\n".join(lines)

@@ -1,11 +1,12 @@
-"""`tierkv health` (a container's health check, every few seconds) and `import tierkv` do not
-import torch or the client: each command imports its own module only, and the package's names
-load on first use."""
+"""The ``tierkv`` entry point: ``tierkv health`` (a container's health check, every few seconds)
+and ``import tierkv`` import neither torch nor the client (each command imports its own module
+only, and the package's names load on first use); Ctrl-C is one line and exit 130."""
 
 from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
 import tierkv
 
@@ -45,3 +46,20 @@ def test_every_command_is_listed_and_reachable() -> None:
     for command in COMMANDS:
         assert command in everything
         assert f"{{{command}}}" in build_parser(command).format_help()
+
+
+def test_ctrl_c_during_a_command_is_one_line_and_exit_130(tmp_path: Path) -> None:
+    # A big store being inspected, interrupted: no traceback.
+    code = (
+        "import signal, threading\n"
+        "from tierkv.cli.main import main\n"
+        "from tierkv.cli import inspect_cmd\n"
+        "def slow(*args, **kwargs):\n"
+        "    signal.raise_signal(signal.SIGINT)\n"
+        "inspect_cmd.inspect_disk = slow\n"
+        f"raise SystemExit(main(['inspect', '--disk-path', {str(tmp_path)!r}]))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120, check=False)
+    assert done.returncode == 130
+    assert done.stderr.strip() == "tierkv inspect: interrupted"
