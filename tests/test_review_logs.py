@@ -90,6 +90,19 @@ def test_any_field_is_one_valid_json_line_and_never_loses_the_record(
     assert f" {name}=" in as_text.getvalue()
 
 
+def test_a_text_line_stays_one_line_and_carries_no_terminal_escape(
+    logged: tuple[io.StringIO, io.StringIO],
+) -> None:
+    """A client's model id (any 256 characters) reaches log messages and fields: the text
+    format wrote it raw, so a newline forged a second line and an escape moved the cursor."""
+    _, as_text = logged
+    hostile = "m\x1b[2J\nforged line\u2028\x85\x7f"
+    log_event(log, logging.WARNING, "odd", f"model {hostile}", model=hostile, plain=hostile[:1])
+    (line,) = as_text.getvalue().splitlines()
+    assert line.isprintable()
+    assert "\\x1b[2J" in line and "\\n" in line and "plain=m" in line
+
+
 def test_a_format_that_does_not_fit_its_arguments_is_still_one_line(
     logged: tuple[io.StringIO, io.StringIO],
 ) -> None:

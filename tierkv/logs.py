@@ -135,23 +135,34 @@ def _one_line(text: str) -> str:
     return text.translate(_LINE_BREAK_TABLE)
 
 
+def _printable(text: str) -> str:
+    """``text`` with every character that is not printable (line breaks, terminal escapes,
+    U+2028...) written as a Python escape: a text line stays one line, and a client's model id
+    cannot move an operator's cursor."""
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii")
+                   for c in text)
+
+
 def _text_value(value: Any) -> str:
     if isinstance(value, str):
         plain = value and not any(c.isspace() or c in '"=' for c in value)
-        return value if plain else json.dumps(value, ensure_ascii=False)
+        return _printable(value if plain else json.dumps(value, ensure_ascii=False))
     if isinstance(value, bool | int | float) or value is None:
         return json.dumps(_plain(value))
-    return json.dumps(_plain(value), ensure_ascii=False, separators=(",", ":"))
+    return _printable(json.dumps(_plain(value), ensure_ascii=False, separators=(",", ":")))
 
 
 class TextFormatter(logging.Formatter):
-    """``<ts> <LEVEL> <logger> <event>: <message> key=value ...`` on one line (an exception's
-    traceback follows on its own lines)."""
+    """``<ts> <LEVEL> <logger> <event>: <message> key=value ...`` on one line, whatever the
+    message and values hold (unprintable characters are escaped); an exception's traceback
+    follows on its own lines."""
 
     def format(self, record: logging.LogRecord) -> str:
         head = f"{_timestamp(record.created)} {record.levelname} {record.name}"
         event = event_of(record)
-        message = message_of(record)
+        message = _printable(message_of(record))
         line = f"{head} {event}: {message}" if event != PLAIN_EVENT else f"{head}: {message}"
         pairs = " ".join(f"{key}={_text_value(value)}" for key, value in fields_of(record).items())
         if pairs:
