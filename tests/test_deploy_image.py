@@ -16,7 +16,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import time
 import urllib.request
@@ -25,15 +24,10 @@ from pathlib import Path
 
 import pytest
 from deploy_files import read_dockerfile
+from harness import free_port
 
 CHECKOUT = Path(__file__).resolve().parent.parent
 START_TIMEOUT_S = 120.0
-
-
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
 
 
 class MappedImage:
@@ -42,7 +36,7 @@ class MappedImage:
     def __init__(self, root: Path) -> None:
         self.image = read_dockerfile()
         self.folders = {"/var/lib/tierkv": root / "lib", "/run/tierkv": root / "run"}
-        self.ports = {"50051": str(_free_port()), "9433": str(_free_port())}
+        self.ports = {"50051": str(free_port()), "9433": str(free_port())}
         for folder in [*self.folders.values(), root / "home"]:
             folder.mkdir(parents=True)
         self.home = root / "home"

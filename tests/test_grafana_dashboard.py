@@ -16,9 +16,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from harness import ALICE_TOKEN, BackgroundServer
+from harness import ALICE_TOKEN, BackgroundServer, free_port
 from prometheus_client.parser import text_string_to_metric_families
-from test_metrics import free_port
 
 from tierkv import Client
 

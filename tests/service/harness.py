@@ -20,6 +20,7 @@ import os
 import select
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -317,3 +318,11 @@ def shm_client(sidecar: Sidecar, **settings: Any) -> Client:
     return client
 
 
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 right now (the kernel's pick), for servers that must be
+    told a port (metrics, Prometheus) rather than pick one."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])

@@ -20,7 +20,6 @@ from __future__ import annotations
 import asyncio
 import collections
 import secrets
-import socket
 import time
 from collections.abc import Callable
 from typing import Any
@@ -40,7 +39,7 @@ from client_harness import (
     shm_mappings,
     wire_ns,
 )
-from harness import ALICE_TOKEN, BOB_TOKEN
+from harness import ALICE_TOKEN, BOB_TOKEN, free_port
 
 from tierkv import (
     AsyncClient,
@@ -208,18 +207,12 @@ def test_a_tiny_timeout_on_a_slow_call_raises_deadline_exceeded(
     assert client.lookup(namespace, held) == 8  # the server is fine afterwards
 
 
-def _closed_tcp_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
-
-
 @pytest.mark.parametrize("target_kind", ["unix", "tcp"])
 def test_no_server_raises_service_unavailable_after_the_configured_retries(
     connect: Callable[..., AnyClient], kind: str, target_kind: str
 ) -> None:
     target = (f"unix:///tmp/tierkv-test-{secrets.token_hex(6)}.sock" if target_kind == "unix"
-              else f"127.0.0.1:{_closed_tcp_port()}")
+              else f"127.0.0.1:{free_port()}")
     namespace, hashes = ns(), keys(1, salt="nobody")
     # retries=2, backoff 0.1 s doubling: sleeps of 0.1 + 0.2 s between three attempts.
     patient = connect(target, kind, retries=2, backoff_s=0.1)

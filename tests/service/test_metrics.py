@@ -3,7 +3,7 @@
 Every figure is checked exactly: RPC counts per method and status code against what the
 server's recording servicer saw, the store's figures against ``TieredStore.stats()``, and the
 prefill tokens saved against the blocks each Get and Acquire served. The helpers at the top
-(``free_port``, ``scrape``, ``Scraped``) serve the other metrics tests too.
+(``scrape``, ``Scraped``) serve the other metrics tests too.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from typing import Any
 import grpc
 import pytest
 from client_harness import AnyClient, LiveServer, ServerFactory, ns
-from harness import BOB_TOKEN, serve, serving
+from harness import BOB_TOKEN, free_port, serve, serving
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.samples import Sample
 from rpc_calls import NS, Code, expect, put
@@ -38,13 +38,6 @@ from tierkv.wire import tierkv_pb2_grpc as pb_grpc
 from tiny_blocks import BLOCK_BYTES, TINY_LAYOUT, blocks, keys
 
 TINY_TOKENS = TINY_LAYOUT.block_size
-
-
-def free_port() -> int:
-    """A TCP port free on 127.0.0.1 right now (the kernel's pick)."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
 
 
 @dataclass(frozen=True)

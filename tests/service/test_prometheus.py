@@ -20,11 +20,10 @@ from typing import Any
 
 import grpc
 import pytest
-from harness import BackgroundServer
+from harness import BackgroundServer, free_port
 from rpc_calls import NS
 from service_fixtures import ALICE, payload
 from test_grafana_dashboard import as_promql, dashboard_expressions
-from test_metrics import free_port
 
 from tierkv import Tier
 from tierkv.wire import tierkv_pb2 as pb

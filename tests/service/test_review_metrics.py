@@ -17,7 +17,7 @@ from typing import Any
 
 import grpc
 import pytest
-from harness import BackgroundServer, serve, serving
+from harness import BackgroundServer, free_port, serve, serving
 from prometheus_client import CollectorRegistry
 from rpc_calls import BIG_LAYOUT, NS, Code, put
 from service_fixtures import (
@@ -29,7 +29,7 @@ from service_fixtures import (
     request_for,
     wire_namespace,
 )
-from test_metrics import free_port, requests_by, scrape, tokens_by
+from test_metrics import requests_by, scrape, tokens_by
 
 from tierkv import ConfigError, TieredStore
 from tierkv.service.config import ServiceConfig
