@@ -4,6 +4,7 @@ and each namespace's blocks, bytes and sessions (``TieredStore.namespace_stats``
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 from fake_clock import FakeClock
 
@@ -105,3 +106,27 @@ def test_evicted_blocks_leave_the_namespace_counts(
     store.put(namespace, keys(4, start=4), blocks(4, seed=1))  # evicts the first four
     (stats,) = store.namespace_stats()
     assert stats.num_blocks == 4 == store.stats().tiers[Tier.HOST].num_blocks
+
+
+def test_a_same_host_acquire_counts_hits_and_misses_as_a_get_does(
+    make_store: StoreFactory, namespace: Namespace, tmp_path: Path,
+) -> None:
+    # Acquire (the shared-memory read) counted hits only: a missing block was no miss, and a
+    # block read from DISK no miss in HOST, so the hit ratio of same-host clients was 100%.
+    counts = []
+    for read in ("get", "acquire"):
+        store = make_store(host_blocks=4, disk_blocks=16, disk_path=tmp_path / read)
+        store.register(namespace)
+        for start in (0, 3):  # two of the first three end up on disk only
+            store.put(namespace, keys(3, start=start), blocks(3))
+        wanted = keys(7)  # the last one was never stored
+        if read == "get":
+            assert store.get(namespace, wanted).shape[0] == 6
+        else:
+            lease = store.acquire(namespace, wanted, owner="reader")
+            assert lease.num_cached == 6
+            store.release(lease.lease_id, owner="reader")
+        counts.append({tier: (t.hits, t.misses) for tier, t in store.stats().tiers.items()})
+    by_get, by_acquire = counts
+    assert by_acquire == by_get
+    assert by_get[Tier.HOST] == (4, 3) and by_get[Tier.DISK] == (2, 1)

@@ -232,6 +232,18 @@ class StoreCore:
             if node is not None and node.linked:
                 self.ledgers[tier].lru.touch(node, priority)
 
+    def count_read_locked(self, entry: Entry | None) -> Tier | None:
+        """Count one block asked for by a read (a get or an acquire): a miss in every tier
+        faster than the one holding its fastest copy (in every tier when none does), a hit in
+        that one, which is returned (None: the block is not stored)."""
+        tier = entry.top_tier() if entry is not None else None
+        for other, ledger in self.ledgers.items():
+            if tier is None or other < tier:
+                ledger.counters.misses += 1
+        if tier is not None:
+            self.ledgers[tier].counters.hits += 1
+        return tier
+
     def touch_locked(self, entry: Entry) -> None:
         """Mark ``entry`` most recently used in every tier it is in."""
         for tier in Tier:

@@ -166,10 +166,9 @@ class Leases:
             core.counters.gets += 1
             for key in keys:
                 entry = state.blocks.get(key)
-                top = entry.top_tier() if entry is not None else None
-                if entry is None or top is None:
+                # Counted as a get counts it: the same-host path is most reads.
+                if core.count_read_locked(entry) is None or entry is None:
                     break
-                core.ledgers[top].counters.hits += 1
                 num_cached += 1
                 if len(planned) < max_blocks:
                     core.mark_busy_locked(entry)

@@ -61,13 +61,9 @@ class Reader:
             core.counters.gets += 1
             for index, key in enumerate(keys):
                 entry = state.blocks.get(key)
-                tier = entry.top_tier() if entry is not None else None
-                for other, ledger in core.ledgers.items():
-                    if tier is None or other < tier:
-                        ledger.counters.misses += 1
+                tier = core.count_read_locked(entry)
                 if entry is None or tier is None:
                     break
-                core.ledgers[tier].counters.hits += 1
                 marks.add_locked(entry)
                 plan.append((index, entry, tier))
             for _, entry, _ in reversed(plan):  # tail first: the head ends most recently used
