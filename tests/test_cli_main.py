@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from harness import INTERRUPTIBLE
+
 import tierkv
 
 
@@ -50,7 +52,7 @@ def test_every_command_is_listed_and_reachable() -> None:
 
 def test_ctrl_c_during_a_command_is_one_line_and_exit_130(tmp_path: Path) -> None:
     # A big store being inspected, interrupted: no traceback.
-    code = (
+    code = INTERRUPTIBLE + (
         "import signal, threading\n"
         "from tierkv.cli.main import main\n"
         "from tierkv.cli import inspect_cmd\n"

@@ -13,7 +13,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from harness import ALICE_TOKEN, BOB_TOKEN, BackgroundServer
+from harness import ALICE_TOKEN, BOB_TOKEN, BackgroundServer, interruptible_tierkv
 
 from tierkv import Client, KVLayout, Namespace, WritePolicy
 from tierkv.cli.clear_cmd import parse_namespace
@@ -80,8 +80,8 @@ def test_stats_json_and_an_admin_sees_every_tenant(
 
 def test_stats_watch_refreshes_until_ctrl_c(server: BackgroundServer) -> None:
     process = subprocess.Popen(
-        [sys.executable, "-m", "tierkv", "stats", "--target", server.target, "--token",
-         ALICE_TOKEN, "--json", "--watch", "0.05"],
+        interruptible_tierkv("stats", "--target", server.target, "--token", ALICE_TOKEN,
+                             "--json", "--watch", "0.05"),
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         env={**os.environ, "TQDM_DISABLE": "1"},
     )

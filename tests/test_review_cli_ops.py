@@ -18,7 +18,14 @@ from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import pytest
-from harness import ALICE_TOKEN, BackgroundServer, SidecarFactory, short_socket_dir, stream_client
+from harness import (
+    ALICE_TOKEN,
+    BackgroundServer,
+    SidecarFactory,
+    interruptible_tierkv,
+    short_socket_dir,
+    stream_client,
+)
 
 from tierkv import Client, Namespace, WritePolicy
 from tierkv.cli.clear_cmd import parse_namespace
@@ -33,7 +40,7 @@ ENV = {**os.environ, "TQDM_DISABLE": "1"}
 
 
 def tierkv(*args: str) -> subprocess.Popen[str]:
-    return subprocess.Popen([sys.executable, "-m", "tierkv", *args], stdout=subprocess.PIPE,
+    return subprocess.Popen(interruptible_tierkv(*args), stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, env=ENV)
 
 

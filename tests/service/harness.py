@@ -326,3 +326,16 @@ def free_port() -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         return int(probe.getsockname()[1])
+
+
+INTERRUPTIBLE = "import signal; signal.signal(signal.SIGINT, signal.default_int_handler)\n"
+"""Code a child the test will Ctrl-C runs first: a shell running the suite in the background
+(``cmd &``, no job control) starts it with SIGINT ignored, as POSIX asks, every child inherits
+that, and Python then installs no KeyboardInterrupt handler. (Not a ``preexec_fn``: unsafe in a
+process with threads, as every test with a ``BackgroundServer`` is.)"""
+
+
+def interruptible_tierkv(*args: str) -> list[str]:
+    """The command line of ``python -m tierkv <args>`` in a child that Ctrl-C reaches."""
+    code = INTERRUPTIBLE + "import runpy; runpy.run_module('tierkv', run_name='__main__', alter_sys=True)"
+    return [sys.executable, "-c", code, *args]
