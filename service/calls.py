@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Awaitable, Callable
+from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -23,6 +24,12 @@ class Caller:
     owner: str
     client_id: str = ""
     is_admin: bool = False  # its operator calls reach every tenant (``admin_tenants``)
+
+
+CALLER_TENANT: ContextVar[str] = ContextVar("tierkv_caller_tenant", default="unknown")
+"""The tenant of the call this task runs, set once its credentials are checked: what the
+metrics wrapper around the handler (same task, so same context) counts tokens under, without
+checking the token a second time."""
 
 
 class CallerSource(Protocol):

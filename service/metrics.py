@@ -25,7 +25,7 @@ Decisions:
    wire: 16), counted when a Get (its first chunk's ``num_blocks``) or an Acquire (blocks
    leased) ends OK. Only tensor-parallel rank 0 counts: every rank reads its own shard of the
    same tokens, so counting each would count one prefix ``tp_size`` times. The tenant is the
-   one the caller's credentials name (``Authenticator``, as the servicer resolves it).
+   one the servicer resolved from the caller's credentials (``CALLER_TENANT``).
 4. Bounded labels only: tiers, RPC methods, status codes, tenants (as many as the token file
    names) and models. At most ``MAX_TOKEN_SERIES`` (tenant, model) pairs get their own series;
    later models of any tenant count under ``model="other"``. No label ever names a block,
@@ -54,7 +54,7 @@ from prometheus_client.core import (
 from prometheus_client.registry import Collector
 
 from tierkv.errors import ConfigError, StoreClosedError
-from tierkv.service.auth import Authenticator
+from tierkv.service.calls import CALLER_TENANT
 from tierkv.service.config import ServiceConfig
 from tierkv.service.metrics_http import ScrapeServer
 from tierkv.store import StoreStats, TieredStore
@@ -134,7 +134,6 @@ class RpcRecorder:
     Written only from the server's event loop; ``collect`` (any thread) reads it."""
 
     def __init__(self, config: ServiceConfig) -> None:
-        self._auth = Authenticator(config.tokens)
         self._methods: dict[str, MethodStats] = {}
         self._tokens_saved: dict[tuple[str, str], int] = {}
 
@@ -162,7 +161,7 @@ class RpcRecorder:
             code = _final_code(context)
             stats.observe(time.perf_counter() - start_s, code)
             if counts_tokens and code == _OK and response is not None and response.num_blocks:
-                self._count_tokens(request, context, response.num_blocks)
+                self._count_tokens(request, response.num_blocks)
             return response
 
         return counted
@@ -189,16 +188,15 @@ class RpcRecorder:
             code = _final_code(context)
             stats.observe(time.perf_counter() - start_s, code)
             if counts_tokens and code == _OK and num_blocks > 0:
-                self._count_tokens(request, context, num_blocks)
+                self._count_tokens(request, num_blocks)
 
         return counted
 
-    def _count_tokens(self, request: Any, context: grpc.aio.ServicerContext,
-                      num_blocks: int) -> None:
+    def _count_tokens(self, request: Any, num_blocks: int) -> None:
         spec = request.namespace
         if spec.tp_rank != 0:
             return
-        tenant = self._auth.tenant_of(context.invocation_metadata()) or "unknown"
+        tenant = CALLER_TENANT.get()
         key = (tenant, spec.model_id)
         tokens_saved = self._tokens_saved
         if key not in tokens_saved and len(tokens_saved) >= MAX_TOKEN_SERIES:

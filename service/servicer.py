@@ -28,6 +28,7 @@ from tierkv.service import convert
 from tierkv.service.auth import Authenticator, client_id_of
 from tierkv.service.buffers import BufferPool
 from tierkv.service.calls import (
+    CALLER_TENANT,
     REFUSALS,
     Caller,
     CallRefusedError,
@@ -101,6 +102,7 @@ class TierKVServicer(OperatorCalls, pb_grpc.TierKVServicer):
             raise CallRefusedError(grpc.StatusCode.UNAUTHENTICATED, "missing or unknown bearer token")
         if self._store is None:
             raise CallRefusedError(grpc.StatusCode.UNAVAILABLE, "the store is still recovering")
+        CALLER_TENANT.set(tenant)
         client_id = client_id_of(metadata)
         is_admin = not self._auth.required or tenant in self.config.admin_tenants
         return Caller(tenant, f"{tenant}/{client_id}", client_id, is_admin)
