@@ -31,6 +31,8 @@ def register(subparsers: Any) -> None:
         description="Ask a running sidecar's gRPC health service (grpc.health.v1) for its "
         "status: exit 0 when SERVING, 1 otherwise (NOT_SERVING, or no answer in time).",
     )
+    # Its own --target/--tls-ca, not ops_common.add_server_args: that module imports the client
+    # (and torch), 1.6 s a probe.
     parser.add_argument("--target", default=DEFAULT_TARGET,
                         help=f"unix:///path or host:port (default {DEFAULT_TARGET})")
     parser.add_argument("--service", default="",
