@@ -147,6 +147,7 @@ class TierKVServicer(OperatorCalls, pb_grpc.TierKVServicer):
             max_chunk_bytes=self.config.chunk_bytes, hash_seed=self.config.hash_seed,
             presence_shm_name=presence_name, presence_key=presence_key,
             slab_id=store.host_slab_id, client_lock_prefix=store.client_lock_prefix,
+            has_remote_tier=store.has_remote_tier,
         )
 
     @unary
@@ -155,7 +156,10 @@ class TierKVServicer(OperatorCalls, pb_grpc.TierKVServicer):
         simple = not request.prefetch and not request.pin_ttl_s
         inline_limit = min(_INLINE_LOOKUP_HASHES, self.config.max_hashes_per_call)
         if namespace is not None and simple and len(request.hashes) <= inline_limit:
-            return lookup_to(self.store.locate(namespace, request.hashes))
+            counts = self.store.locate(namespace, request.hashes)
+            # A miss may be a REMOTE hit: that call must not run on the event loop.
+            if not self.store.has_remote_tier or sum(counts.values()) == len(request.hashes):
+                return lookup_to(counts)
         return await self._run(self._lookup, request, caller)
 
     def _lookup(self, request: pb.LookupRequest, caller: Caller) -> pb.LookupResponse:
@@ -174,7 +178,10 @@ class TierKVServicer(OperatorCalls, pb_grpc.TierKVServicer):
             store.prefetch(namespace, hashes, Tier.HOST).result()
         if request.pin_ttl_s:
             num_pinned = store.pin(namespace, hashes, request.pin_ttl_s)
-        return lookup_to(store.locate(namespace, hashes), num_pinned)
+        counts = store.locate(namespace, hashes)
+        num_local = sum(counts.values())
+        num_remote = store.extend_lookup(namespace, hashes, num_local) - num_local
+        return lookup_to(counts, num_pinned, num_remote)
 
     @unary
     async def Pin(self, request: pb.PinRequest, context: Any, caller: Caller) -> Any:

@@ -43,6 +43,7 @@ from tierkv.service.errors import status_of
 from tierkv.store import (
     ClearResult,
     NamespaceStats,
+    RemoteStats,
     ReadLease,
     SessionInfo,
     StoreStats,
@@ -236,21 +237,24 @@ NAMESPACES = (
 def test_stats_round_trip_and_their_fields_cover_both_sides() -> None:
     tier_fields = [f.name for f in dataclasses.fields(TierStats) if f.name != "tier"]
     store_fields = [f.name for f in dataclasses.fields(StoreStats)
-                    if f.name not in ("tiers", "bytes_moved")]
+                    if f.name not in ("tiers", "bytes_moved", "remote")]
     assert list(convert.TIER_STATS_FIELDS) == tier_fields
     assert set(convert.TIER_STATS_FIELDS) == set(pb.TierStats.DESCRIPTOR.fields_by_name) - {"tier"}
     assert list(convert.STORE_STATS_FIELDS) == store_fields
     assert set(convert.STORE_STATS_FIELDS) == (
-        set(pb.StatsResponse.DESCRIPTOR.fields_by_name) - {"tiers", "bytes_moved", "namespaces"})
+        set(pb.StatsResponse.DESCRIPTOR.fields_by_name)
+        - {"tiers", "bytes_moved", "namespaces", "remote"})
+    assert list(convert.REMOTE_STATS_FIELDS) == [f.name for f in dataclasses.fields(RemoteStats)]
+    assert set(convert.REMOTE_STATS_FIELDS) == set(pb.RemoteStats.DESCRIPTOR.fields_by_name)
     assert set(convert.NAMESPACE_STATS_FIELDS) == (
         {f.name for f in dataclasses.fields(NamespaceStats)} - {"namespace"})
     assert set(convert.NAMESPACE_STATS_FIELDS) == (
         set(pb.NamespaceStats.DESCRIPTOR.fields_by_name) - {"tenant", "namespace"})
 
     tiers = {tier: TierStats(tier, *range(10 * tier, 10 * tier + 8)) for tier in Tier}
-    stats = _store_stats(tiers)
+    stats = dataclasses.replace(_store_stats(tiers), remote=RemoteStats(True, *range(200, 212)))
     wire = pb.StatsResponse.FromString(convert.stats_to(stats, NAMESPACES).SerializeToString())
-    back = convert.stats_from(wire, TierStats, ServerStats, NamespaceStats)
+    back = convert.stats_from(wire, TierStats, ServerStats, NamespaceStats, RemoteStats)
     assert back == ServerStats(**{f.name: getattr(stats, f.name)
                                   for f in dataclasses.fields(StoreStats)}, namespaces=NAMESPACES)
     assert isinstance(back, StoreStats) and list(back.tiers) == list(Tier)
@@ -259,8 +263,9 @@ def test_stats_round_trip_and_their_fields_cover_both_sides() -> None:
 
 def test_stats_of_an_older_server_read_with_zero_and_empty_new_fields() -> None:
     old = pb.StatsResponse(num_leases=3, puts=4)  # what a server before these fields sends
-    back = convert.stats_from(old, TierStats, ServerStats, NamespaceStats)
+    back = convert.stats_from(old, TierStats, ServerStats, NamespaceStats, RemoteStats)
     assert (back.num_leases, back.puts, back.leases_expired, back.num_sessions) == (3, 4, 0, 0)
+    assert back.remote is None
     assert (back.bytes_moved, back.namespaces) == ({}, ())
 
 
@@ -287,7 +292,7 @@ def test_stats_of_a_newer_server_with_a_tier_this_client_does_not_know_still_rea
     wire.tiers.add(tier="remote", capacity_bytes=1)
     wire.bytes_moved.add(source="disk", destination="remote", num_bytes=9)
     wire.namespaces.add(tenant="t", namespace=pb.Namespace(model_id="m", dtype="fp3"))
-    back = convert.stats_from(wire, TierStats, ServerStats, NamespaceStats)
+    back = convert.stats_from(wire, TierStats, ServerStats, NamespaceStats, RemoteStats)
     assert list(back.tiers) == [Tier.HOST] and back.tiers[Tier.HOST].used_bytes == 1
     assert set(back.bytes_moved) == {(Tier.HOST, Tier.DISK), (Tier.DISK, Tier.HOST)}
     assert back.namespaces == ()

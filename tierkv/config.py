@@ -178,12 +178,13 @@ class StoreConfig:
     block read from a lower tier into the tier above in the background. ``num_workers`` threads
     run the async variants of put/get/prefetch. ``presence_slots`` sizes the shared-memory
     presence table same-host clients answer small lookups from (8 bytes a slot; it holds up to
-    half as many blocks; 0 turns it off).
+    half as many blocks; 0 turns it off). ``remote`` adds the shared REMOTE tier below DISK.
     """
 
     host: HostTierConfig
     gpu: GpuTierConfig = field(default_factory=GpuTierConfig)
     disk: DiskTierConfig | None = None
+    remote: RemoteTierConfig | None = None
     write_policy: WritePolicy = WritePolicy.WRITE_BACK
     promote_on_read: bool = True
     num_workers: int = 4
@@ -213,3 +214,102 @@ def default_disk_bytes(path: Path, ceiling_bytes: int = 16 * GiB) -> int:
         probe = probe.parent
     free_bytes = shutil.disk_usage(probe).free
     return max(64 * MiB, min(ceiling_bytes, free_bytes // 2))
+
+
+@dataclass(frozen=True, slots=True)
+class RemoteEndpoint:
+    """One ``host:port`` of the REMOTE tier's Redis (a cluster's seed node, or the one server)."""
+
+    host: str
+    port: int
+
+    @property
+    def label(self) -> str:
+        """``host:port`` (``[v6]:port`` for an IPv6 address)."""
+        return f"[{self.host}]:{self.port}" if ":" in self.host else f"{self.host}:{self.port}"
+
+
+def parse_remote_url(url: str) -> tuple[tuple[RemoteEndpoint, ...], bool, str | None, str | None]:
+    """``redis[s]://[user[:password]@]host:port[,host:port...]`` as (endpoints, tls, username,
+    password); ``ConfigError`` naming ``--remote`` otherwise. A database number is refused
+    (a cluster has only database 0)."""
+    from urllib.parse import unquote
+
+    def bad(why: str) -> ConfigError:
+        return ConfigError(f"remote url (--remote) {why}, got {url!r}; expected "
+                           "redis://host:port[,host:port...] or rediss://... for TLS")
+
+    scheme, sep, rest = url.partition("://")
+    if not sep or scheme not in ("redis", "rediss"):
+        raise bad("must start with redis:// or rediss://")
+    userinfo, at, hosts = rest.rpartition("@")
+    if not at:
+        userinfo, hosts = "", rest
+    username = password = None
+    if userinfo:
+        user, colon, secret = userinfo.partition(":")
+        username = unquote(user) or None
+        password = unquote(secret) if colon else None
+    hosts = hosts.rstrip("/")
+    if "/" in hosts or "?" in hosts:
+        raise bad("takes no database number or options")
+    endpoints: list[RemoteEndpoint] = []
+    for item in hosts.split(","):
+        host, colon, port_text = item.strip().rpartition(":")
+        host = host.strip("[]")
+        if not colon or not host or not port_text.isdigit() or not 0 < int(port_text) < 65536:
+            raise bad(f"names {item!r}, which is not host:port")
+        endpoints.append(RemoteEndpoint(host, int(port_text)))
+    return tuple(endpoints), scheme == "rediss", username, password
+
+
+@dataclass(frozen=True, slots=True)
+class RemoteTierConfig:
+    """REMOTE tier: blocks shared by every node in a Redis Cluster (or one Redis server).
+
+    ``endpoints`` are seed nodes (a cluster is detected and its slot map read from them).
+    ``username``/``password`` authenticate (ACL user, or ``requirepass`` with no user); ``tls``
+    with ``tls_ca_path`` (and ``tls_cert_path``/``tls_key_path`` for mutual TLS) encrypts.
+    ``ttl_s`` (0: none) expires every key written. ``timeout_s`` bounds every call: a node that
+    does not answer within it is a miss, and its breaker stays open ``breaker_cooldown_s``
+    while a background probe retries it. ``queue_bytes`` bounds the records waiting to be
+    written (more are dropped and counted). ``max_fetch_bytes`` bounds one read's fetch.
+    """
+
+    endpoints: tuple[RemoteEndpoint, ...]
+    username: str | None = None
+    password: str | None = None
+    tls: bool = False
+    tls_ca_path: Path | None = None
+    tls_cert_path: Path | None = None
+    tls_key_path: Path | None = None
+    ttl_s: int = 0
+    timeout_s: float = 0.5
+    breaker_cooldown_s: float = 2.0
+    queue_bytes: int = 256 * MiB
+    max_fetch_bytes: int = 256 * MiB
+
+    def __post_init__(self) -> None:
+        if not self.endpoints:
+            raise ConfigError("remote (--remote) needs at least one host:port")
+        if self.ttl_s < 0:
+            raise ConfigError(f"remote ttl_s (--remote-ttl) must be >= 0, got {self.ttl_s}")
+        if not self.timeout_s > 0:
+            raise ConfigError(f"remote timeout_s (--remote-timeout) must be > 0, got {self.timeout_s}")
+        if not self.breaker_cooldown_s > 0:
+            raise ConfigError("remote breaker_cooldown_s must be > 0")
+        _check_positive("remote queue_bytes (--remote-queue-bytes)", self.queue_bytes)
+        _check_positive("remote max_fetch_bytes", self.max_fetch_bytes)
+        if (self.tls_cert_path is None) != (self.tls_key_path is None):
+            raise ConfigError("remote TLS: --remote-tls-cert and --remote-tls-key go together")
+        if not self.tls and (self.tls_ca_path or self.tls_cert_path):
+            raise ConfigError("remote TLS files are set but TLS is off: use rediss:// or --remote-tls")
+
+    @classmethod
+    def from_url(cls, url: str, **options: object) -> RemoteTierConfig:
+        """A config from ``--remote``'s URL; ``options`` override what the URL says (a
+        password from a file or the environment beats one in the URL)."""
+        endpoints, tls, username, password = parse_remote_url(url)
+        fields: dict[str, object] = {"username": username, "password": password, "tls": tls}
+        fields.update({name: value for name, value in options.items() if value is not None})
+        return cls(endpoints, **fields)  # type: ignore[arg-type]

@@ -324,7 +324,12 @@ class ClientBase:
         core_id = self._core_ids.get(namespace)
         if core_id is None:
             core_id = self._core_ids[namespace] = bytes(namespace.with_tenant("").id)
-        return self._presence.count_leading(core_id, hashes)
+        num_found = self._presence.count_leading(core_id, hashes)
+        info = self._info
+        if num_found is not None and num_found < len(hashes) and info is not None \
+                and info.has_remote_tier:
+            return None  # the rest may be in the server's REMOTE tier: only it can say
+        return num_found
 
     def _allocate_request(
         self, namespace: Namespace, hashes: Sequence[bytes], priority: Priority,

@@ -22,7 +22,7 @@ class ServerStats(StoreStats):
     for; only the caller's own tenant's unless the server names it an admin tenant; empty
     from a server older than this field)."""
 
-    namespaces: tuple[NamespaceStats, ...]
+    namespaces: tuple[NamespaceStats, ...] = ()
 
     def as_dict(self) -> dict[str, Any]:
         """``StoreStats.as_dict`` with each namespace as plain data too (for JSON)."""

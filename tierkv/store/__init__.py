@@ -12,6 +12,7 @@ from tierkv.store.leases import ReadLease, WriteLease
 from tierkv.store.sessions import SessionInfo
 from tierkv.store.stats import (
     NamespaceStats,
+    RemoteStats,
     StoreStats,
     TierStats,
     layout_label,
@@ -29,6 +30,7 @@ __all__ = [
     "NamespaceReport",
     "NamespaceStats",
     "ReadLease",
+    "RemoteStats",
     "SessionInfo",
     "StoreStats",
     "TierStats",

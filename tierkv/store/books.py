@@ -95,6 +95,10 @@ class StoreCore:
         self.engine = CopyEngine()
         self.counters = GlobalCounters()
         self._pending_deletes: list[bytes] = []
+        # With a REMOTE tier: where write-through records go once durable (``RemoteLink.offer``),
+        # and the records of DISK evictions, which the disk writer reads before deleting them.
+        self.to_remote: Callable[[Sequence[tuple[bytes, bytes | bytearray]]], object] | None = None
+        self._pending_demotes: list[bytes] = []
 
     # --- books ----------------------------------------------------------------------------
 
@@ -278,8 +282,10 @@ class StoreCore:
     ) -> DiskWrite:
         """Queue a disk write carrying every pending delete (order matters: see decision 3)."""
         assert self.disk is not None
-        job = DiskWrite(puts, self._pending_deletes, namespace_puts)
+        job = DiskWrite(puts, self._pending_deletes, namespace_puts,
+                        block_demotes=self._pending_demotes)
         self._pending_deletes = []
+        self._pending_demotes = []
         self.disk.submit(job)
         return job
 
@@ -345,6 +351,8 @@ class StoreCore:
         for entry in victims:
             self.drop_locked(entry, Tier.DISK)
             ledger.counters.evictions += 1
+            if self.to_remote is not None:  # DISK eviction demotes to REMOTE
+                self._pending_demotes.append(entry.raw_key)
         reserved = ledger.try_reserve_bytes(needed)
         assert reserved
 

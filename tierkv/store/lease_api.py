@@ -33,6 +33,9 @@ class LeaseMethods:
     def _check_open(self) -> None:
         raise NotImplementedError
 
+    def _fill_remote(self, state: NamespaceState, keys: list[bytes]) -> None:
+        raise NotImplementedError
+
     def acquire(
         self, namespace: Namespace, hashes: Sequence[bytes], ttl_s: float | None = None,
         owner: str = "", *, slab_id: bytes = b"", client_id: str = "",
@@ -46,7 +49,9 @@ class LeaseMethods:
         ``tierkv.shm.liveness``), so that its leases end at once when it dies."""
         state = self._state(namespace)
         self._check_slab(slab_id)
-        return self._leases.acquire(state, check_hashes(hashes), ttl_s, owner, client_id)
+        keys = check_hashes(hashes)
+        self._fill_remote(state, keys)
+        return self._leases.acquire(state, keys, ttl_s, owner, client_id)
 
     def release(self, lease_id: bytes, owner: str = "", corrupt_indices: Sequence[int] = ()
                 ) -> None:

@@ -38,6 +38,32 @@ class TierStats:
     demotions_in: int
 
 
+@dataclass(frozen=True, slots=True)
+class RemoteStats:
+    """The REMOTE tier at one instant (``StoreStats.remote``; None when it is off).
+
+    ``hits``: blocks read from REMOTE into HOST; ``misses``: reads that asked REMOTE for a
+    block it did not give (absent, node down, or ``corrupt``: a record that failed its checks);
+    ``errors``/``skipped``: node calls that failed, keys not asked because their node's breaker
+    was open; ``written``/``demoted``: records stored by write-through puts and by DISK
+    evictions; ``queue_drops``: records dropped because the write queue was full.
+    """
+
+    connected: bool
+    hits: int
+    misses: int
+    corrupt: int
+    lookups: int
+    errors: int
+    skipped: int
+    bytes_read: int
+    bytes_written: int
+    written: int
+    demoted: int
+    queue_drops: int
+    queued_bytes: int
+
+
 def route_label(route: tuple[Tier, Tier]) -> str:
     """``"host->disk"``: how ``StoreStats.as_dict`` names a ``bytes_moved`` key."""
     return f"{route[0].label}->{route[1].label}"
@@ -68,6 +94,7 @@ class StoreStats:
     num_leases: int
     leases_expired: int
     num_sessions: int
+    remote: RemoteStats | None = None
 
     def as_dict(self) -> dict[str, Any]:
         """Plain data (tier names as keys, ``bytes_moved`` keyed ``"host->disk"``), for JSON
@@ -79,6 +106,7 @@ class StoreStats:
         }
         data["bytes_moved"] = {route_label(route): num_bytes
                                for route, num_bytes in sorted(self.bytes_moved.items())}
+        data["remote"] = None if self.remote is None else asdict(self.remote)
         return data
 
 
@@ -126,9 +154,11 @@ def parse_layout_label(text: str) -> KVLayout:
     return KVLayout(num_layers, num_kv_heads, head_dim, int(block_size), DType.parse(dtype))
 
 
-def snapshot(core: StoreCore, leases: Sized, num_sessions: int) -> StoreStats:
+def snapshot(core: StoreCore, leases: Sized, num_sessions: int,
+             remote: RemoteStats | None = None) -> StoreStats:
     """Every tier's bytes, blocks and counters, read under the store lock (consistent);
-    ``leases``: the lease table (its size is read under the lock too)."""
+    ``leases``: the lease table (its size is read under the lock too); ``remote``: the REMOTE
+    tier's figures (read under its own lock)."""
     with core.lock:
         tiers = {
             tier: TierStats(
@@ -142,7 +172,7 @@ def snapshot(core: StoreCore, leases: Sized, num_sessions: int) -> StoreStats:
         return StoreStats(
             tiers, len(core.namespaces), len(core.pins), c.promotions, c.demotions,
             c.failed_demotions, c.checksum_failures, c.puts, c.gets, dict(c.bytes_moved),
-            len(leases), c.leases_expired, num_sessions,
+            len(leases), c.leases_expired, num_sessions, remote,
         )
 
 

@@ -39,6 +39,7 @@ from tierkv.store.leases import Leases
 from tierkv.store.ledger import NamespaceState, PagedLedger
 from tierkv.store.moves import Mover
 from tierkv.store.reads import Reader
+from tierkv.store.remote_link import RemoteLink
 from tierkv.store.sessions import ResumedSession, SessionInfo, SessionTable, TokenIds
 from tierkv.store.stats import NamespaceStats, StoreStats, namespace_snapshot, snapshot
 from tierkv.store.validation import check_blocks, check_hashes, check_lookup_hashes, check_ttl
@@ -46,6 +47,7 @@ from tierkv.store.writes import Writer
 from tierkv.tiers.disk import DiskTier
 from tierkv.tiers.gpu import DeviceSlab
 from tierkv.tiers.host import HostSlab
+from tierkv.tiers.remote import RemoteTier
 
 log = logging.getLogger(__name__)
 P = ParamSpec("P")
@@ -97,6 +99,12 @@ class TieredStore(AsyncMethods, LeaseMethods):
         self._clearer = Clearer(self._core, self._sessions)
         self._leases = Leases(self._core, mover, self._writer,
                               ClientWatch(self.client_lock_prefix, clock), clock)
+        self._remote: RemoteLink | None = None
+        if config.remote is not None:  # connects in the background: never blocks the start
+            self._remote = RemoteLink(self._core, mover, self._writer, RemoteTier(config.remote))
+            self._core.to_remote = self._remote.offer
+            if self._disk is not None:
+                self._disk.on_demote = self._remote.offer_demoted
 
     # --- namespaces -----------------------------------------------------------------------
 
@@ -220,7 +228,20 @@ class TieredStore(AsyncMethods, LeaseMethods):
                     break
                 num_found += 1
         check_lookup_hashes(hashes, num_found)
-        return num_found
+        return self.extend_lookup(namespace, hashes, num_found)
+
+    @property
+    def has_remote_tier(self) -> bool:
+        """Whether a REMOTE tier is configured (lookups and reads may then go past the local
+        tiers)."""
+        return self._remote is not None
+
+    def extend_lookup(self, namespace: Namespace, hashes: Sequence[bytes], num_local: int) -> int:
+        """``lookup`` given that the first ``num_local`` hashes are held locally: how many
+        leading ``hashes`` are held locally or in REMOTE (``num_local`` without REMOTE)."""
+        if self._remote is None or num_local >= len(hashes):
+            return num_local
+        return self._remote.lookup_suffix(self._state(namespace), check_hashes(hashes), num_local)
 
     def locate(self, namespace: Namespace, hashes: Sequence[bytes]) -> dict[Tier, int]:
         """How many of the leading stored blocks of ``hashes`` have their fastest copy in each
@@ -252,6 +273,7 @@ class TieredStore(AsyncMethods, LeaseMethods):
         """
         state = self._state(namespace)
         keys = check_hashes(hashes)
+        self._fill_remote(state, keys)
         return self._reader.get_into(state, keys, out)
 
     def get(
@@ -272,7 +294,21 @@ class TieredStore(AsyncMethods, LeaseMethods):
         keys = check_hashes(hashes)
         if tier not in self._core.paged:
             raise ConfigError(f"prefetch: the {tier.label} tier is not configured")
-        return self._executor.submit(self._reader.prefetch, state, keys, tier)
+        return self._executor.submit(self._prefetch, state, keys, tier)
+
+    def _prefetch(self, state: NamespaceState, keys: list[bytes], tier: Tier) -> int:
+        self._fill_remote(state, keys)
+        return self._reader.prefetch(state, keys, tier)
+
+    def _fill_remote(self, state: NamespaceState, keys: list[bytes]) -> None:
+        """Bring the blocks of the chain only REMOTE holds into HOST (a read that would miss)."""
+        if self._remote is not None:
+            self._remote.fill(state, keys)
+
+    def flush_remote(self, timeout_s: float | None = None) -> bool:
+        """Wait until the records queued for REMOTE have been sent (True when there is no
+        REMOTE tier); False if ``timeout_s`` ran out first."""
+        return self._remote is None or self._remote.flush(timeout_s)
 
     def pin(self, namespace: Namespace, hashes: Sequence[bytes], ttl_s: float | None = None) -> int:
         """Keep the leading stored blocks of ``hashes`` from eviction until ``unpin`` (or for
@@ -343,7 +379,8 @@ class TieredStore(AsyncMethods, LeaseMethods):
         self._check_open()
         with self._core.lock:
             self._core.expire_pins_locked()
-        return snapshot(self._core, self._leases, self._sessions.num_sessions)
+        remote = self._remote.stats() if self._remote is not None else None
+        return snapshot(self._core, self._leases, self._sessions.num_sessions, remote)
 
     def namespace_stats(self, tenant: str | None = None) -> list[NamespaceStats]:
         """Each namespace (of ``tenant``, or everyone's) that is registered or named by a
@@ -444,6 +481,8 @@ class TieredStore(AsyncMethods, LeaseMethods):
                 self._disk.readers.shutdown(wait=True)
             if flush and self._disk is not None:
                 self._writer.flush_to_disk()
+            if self._remote is not None:
+                self._remote.close()
         finally:
             self._closed = True
             self._release_resources()

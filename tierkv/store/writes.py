@@ -178,6 +178,8 @@ class Writer:
                 assert core.disk_ledger is not None
                 core.disk_ledger.release_bytes(len(records) * state.record_bytes)
             raise
+        if core.to_remote is not None:  # write-through reaches REMOTE too, without waiting
+            core.to_remote(records)
         return checksums
 
     def publish(

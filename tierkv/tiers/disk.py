@@ -42,7 +42,7 @@ import os
 import queue
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -81,6 +81,8 @@ class DiskWrite:
     session_puts: Sequence[tuple[bytes, bytes]] = ()
     session_deletes: Sequence[bytes] = ()
     namespace_deletes: Sequence[bytes] = ()
+    block_demotes: Sequence[bytes] = ()
+    """Deleted block keys whose records go to ``DiskTier.on_demote`` first (DISK evictions)."""
     future: Future[None] = field(default_factory=Future)
 
     @property
@@ -133,6 +135,9 @@ class DiskTier:
         self._writer = threading.Thread(target=self._write_loop, name="tierkv-disk-writer", daemon=True)
         self._writer.start()
         self.readers = ThreadPoolExecutor(config.num_reader_threads, "tierkv-disk-read")
+        self.on_demote: Callable[[list[tuple[bytes, bytes]]], object] | None = None
+        """Given the records of ``block_demotes`` (read before they are deleted), on the writer
+        thread; it must not block (the REMOTE tier's queue)."""
         self._closed = False
         self._error_lines = {kind: Throttle(DISK_ERROR_LOG_INTERVAL_S) for kind in _ERROR_KINDS}
         self._next_reader_check_s = time.monotonic() + READER_CHECK_INTERVAL_S
@@ -213,7 +218,26 @@ class DiskTier:
                 raise
             self._commit(batch)
 
+    def _hand_over_demoted(self, batch: list[DiskWrite]) -> None:
+        """Read the records of the batch's ``block_demotes`` (still there: only this thread
+        deletes) and give them to ``on_demote``."""
+        keys = [key for job in batch for key in job.block_demotes]
+        sink = self.on_demote
+        if not keys or sink is None:
+            return
+        records: list[tuple[bytes, bytes]] = []
+        try:
+            with self._env.begin(db=self._blocks, buffers=True) as txn:
+                for key in keys:
+                    value = txn.get(key)
+                    if value is not None:
+                        records.append((key, bytes(value)))
+            sink(records)
+        except Exception as exc:  # demotion is best effort; the deletes must go on
+            self._log_error("demote", exc)
+
     def _commit_group(self, batch: list[DiskWrite]) -> None:
+        self._hand_over_demoted(batch)
         try:
             self._commit_with_reader_check(batch)
         except (lmdb.Error, OSError, DiskFullError) as exc:

@@ -96,20 +96,24 @@ class LookupDetail:
     num_host: int
     num_disk: int
     num_pinned: int
+    num_remote: int = 0
 
 
-def lookup_to(counts: Mapping[Tier, int], num_pinned: int = 0) -> pb.LookupResponse:
-    """The wire form of ``TieredStore.locate``'s counts (and the pins a lookup took)."""
+def lookup_to(counts: Mapping[Tier, int], num_pinned: int = 0, num_remote: int = 0
+              ) -> pb.LookupResponse:
+    """The wire form of ``TieredStore.locate``'s counts (and the pins a lookup took, and the
+    blocks after them only the REMOTE tier holds)."""
     return pb.LookupResponse(
-        num_cached=sum(counts.values()), num_gpu=counts[Tier.GPU], num_host=counts[Tier.HOST],
-        num_disk=counts[Tier.DISK], num_pinned=num_pinned,
+        num_cached=sum(counts.values()) + num_remote, num_gpu=counts[Tier.GPU],
+        num_host=counts[Tier.HOST], num_disk=counts[Tier.DISK], num_pinned=num_pinned,
+        num_remote=num_remote,
     )
 
 
 def lookup_from(response: pb.LookupResponse) -> LookupDetail:
     """A ``LookupResponse`` as a ``LookupDetail``."""
     return LookupDetail(response.num_cached, response.num_gpu, response.num_host,
-                        response.num_disk, response.num_pinned)
+                        response.num_disk, response.num_pinned, response.num_remote)
 
 
 # --- stats ---------------------------------------------------------------------------------
@@ -124,6 +128,10 @@ STORE_STATS_FIELDS = ("num_namespaces", "num_pinned", "promotions", "demotions",
 ``bytes_moved`` have their own messages)."""
 NAMESPACE_STATS_FIELDS = ("num_blocks", "stored_bytes", "num_sessions")
 """The counts of one namespace, named alike by ``tierkv.store.NamespaceStats`` and the wire."""
+REMOTE_STATS_FIELDS = ("connected", "hits", "misses", "corrupt", "lookups", "errors", "skipped",
+                       "bytes_read", "bytes_written", "written", "demoted", "queue_drops",
+                       "queued_bytes")
+"""The REMOTE tier's figures, named alike by ``tierkv.store.RemoteStats`` and the wire."""
 
 S = TypeVar("S")
 
@@ -157,9 +165,12 @@ def stats_to(stats: StoreStatsView, namespaces: Sequence[NamespaceStatsView] = (
     moved = [pb.BytesMoved(source=source.label, destination=destination.label,
                            num_bytes=num_bytes)
              for (source, destination), num_bytes in sorted(stats.bytes_moved.items())]
+    remote = getattr(stats, "remote", None)
     return pb.StatsResponse(
         tiers=tiers, bytes_moved=moved,
         namespaces=[namespace_stats_to(n) for n in namespaces],
+        remote=None if remote is None else pb.RemoteStats(
+            **{name: getattr(remote, name) for name in REMOTE_STATS_FIELDS}),
         **{name: getattr(stats, name) for name in STORE_STATS_FIELDS},
     )
 
@@ -172,14 +183,16 @@ def namespace_stats_to(stats: NamespaceStatsView) -> pb.NamespaceStats:
 
 
 def stats_from(response: pb.StatsResponse, tier_stats: Callable[..., Any],
-               store_stats: Callable[..., S], namespace_stats: Callable[..., Any]) -> S:
+               store_stats: Callable[..., S], namespace_stats: Callable[..., Any],
+               remote_stats: Callable[..., Any]) -> S:
     """A ``StatsResponse`` as ``store_stats(tiers=..., bytes_moved=..., namespaces=...,
     **counters)``, each tier as ``tier_stats(tier=Tier, **fields)``, each namespace as
-    ``namespace_stats(namespace=Namespace, **counts)`` (the client passes ``tierkv.TierStats``,
-    its ``ServerStats`` and ``tierkv.store.NamespaceStats``: the wire does not import the
-    store). Tiers with a label this side does not know (a newer server's) are left out, and so
-    are the moves between them and namespaces that do not parse; an older server's missing
-    fields read as 0 and empty."""
+    ``namespace_stats(namespace=Namespace, **counts)``, the REMOTE tier's as
+    ``remote_stats(**fields)`` (the client passes ``tierkv.TierStats``, its ``ServerStats``,
+    ``tierkv.store.NamespaceStats`` and ``RemoteStats``: the wire does not import the store).
+    Tiers with a label this side does not know (a newer server's) are left out, and so are the
+    moves between them and namespaces that do not parse; an older server's missing fields read
+    as 0 and empty."""
     tiers = {
         tier_from_label(t.tier): tier_stats(
             tier=tier_from_label(t.tier), **{name: getattr(t, name) for name in TIER_STATS_FIELDS}
@@ -200,7 +213,10 @@ def stats_from(response: pb.StatsResponse, tier_stats: Callable[..., Any],
             continue
         namespaces.append(namespace_stats(
             namespace=namespace, **{name: getattr(n, name) for name in NAMESPACE_STATS_FIELDS}))
+    remote = remote_stats(**{name: getattr(response.remote, name) for name in REMOTE_STATS_FIELDS}
+                          ) if response.HasField("remote") else None
     return store_stats(tiers=tiers, bytes_moved=moved, namespaces=tuple(namespaces),
+                       remote=remote,
                        **{name: getattr(response, name) for name in STORE_STATS_FIELDS})
 
 
@@ -261,6 +277,7 @@ class ServerInfo:
     presence_key: bytes
     slab_id: bytes
     client_lock_prefix: str
+    has_remote_tier: bool = False
 
 
 # --- sessions ------------------------------------------------------------------------------

@@ -87,18 +87,20 @@ class LookupRequest(_message.Message):
     def __init__(self, namespace: _Optional[_Union[Namespace, _Mapping]] = ..., hashes: _Optional[_Iterable[bytes]] = ..., prefetch: _Optional[bool] = ..., pin_ttl_s: _Optional[float] = ...) -> None: ...
 
 class LookupResponse(_message.Message):
-    __slots__ = ("num_cached", "num_gpu", "num_host", "num_disk", "num_pinned")
+    __slots__ = ("num_cached", "num_gpu", "num_host", "num_disk", "num_pinned", "num_remote")
     NUM_CACHED_FIELD_NUMBER: _ClassVar[int]
     NUM_GPU_FIELD_NUMBER: _ClassVar[int]
     NUM_HOST_FIELD_NUMBER: _ClassVar[int]
     NUM_DISK_FIELD_NUMBER: _ClassVar[int]
     NUM_PINNED_FIELD_NUMBER: _ClassVar[int]
+    NUM_REMOTE_FIELD_NUMBER: _ClassVar[int]
     num_cached: int
     num_gpu: int
     num_host: int
     num_disk: int
     num_pinned: int
-    def __init__(self, num_cached: _Optional[int] = ..., num_gpu: _Optional[int] = ..., num_host: _Optional[int] = ..., num_disk: _Optional[int] = ..., num_pinned: _Optional[int] = ...) -> None: ...
+    num_remote: int
+    def __init__(self, num_cached: _Optional[int] = ..., num_gpu: _Optional[int] = ..., num_host: _Optional[int] = ..., num_disk: _Optional[int] = ..., num_pinned: _Optional[int] = ..., num_remote: _Optional[int] = ...) -> None: ...
 
 class PinRequest(_message.Message):
     __slots__ = ("namespace", "hashes", "ttl_s")
@@ -267,7 +269,7 @@ class TierStats(_message.Message):
     def __init__(self, tier: _Optional[str] = ..., capacity_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., num_blocks: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., evictions: _Optional[int] = ..., promotions_in: _Optional[int] = ..., demotions_in: _Optional[int] = ...) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("tiers", "num_namespaces", "num_pinned", "promotions", "demotions", "failed_demotions", "checksum_failures", "puts", "gets", "num_leases", "leases_expired", "num_sessions", "bytes_moved", "namespaces")
+    __slots__ = ("tiers", "num_namespaces", "num_pinned", "promotions", "demotions", "failed_demotions", "checksum_failures", "puts", "gets", "num_leases", "leases_expired", "num_sessions", "bytes_moved", "namespaces", "remote")
     TIERS_FIELD_NUMBER: _ClassVar[int]
     NUM_NAMESPACES_FIELD_NUMBER: _ClassVar[int]
     NUM_PINNED_FIELD_NUMBER: _ClassVar[int]
@@ -282,6 +284,7 @@ class StatsResponse(_message.Message):
     NUM_SESSIONS_FIELD_NUMBER: _ClassVar[int]
     BYTES_MOVED_FIELD_NUMBER: _ClassVar[int]
     NAMESPACES_FIELD_NUMBER: _ClassVar[int]
+    REMOTE_FIELD_NUMBER: _ClassVar[int]
     tiers: _containers.RepeatedCompositeFieldContainer[TierStats]
     num_namespaces: int
     num_pinned: int
@@ -296,7 +299,38 @@ class StatsResponse(_message.Message):
     num_sessions: int
     bytes_moved: _containers.RepeatedCompositeFieldContainer[BytesMoved]
     namespaces: _containers.RepeatedCompositeFieldContainer[NamespaceStats]
-    def __init__(self, tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., num_namespaces: _Optional[int] = ..., num_pinned: _Optional[int] = ..., promotions: _Optional[int] = ..., demotions: _Optional[int] = ..., failed_demotions: _Optional[int] = ..., checksum_failures: _Optional[int] = ..., puts: _Optional[int] = ..., gets: _Optional[int] = ..., num_leases: _Optional[int] = ..., leases_expired: _Optional[int] = ..., num_sessions: _Optional[int] = ..., bytes_moved: _Optional[_Iterable[_Union[BytesMoved, _Mapping]]] = ..., namespaces: _Optional[_Iterable[_Union[NamespaceStats, _Mapping]]] = ...) -> None: ...
+    remote: RemoteStats
+    def __init__(self, tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., num_namespaces: _Optional[int] = ..., num_pinned: _Optional[int] = ..., promotions: _Optional[int] = ..., demotions: _Optional[int] = ..., failed_demotions: _Optional[int] = ..., checksum_failures: _Optional[int] = ..., puts: _Optional[int] = ..., gets: _Optional[int] = ..., num_leases: _Optional[int] = ..., leases_expired: _Optional[int] = ..., num_sessions: _Optional[int] = ..., bytes_moved: _Optional[_Iterable[_Union[BytesMoved, _Mapping]]] = ..., namespaces: _Optional[_Iterable[_Union[NamespaceStats, _Mapping]]] = ..., remote: _Optional[_Union[RemoteStats, _Mapping]] = ...) -> None: ...
+
+class RemoteStats(_message.Message):
+    __slots__ = ("connected", "hits", "misses", "corrupt", "lookups", "errors", "skipped", "bytes_read", "bytes_written", "written", "demoted", "queue_drops", "queued_bytes")
+    CONNECTED_FIELD_NUMBER: _ClassVar[int]
+    HITS_FIELD_NUMBER: _ClassVar[int]
+    MISSES_FIELD_NUMBER: _ClassVar[int]
+    CORRUPT_FIELD_NUMBER: _ClassVar[int]
+    LOOKUPS_FIELD_NUMBER: _ClassVar[int]
+    ERRORS_FIELD_NUMBER: _ClassVar[int]
+    SKIPPED_FIELD_NUMBER: _ClassVar[int]
+    BYTES_READ_FIELD_NUMBER: _ClassVar[int]
+    BYTES_WRITTEN_FIELD_NUMBER: _ClassVar[int]
+    WRITTEN_FIELD_NUMBER: _ClassVar[int]
+    DEMOTED_FIELD_NUMBER: _ClassVar[int]
+    QUEUE_DROPS_FIELD_NUMBER: _ClassVar[int]
+    QUEUED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    connected: bool
+    hits: int
+    misses: int
+    corrupt: int
+    lookups: int
+    errors: int
+    skipped: int
+    bytes_read: int
+    bytes_written: int
+    written: int
+    demoted: int
+    queue_drops: int
+    queued_bytes: int
+    def __init__(self, connected: _Optional[bool] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., corrupt: _Optional[int] = ..., lookups: _Optional[int] = ..., errors: _Optional[int] = ..., skipped: _Optional[int] = ..., bytes_read: _Optional[int] = ..., bytes_written: _Optional[int] = ..., written: _Optional[int] = ..., demoted: _Optional[int] = ..., queue_drops: _Optional[int] = ..., queued_bytes: _Optional[int] = ...) -> None: ...
 
 class ClearRequest(_message.Message):
     __slots__ = ("tenant", "model_id", "namespace", "all")
@@ -335,7 +369,7 @@ class DescribeRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class DescribeResponse(_message.Message):
-    __slots__ = ("version", "shm_name", "shm_size_bytes", "page_bytes", "host_id", "max_hashes_per_call", "max_chunk_bytes", "hash_seed", "presence_shm_name", "presence_key", "slab_id", "client_lock_prefix")
+    __slots__ = ("version", "shm_name", "shm_size_bytes", "page_bytes", "host_id", "max_hashes_per_call", "max_chunk_bytes", "hash_seed", "presence_shm_name", "presence_key", "slab_id", "client_lock_prefix", "has_remote_tier")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     SHM_NAME_FIELD_NUMBER: _ClassVar[int]
     SHM_SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -348,6 +382,7 @@ class DescribeResponse(_message.Message):
     PRESENCE_KEY_FIELD_NUMBER: _ClassVar[int]
     SLAB_ID_FIELD_NUMBER: _ClassVar[int]
     CLIENT_LOCK_PREFIX_FIELD_NUMBER: _ClassVar[int]
+    HAS_REMOTE_TIER_FIELD_NUMBER: _ClassVar[int]
     version: str
     shm_name: str
     shm_size_bytes: int
@@ -360,7 +395,8 @@ class DescribeResponse(_message.Message):
     presence_key: bytes
     slab_id: bytes
     client_lock_prefix: str
-    def __init__(self, version: _Optional[str] = ..., shm_name: _Optional[str] = ..., shm_size_bytes: _Optional[int] = ..., page_bytes: _Optional[int] = ..., host_id: _Optional[str] = ..., max_hashes_per_call: _Optional[int] = ..., max_chunk_bytes: _Optional[int] = ..., hash_seed: _Optional[str] = ..., presence_shm_name: _Optional[str] = ..., presence_key: _Optional[bytes] = ..., slab_id: _Optional[bytes] = ..., client_lock_prefix: _Optional[str] = ...) -> None: ...
+    has_remote_tier: bool
+    def __init__(self, version: _Optional[str] = ..., shm_name: _Optional[str] = ..., shm_size_bytes: _Optional[int] = ..., page_bytes: _Optional[int] = ..., host_id: _Optional[str] = ..., max_hashes_per_call: _Optional[int] = ..., max_chunk_bytes: _Optional[int] = ..., hash_seed: _Optional[str] = ..., presence_shm_name: _Optional[str] = ..., presence_key: _Optional[bytes] = ..., slab_id: _Optional[bytes] = ..., client_lock_prefix: _Optional[str] = ..., has_remote_tier: _Optional[bool] = ...) -> None: ...
 
 class SaveSessionRequest(_message.Message):
     __slots__ = ("namespace", "session_id", "token_ids", "ttl_s")

@@ -1,0 +1,285 @@
+"""The store's side of the REMOTE tier: what goes there, what comes back, and what it cost.
+
+The REMOTE tier (``tierkv.tiers.remote``) is shared by every node, so the store keeps no index
+of it: a block is known to be there only by asking. Its records are the disk tier's
+(``tierkv.tiers.records``): the key, namespace and layout in a header, and the payload's
+checksum.
+
+Decisions:
+1. Writes never wait for Redis. ``write_through`` puts (their records, already built for DISK)
+   and DISK evictions (the evicted record, read by the disk writer before it deletes it) go to
+   a queue bounded by ``queue_bytes``; one thread drains it in pipelined batches. A full queue
+   drops records and counts them.
+2. A read that misses locally asks REMOTE for the chain's blocks that no local tier holds, in one
+   batched round trip per node, and brings the leading run that came back into HOST pages:
+   each record's header must name the block's key and layout, and its payload is hashed as it
+   is copied into the pages and must match the header's checksum. Anything else (missing,
+   torn, truncated, foreign, tampered with) ends the run there and is a counted miss; its bytes
+   are never served. The read then proceeds as a local one.
+3. Lookups ask REMOTE only for the suffix of the chain the local tiers do not hold.
+4. Nothing here raises to the caller because of Redis: a Redis that is down or slow is a miss
+   (``RemoteTier`` answers within its deadline).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from tierkv.checksums import copy_with_checksums, value_digest
+from tierkv.config import Priority, Tier
+from tierkv.errors import CapacityError
+from tierkv.paging import Location
+from tierkv.store.books import StoreCore
+from tierkv.store.ledger import DOOMED, NamespaceState
+from tierkv.store.moves import Mover
+from tierkv.store.stats import RemoteStats
+from tierkv.store.writes import PutPlan, Writer
+from tierkv.tiers.records import verify_header
+from tierkv.tiers.remote import RemoteCounters, RemoteTier
+
+log = logging.getLogger(__name__)
+
+# Records sent to Redis in one pipelined batch (per node, at once).
+_WRITE_BATCH_BYTES = 64 << 20
+
+
+@dataclass(slots=True)
+class _Counters:
+    hits: int = 0
+    misses: int = 0
+    corrupt: int = 0
+    lookups: int = 0
+    written: int = 0
+    demoted: int = 0
+    queue_drops: int = 0
+
+
+class RemoteLink:
+    """Queues writes to a ``RemoteTier``, fills local misses from it and extends lookups."""
+
+    def __init__(self, core: StoreCore, mover: Mover, writer: Writer, remote: RemoteTier) -> None:
+        self.core = core
+        self.mover = mover
+        self.writer = writer
+        self.remote = remote
+        self._counters = _Counters()
+        self._lock = threading.Condition()
+        # (raw key, record, demoted?) waiting to be written.
+        self._queue: deque[tuple[bytes, bytes | bytearray, bool]] = deque()
+        self._queued_bytes = 0
+        self._num_writing = 0
+        self._closed = False
+        self._thread = threading.Thread(target=self._write_loop, name="tierkv-remote-writer",
+                                        daemon=True)
+        self._thread.start()
+
+    # --- writes (decision 1) ----------------------------------------------------------------
+
+    def offer(self, records: Sequence[tuple[bytes, bytes | bytearray]], demoted: bool = False
+              ) -> int:
+        """Queue ``(raw key, record)`` pairs for REMOTE without waiting; returns how many were
+        queued (the rest found the queue full and were dropped, counted)."""
+        limit = self.remote.config.queue_bytes
+        num_queued = 0
+        with self._lock:
+            if self._closed:
+                return 0
+            for raw_key, record in records:
+                if self._queued_bytes + len(record) > limit:
+                    self._counters.queue_drops += 1
+                    continue
+                self._queue.append((raw_key, record, demoted))
+                self._queued_bytes += len(record)
+                num_queued += 1
+            if num_queued:
+                self._lock.notify_all()
+        return num_queued
+
+    def offer_demoted(self, records: Sequence[tuple[bytes, bytes]]) -> None:
+        """DISK evictions: their records, read just before they were deleted."""
+        self.offer(records, demoted=True)
+
+    def _write_loop(self) -> None:
+        while True:
+            with self._lock:
+                while not self._queue and not self._closed:
+                    self._lock.wait()
+                if not self._queue:
+                    return
+                batch: list[tuple[bytes, bytes | bytearray, bool]] = []
+                num_bytes = 0
+                while self._queue and num_bytes < _WRITE_BATCH_BYTES:
+                    item = self._queue.popleft()
+                    batch.append(item)
+                    num_bytes += len(item[1])
+                self._num_writing = len(batch)
+            try:
+                self.remote.put([(raw_key, record) for raw_key, record, _ in batch])
+            except Exception:  # RemoteTier answers, never raises; a bug must not stop writes
+                log.exception("writing %d records to the remote tier failed", len(batch))
+            # What a failed node did not store is dropped: REMOTE is a cache, and its breaker
+            # already said the node is gone.
+            with self._lock:
+                self._queued_bytes -= num_bytes
+                self._num_writing = 0
+                self._counters.written += sum(1 for _, _, demoted in batch if not demoted)
+                self._counters.demoted += sum(1 for _, _, demoted in batch if demoted)
+                self._lock.notify_all()
+
+    def flush(self, timeout_s: float | None = None) -> bool:
+        """Wait until every record queued so far has been sent (or dropped); False on timeout."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        with self._lock:
+            while self._queue or self._num_writing:
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    return False
+                self._lock.wait(remaining)
+        return True
+
+    # --- reads (decisions 2 and 3) --------------------------------------------------------------
+
+    def _local_run_locked(self, state: NamespaceState, keys: Sequence[bytes], start: int
+                          ) -> tuple[int, list[int]]:
+        """From ``start``: the end of the run held locally, and the indices after it that no
+        local tier holds."""
+        blocks = state.blocks
+
+        def held(key: bytes) -> bool:
+            entry = blocks.get(key)
+            return entry is not None and entry.priority != DOOMED and entry.top_tier() is not None
+
+        index = start
+        while index < len(keys) and held(keys[index]):
+            index += 1
+        return index, [i for i in range(index, len(keys)) if not held(keys[i])]
+
+    def lookup_suffix(self, state: NamespaceState, keys: Sequence[bytes], num_local: int) -> int:
+        """How many leading ``keys`` are held locally or in REMOTE, given that the first
+        ``num_local`` are held locally."""
+        with self.core.lock:
+            end, absent = self._local_run_locked(state, keys, num_local)
+        if not absent:
+            return end
+        held = self.remote.exists([state.id + keys[i] for i in absent])
+        with self._lock:
+            self._counters.lookups += 1
+        first_missing = int(np.argmin(held)) if not held.all() else len(absent)
+        return absent[first_missing] if first_missing < len(absent) else len(keys)
+
+    def fill(self, state: NamespaceState, keys: Sequence[bytes]) -> int:
+        """Bring the blocks of ``keys``' leading run that only REMOTE holds into HOST (up to
+        what one fetch and HOST can take); returns how many were brought."""
+        core = self.core
+        host = core.paged[Tier.HOST]
+        block_bytes = state.block_bytes
+        max_blocks = max(1, min(self.remote.config.max_fetch_bytes // block_bytes,
+                                host.slab.num_pages // host.pages_for(block_bytes)))
+        with core.lock:
+            _, absent = self._local_run_locked(state, keys, 0)
+        if not absent:
+            return 0
+        # Only up to the next block that neither side can have: the run ends at a local miss
+        # that REMOTE does not fill, so fetching past ``max_blocks`` absent ones is waste.
+        absent = absent[:max_blocks]
+        values = self.remote.get([state.id + keys[i] for i in absent])
+        wanted: list[tuple[int, memoryview, bytes]] = []
+        num_corrupt = 0
+        for index, value in zip(absent, values, strict=True):
+            if value is None:
+                break
+            checked = verify_header(memoryview(value), state.id + keys[index], state.fingerprint,
+                                    block_bytes)
+            if checked is None:
+                num_corrupt += 1
+                break
+            wanted.append((index, checked[0], checked[1]))
+        num_brought, bad_payload = self._bring_into_host(state, keys, wanted) if wanted \
+            else (0, False)
+        num_corrupt += bad_payload
+        with self._lock:
+            counters = self._counters
+            counters.hits += num_brought
+            counters.corrupt += num_corrupt
+            if num_brought < len(absent):  # the block that ended the run (or found no room)
+                counters.misses += 1
+        if num_corrupt:
+            log.warning("a remote record of %s failed its checks; served as a miss",
+                        state.namespace.model_id)
+        return num_brought
+
+    def _bring_into_host(self, state: NamespaceState, keys: Sequence[bytes],
+                         wanted: list[tuple[int, memoryview, bytes]]) -> tuple[int, bool]:
+        """Copy verified payloads into fresh HOST pages, hashing each as it lands; publish the
+        leading run whose hashes match their records'. Returns its length, and whether a
+        payload that failed its checksum ended it."""
+        core = self.core
+        block_bytes = state.block_bytes
+        try:
+            locations = self.mover.reserve_pages(Tier.HOST, [block_bytes] * len(wanted))
+        except CapacityError:
+            return 0, False
+        slab = core.paged[Tier.HOST].slab
+        targets: list[tuple[np.ndarray, torch.Tensor | None]] = []
+        for location in locations:
+            view = slab.view(location, block_bytes)
+            if view is None:  # scattered pages: stage, then scatter
+                staged = torch.empty(block_bytes, dtype=torch.uint8)
+                targets.append((staged.numpy(), staged))
+            else:
+                targets.append((view.numpy(), None))
+        actual = copy_with_checksums([
+            [(target, np.frombuffer(payload, np.uint8))]
+            for (target, _), (_, payload, _) in zip(targets, wanted, strict=True)
+        ])
+        num_good = 0
+        for value, (_, _, expected) in zip(actual, wanted, strict=True):
+            if value_digest(value) != expected:
+                break
+            num_good += 1
+        for (_, staging), location in zip(targets[:num_good], locations, strict=False):
+            if staging is not None:
+                self.mover.write_block(Tier.HOST, location, staging)
+        with core.lock:
+            for location in locations[num_good:]:
+                core.release_pages_locked(Tier.HOST, location)
+        if not num_good:
+            return 0, bool(wanted)
+        indices = [index for index, _, _ in wanted[:num_good]]
+        plan = PutPlan(new_indices=indices)
+        by_index: dict[int, Location] = dict(zip(indices, locations, strict=False))
+        checksums = dict(zip(indices, actual, strict=False))
+        self.writer.publish(state, list(keys), Priority.NORMAL, Tier.HOST, plan, by_index,
+                            checksums)
+        return num_good, num_good < len(wanted)
+
+    # --- the rest ---------------------------------------------------------------------------
+
+    def stats(self) -> RemoteStats:
+        """The counters and the tier's own."""
+        tier: RemoteCounters = self.remote.counters_snapshot()
+        with self._lock:
+            c = self._counters
+            return RemoteStats(
+                self.remote.is_connected, c.hits, c.misses, c.corrupt, c.lookups,
+                tier.num_errors, tier.num_skipped, tier.bytes_read, tier.bytes_written,
+                c.written, c.demoted, c.queue_drops, self._queued_bytes,
+            )
+
+    def close(self, flush_timeout_s: float = 5.0) -> None:
+        """Send what is queued (for up to ``flush_timeout_s``), then stop and disconnect."""
+        self.flush(flush_timeout_s)
+        with self._lock:
+            self._closed = True
+            self._queue.clear()
+            self._lock.notify_all()
+        self._thread.join(timeout=flush_timeout_s)
+        self.remote.close()

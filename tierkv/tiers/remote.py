@@ -1,0 +1,456 @@
+"""The REMOTE tier: block records in a Redis Cluster (or one Redis server) shared by every node.
+
+It only moves bytes: values are the disk tier's checksummed records (``tierkv.tiers.records``),
+written and read whole; what they mean, and whether one is intact, is the store's business.
+
+Decisions:
+1. Keys are ``tkv:1:{<tag>}:<namespace id hex>:<block hash hex>``. The namespace id covers
+   model, layout, TP rank/size and tenant, so a tenant's key can never name another tenant's
+   block. The tag (the first two bytes of the block hash, in hex) is what Redis hashes to place
+   the key: block hashes are uniform, so keys still spread over every slot, and the slots of
+   8,192 keys are one table lookup (65,536 tags) instead of 8,192 CRCs in Python.
+2. redis-py's cluster pieces (its slot hash, ``CLUSTER SLOTS``, one ``redis.Redis`` per node) with
+   our own per-node pipelines rather than ``RedisCluster``'s: its calls retry and re-read the
+   slot map in the caller's thread (seconds against a dead node) and read the nodes' replies one
+   node after another. Here every node's pipeline runs on its own thread at once, under one
+   deadline, and a node's failure is that node's keys missing, nothing more.
+3. A call to a node that fails or times out opens that node's breaker: for
+   ``breaker_cooldown_s`` its keys are misses without a call, and a background thread probes it
+   (PING) and re-reads the slot map until it answers again. Nothing here raises to the caller.
+4. Lookups ask each node one ``EVALSHA`` of a read-only script that answers the existence of all
+   its keys as one string of ``0``/``1``. The keys go as arguments, not declared keys: a
+   cluster refuses declared keys of several slots before the script runs, and
+   ``allow-cross-slot-keys`` lets it touch every slot of the node it runs on. 8,192 ``EXISTS``
+   as separate pipelined commands cost ~40 ms of Python packing and parsing; this costs one
+   command a node, packed by numpy. Where the script cannot run (an ACL without ``EVALSHA``),
+   pipelined ``EXISTS`` do it.
+"""
+
+from __future__ import annotations
+
+import binascii
+import hashlib
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor, wait
+from dataclasses import dataclass
+from typing import TypeVar
+
+import numpy as np
+import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
+
+from tierkv.config import RemoteEndpoint, RemoteTierConfig
+from tierkv.keys import NAMESPACE_ID_BYTES, RAW_BLOCK_KEY_BYTES
+from tierkv.logs import Throttle, log_event
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+KEY_PREFIX = b"tkv:1:"
+NUM_SLOTS = 16384
+ERROR_LOG_INTERVAL_S = 10.0
+_EXISTS_SCRIPT = b"""#!lua flags=no-writes,allow-cross-slot-keys
+local out = {}
+for i = 1, #ARGV do
+  if redis.call('EXISTS', ARGV[i]) == 1 then out[i] = '1' else out[i] = '0' end
+end
+return table.concat(out)
+"""
+# Redis errors that mean "this node cannot be used now" (others are answers: counted, logged).
+_NODE_ERRORS = (redis.ConnectionError, redis.TimeoutError, OSError)
+# Answers that mean the slot map is stale or the cluster is changing: re-read it.
+_STALE_MAP = (redis.exceptions.MovedError, redis.exceptions.AskError,
+              redis.exceptions.ClusterDownError, redis.exceptions.TryAgainError)
+
+
+# Key layout (decision 1): prefix, "{tag}:" (tag: the first 2 hash bytes in hex), namespace id
+# hex, ":", block hash hex.
+_TAG_AT = len(KEY_PREFIX) + 1
+_NS_AT = _TAG_AT + 4 + 2
+_HASH_AT = _NS_AT + 2 * NAMESPACE_ID_BYTES + 1
+KEY_BYTES = _HASH_AT + 2 * (RAW_BLOCK_KEY_BYTES - NAMESPACE_ID_BYTES)
+# The slot of each of the 65,536 tags: a key's slot is the CRC16 of its tag alone.
+_TAG_SLOTS = np.array([binascii.crc_hqx(b"%04x" % tag, 0) % NUM_SLOTS for tag in range(1 << 16)],
+                      dtype=np.int32)
+# One key as a RESP bulk string: "$110\r\n" key "\r\n".
+_BULK_HEAD = b"$%d\r\n" % KEY_BYTES
+_BULK_BYTES = len(_BULK_HEAD) + KEY_BYTES + 2
+
+
+def key_matrix(raw_keys: Sequence[bytes]) -> np.ndarray:
+    """The Redis keys of 48-byte raw block keys, one row each (``KEY_BYTES`` wide), built
+    without a Python step per key: a Lookup of 8,192 hashes names 8,192 keys."""
+    count = len(raw_keys)
+    raw = np.frombuffer(b"".join(raw_keys), np.uint8).reshape(count, RAW_BLOCK_KEY_BYTES)
+    hexed = np.frombuffer(raw.tobytes().hex().encode(), np.uint8).reshape(count, -1)
+    keys = np.empty((count, KEY_BYTES), np.uint8)
+    keys[:, : len(KEY_PREFIX)] = np.frombuffer(KEY_PREFIX, np.uint8)
+    keys[:, _TAG_AT - 1] = ord("{")
+    ns_hex = 2 * NAMESPACE_ID_BYTES
+    keys[:, _TAG_AT : _TAG_AT + 4] = hexed[:, ns_hex : ns_hex + 4]
+    keys[:, _TAG_AT + 4 : _NS_AT] = np.frombuffer(b"}:", np.uint8)
+    keys[:, _NS_AT : _NS_AT + ns_hex] = hexed[:, :ns_hex]
+    keys[:, _HASH_AT - 1] = ord(":")
+    keys[:, _HASH_AT:] = hexed[:, ns_hex:]
+    return keys
+
+
+def key_slots(raw_keys: Sequence[bytes]) -> np.ndarray:
+    """The cluster slot of each raw block key's Redis key (from its tag, via ``_TAG_SLOTS``)."""
+    raw = np.frombuffer(b"".join(raw_keys), np.uint8).reshape(len(raw_keys), RAW_BLOCK_KEY_BYTES)
+    tags = raw[:, NAMESPACE_ID_BYTES].astype(np.int32) << 8 | raw[:, NAMESPACE_ID_BYTES + 1]
+    slots: np.ndarray = _TAG_SLOTS[tags]
+    return slots
+
+
+def remote_key(raw_key: bytes) -> bytes:
+    """The Redis key of one 48-byte raw block key (decision 1)."""
+    return key_matrix([raw_key]).tobytes()
+
+
+@dataclass(slots=True)
+class RemoteCounters:
+    """What the tier did since start (owned here; the store's stats copy them)."""
+
+    num_errors: int = 0
+    """Node calls that failed or timed out (each opens that node's breaker)."""
+    num_skipped: int = 0
+    """Keys answered as missing without a call because their node's breaker was open."""
+    bytes_read: int = 0
+    bytes_written: int = 0
+
+
+class _Node:
+    """One Redis server: its client and its breaker (decision 3)."""
+
+    def __init__(self, endpoint: RemoteEndpoint, client: redis.Redis) -> None:
+        self.endpoint = endpoint
+        self.client = client
+        self.open_until_s = 0.0
+        self.exists_by_script = True
+
+    @property
+    def is_open(self) -> bool:
+        return time.monotonic() < self.open_until_s
+
+
+class RemoteTier:
+    """Records in Redis under ``remote_key``; every method answers within about ``timeout_s``
+    and never raises for a Redis that is down, slow or partly down (misses instead)."""
+
+    def __init__(self, config: RemoteTierConfig) -> None:
+        self.config = config
+        self.counters = RemoteCounters()
+        self._lock = threading.Lock()
+        self._nodes: dict[RemoteEndpoint, _Node] = {}
+        # The slot map: node index per slot (-1: no owner), into ``_owners``.
+        self._owners: list[_Node] = []
+        self._slot_owner = np.full(NUM_SLOTS, -1, np.int32)
+        self._connected = threading.Event()
+        self._closed = threading.Event()
+        self._refresh = threading.Event()
+        self._errors = Throttle(ERROR_LOG_INTERVAL_S)
+        self._calls = ThreadPoolExecutor(32, "tierkv-remote")
+        self._script_sha = hashlib.sha1(_EXISTS_SCRIPT).hexdigest()
+        # Connecting can stall (a listener that never answers): never in the caller's thread.
+        self._watcher = threading.Thread(target=self._watch, name="tierkv-remote-watch", daemon=True)
+        self._watcher.start()
+
+    # --- topology -------------------------------------------------------------------------
+
+    @property
+    def is_connected(self) -> bool:
+        """Whether the slot map (or the single server) is known."""
+        return self._connected.is_set()
+
+    def wait_connected(self, timeout_s: float) -> bool:
+        """Wait until the first connection is made (tests and benches); False on timeout."""
+        return self._connected.wait(timeout_s)
+
+    def _client(self, endpoint: RemoteEndpoint) -> redis.Redis:
+        config = self.config
+        options: dict[str, object] = {}
+        if config.tls:
+            options = {"ssl": True, "ssl_ca_certs": _text(config.tls_ca_path),
+                       "ssl_certfile": _text(config.tls_cert_path),
+                       "ssl_keyfile": _text(config.tls_key_path)}
+        return redis.Redis(
+            host=endpoint.host, port=endpoint.port, username=config.username,
+            password=config.password, socket_timeout=config.timeout_s,
+            socket_connect_timeout=config.timeout_s, retry=Retry(NoBackoff(), 0),
+            health_check_interval=0, **options,  # type: ignore[arg-type]
+        )
+
+    def _node(self, endpoint: RemoteEndpoint) -> _Node:
+        with self._lock:
+            node = self._nodes.get(endpoint)
+            if node is None:
+                node = self._nodes[endpoint] = _Node(endpoint, self._client(endpoint))
+            return node
+
+    def _discover(self) -> bool:
+        """Read the slot map from any reachable seed or known node; True when it is known."""
+        candidates = list(self.config.endpoints) + [e for e in list(self._nodes)
+                                                    if e not in self.config.endpoints]
+        for endpoint in candidates:
+            node = self._node(endpoint)
+            try:
+                info = node.client.info("cluster")
+                if not info.get("cluster_enabled"):  # one server holds every slot
+                    with self._lock:
+                        self._owners = [node]
+                        self._slot_owner = np.zeros(NUM_SLOTS, np.int32)
+                    node.open_until_s = 0.0
+                    return True
+                slots = node.client.execute_command("CLUSTER SLOTS")  # type: ignore[no-untyped-call]
+            except (redis.RedisError, OSError) as exc:
+                self._note_error(node, "discover", exc)
+                continue
+            owners: list[_Node] = []
+            table = np.full(NUM_SLOTS, -1, np.int32)
+            for entry in slots:
+                start, end, primary = int(entry[0]), int(entry[1]), entry[2]
+                host = primary[0].decode() if isinstance(primary[0], bytes) else str(primary[0])
+                owner = self._node(RemoteEndpoint(host or endpoint.host, int(primary[1])))
+                if owner not in owners:
+                    owners.append(owner)
+                table[start : end + 1] = owners.index(owner)
+            with self._lock:
+                self._owners, self._slot_owner = owners, table
+            return True
+        return False
+
+    def _watch(self) -> None:
+        """Connect, then probe open breakers and re-read the slot map when asked (decision 3)."""
+        interval_s = min(self.config.breaker_cooldown_s, 1.0)
+        while not self._closed.is_set():
+            if not self._connected.is_set() or self._refresh.is_set():
+                self._refresh.clear()
+                if self._discover():
+                    self._connected.set()
+            for node in list(self._nodes.values()):
+                if node.is_open or node.open_until_s:
+                    self._probe(node)
+            self._closed.wait(interval_s)
+
+    def _probe(self, node: _Node) -> None:
+        try:
+            node.client.ping()
+        except (redis.RedisError, OSError):
+            node.open_until_s = time.monotonic() + self.config.breaker_cooldown_s
+            return
+        if node.open_until_s:
+            log_event(log, logging.INFO, "remote_node_back",
+                      f"remote node {node.endpoint.label} answers again", node=node.endpoint.label)
+        node.open_until_s = 0.0
+        self._refresh.set()  # it may have come back with other slots
+
+    def _note_error(self, node: _Node, op: str, exc: BaseException) -> None:
+        node.open_until_s = time.monotonic() + self.config.breaker_cooldown_s
+        with self._lock:
+            self.counters.num_errors += 1
+        num_errors = self._errors.admit()
+        if num_errors:
+            log_event(log, logging.WARNING, "remote_error",
+                      f"remote {op} on {node.endpoint.label} failed ({num_errors} errors since the "
+                      f"last line): {exc}; its keys are misses for "
+                      f"{self.config.breaker_cooldown_s:.1f} s",
+                      node=node.endpoint.label, count=num_errors)
+
+    def _failed(self, node: _Node, op: str, exc: Exception) -> None:
+        self._note_error(node, op, exc)
+        if not isinstance(exc, _NODE_ERRORS):  # MOVED, CLUSTERDOWN, ...: the map may be stale
+            self._refresh.set()
+
+    def _group(self, raw_keys: Sequence[bytes]) -> dict[_Node, np.ndarray]:
+        """Indices of ``raw_keys`` by the node serving them; keys of open breakers and of slots
+        without an owner are left out (and counted as skipped)."""
+        with self._lock:
+            owners, slot_owner = self._owners, self._slot_owner
+        if not raw_keys or not owners:
+            self._count_skipped(len(raw_keys))
+            return {}
+        by_key = slot_owner[key_slots(raw_keys)]
+        groups: dict[_Node, np.ndarray] = {}
+        now = time.monotonic()
+        num_skipped = int(np.count_nonzero(by_key < 0))
+        for number, node in enumerate(owners):
+            indices = np.flatnonzero(by_key == number)
+            if not len(indices):
+                continue
+            if node.open_until_s > now:
+                num_skipped += len(indices)
+            else:
+                groups[node] = indices
+        self._count_skipped(num_skipped)
+        return groups
+
+    def _count_skipped(self, count: int) -> None:
+        if count:
+            with self._lock:
+                self.counters.num_skipped += count
+
+    def _run(self, groups: dict[_Node, np.ndarray], op: str,
+             call: Callable[[_Node, np.ndarray], T]) -> dict[_Node, T]:
+        """``call`` for each node's indices at once, under one deadline; the results of the
+        nodes that answered in time (the others' breakers are opened)."""
+        if not groups:
+            return {}
+        if len(groups) == 1:
+            ((node, indices),) = groups.items()
+            try:
+                return {node: call(node, indices)}
+            except Exception as exc:  # nothing here raises to the caller (decision 3)
+                self._failed(node, op, exc)
+            return {}
+        futures = {self._calls.submit(call, node, indices): node for node, indices in groups.items()}
+        # A transfer's own time on top of the stall budget: a full fetch at ~1 GB/s.
+        budget_s = self.config.timeout_s + self.config.max_fetch_bytes / 1e9
+        done, late = wait(futures, timeout=budget_s)
+        results: dict[_Node, T] = {}
+        for future in done:
+            node = futures[future]
+            try:
+                results[node] = future.result()
+            except Exception as exc:  # nothing here raises to the caller (decision 3)
+                self._failed(node, op, exc)
+        for future in late:
+            self._note_error(futures[future], op, TimeoutError("no answer in time"))
+        return results
+
+    # --- the tier's operations ------------------------------------------------------------
+
+    def get(self, raw_keys: Sequence[bytes]) -> list[bytes | None]:
+        """The value under each block key, or None (missing, node down or slow)."""
+        keys = key_matrix(raw_keys)
+        groups = self._group(raw_keys)
+
+        def fetch(node: _Node, indices: np.ndarray) -> list[object]:
+            pipe = node.client.pipeline(transaction=False)
+            for i in indices:
+                pipe.get(keys[i].tobytes())
+            return list(pipe.execute())
+
+        values: list[bytes | None] = [None] * len(raw_keys)
+        num_bytes = 0
+        for node, fetched in self._run(groups, "get", fetch).items():
+            for i, value in zip(groups[node].tolist(), fetched, strict=True):
+                if isinstance(value, bytes):
+                    values[i] = value
+                    num_bytes += len(value)
+        with self._lock:
+            self.counters.bytes_read += num_bytes
+        return values
+
+    def put(self, items: Sequence[tuple[bytes, bytes | bytearray]]) -> int:
+        """Store each ``(raw key, record)`` (with the configured TTL); how many were stored."""
+        keys = key_matrix([raw for raw, _ in items])
+        groups = self._group([raw for raw, _ in items])
+        ttl_s = self.config.ttl_s or None
+
+        def store(node: _Node, indices: np.ndarray) -> int:
+            pipe = node.client.pipeline(transaction=False)
+            for i in indices:
+                pipe.set(keys[i].tobytes(), items[i][1], ex=ttl_s)
+            return sum(1 for answer in pipe.execute() if answer)
+
+        stored = self._run(groups, "set", store)
+        num_bytes = sum(len(items[i][1]) for node in stored for i in groups[node].tolist())
+        with self._lock:
+            self.counters.bytes_written += num_bytes
+        return sum(stored.values())
+
+    def exists(self, raw_keys: Sequence[bytes]) -> np.ndarray:
+        """Whether each block key is held, as a bool array (False also for a node that is down
+        or slow)."""
+        found = np.zeros(len(raw_keys), bool)
+        groups = self._group(raw_keys)
+        if not groups:
+            return found
+        # Every key as a RESP bulk string, so that a node's part of a call is one gather.
+        bulk = np.empty((len(raw_keys), _BULK_BYTES), np.uint8)
+        bulk[:, : len(_BULK_HEAD)] = np.frombuffer(_BULK_HEAD, np.uint8)
+        bulk[:, len(_BULK_HEAD) : -2] = key_matrix(raw_keys)
+        bulk[:, -2:] = np.frombuffer(b"\r\n", np.uint8)
+        answers = self._run(groups, "exists", lambda node, idx: self._exists(node, bulk, idx))
+        for node, answer in answers.items():
+            found[groups[node]] = answer
+        return found
+
+    def _exists(self, node: _Node, bulk: np.ndarray, indices: np.ndarray) -> np.ndarray:
+        if node.exists_by_script:
+            try:
+                try:
+                    bits = self._evalsha_exists(node, bulk, indices)
+                except redis.exceptions.NoScriptError:  # each node caches scripts on its own
+                    node.client.script_load(_EXISTS_SCRIPT)
+                    bits = self._evalsha_exists(node, bulk, indices)
+                held: np.ndarray = np.frombuffer(bits, np.uint8) == ord("1")
+                return held
+            except _STALE_MAP:
+                raise
+            except redis.ResponseError as exc:  # NOPERM or scripting off: plain EXISTS below
+                node.exists_by_script = False
+                log.info("remote node %s cannot run the lookup script (%s); using EXISTS",
+                         node.endpoint.label, exc)
+        pipe = node.client.pipeline(transaction=False)
+        for i in indices:
+            pipe.exists(bulk[i, len(_BULK_HEAD) : -2].tobytes())
+        return np.array([bool(answer) for answer in pipe.execute()], bool)
+
+    def _evalsha_exists(self, node: _Node, bulk: np.ndarray, indices: np.ndarray) -> bytes:
+        """The lookup script's answer for the keys of ``bulk`` at ``indices``, the command packed
+        by one gather: redis-py packs an argument at a time in Python (~0.5 us each)."""
+        head = b"*%d\r\n$7\r\nEVALSHA\r\n$40\r\n%s\r\n$1\r\n0\r\n" % (
+            len(indices) + 3, self._script_sha.encode())
+        pool = node.client.connection_pool
+        connection = pool.get_connection()
+        try:
+            connection.send_packed_command([head, bulk[indices].tobytes()])  # type: ignore[no-untyped-call]
+            answer = connection.read_response()
+        except _NODE_ERRORS:
+            connection.disconnect()  # type: ignore[no-untyped-call]
+            raise
+        finally:
+            pool.release(connection)
+        if isinstance(answer, redis.ResponseError):
+            raise answer
+        if not isinstance(answer, bytes) or len(answer) != len(indices):
+            raise redis.ResponseError(f"unexpected lookup script answer {answer!r:.80}")
+        return answer
+
+    def delete(self, raw_keys: Sequence[bytes]) -> int:
+        """Delete block keys; how many existed."""
+        keys = key_matrix(raw_keys)
+        groups = self._group(raw_keys)
+
+        def remove(node: _Node, indices: np.ndarray) -> int:
+            pipe = node.client.pipeline(transaction=False)
+            for i in indices:
+                pipe.delete(keys[i].tobytes())
+            return sum(int(answer) for answer in pipe.execute())
+
+        return sum(self._run(groups, "del", remove).values())
+
+    def counters_snapshot(self) -> RemoteCounters:
+        """A copy of the counters."""
+        with self._lock:
+            c = self.counters
+            return RemoteCounters(c.num_errors, c.num_skipped, c.bytes_read, c.bytes_written)
+
+    def close(self) -> None:
+        """Stop the watcher and close every connection (idempotent)."""
+        if self._closed.is_set():
+            return
+        self._closed.set()
+        self._calls.shutdown(wait=False, cancel_futures=True)
+        for node in list(self._nodes.values()):
+            node.client.close()
+
+
+def _text(path: object) -> str | None:
+    return None if path is None else str(path)
