@@ -42,6 +42,7 @@ from tierkv.config import (
     DiskTierConfig,
     GpuTierConfig,
     HostTierConfig,
+    RemoteTierConfig,
     StoreConfig,
     WritePolicy,
 )
@@ -85,8 +86,28 @@ def build_config(args: argparse.Namespace | Resolved) -> StoreConfig:
         if not settings["no_disk"]:
             disk = DiskTierConfig(Path(settings["disk_path"]), settings["disk_bytes"],
                                   on_corrupt=DiskCorruptAction(settings["disk_on_corrupt"]))
-        return StoreConfig(host=host, gpu=gpu, disk=disk,
+        return StoreConfig(host=host, gpu=gpu, disk=disk, remote=_remote_config(settings),
                            write_policy=WritePolicy(settings["write_policy"]))
+
+
+def _remote_config(settings: Resolved) -> RemoteTierConfig | None:
+    if not settings["remote"]:
+        return None
+    password = None
+    if settings["remote_password_file"]:
+        path = Path(settings["remote_password_file"])
+        try:
+            password = path.read_text().strip("\r\n")
+        except OSError as exc:
+            raise ConfigError(f"remote_password_file: cannot read {path}: {exc}") from exc
+    tls_paths = {name: Path(settings[f"remote_{name}"]) if settings[f"remote_{name}"] else None
+                 for name in ("tls_ca", "tls_cert", "tls_key")}
+    return RemoteTierConfig.from_url(
+        settings["remote"], password=password, tls_ca_path=tls_paths["tls_ca"],
+        tls_cert_path=tls_paths["tls_cert"], tls_key_path=tls_paths["tls_key"],
+        ttl_s=settings["remote_ttl_s"], timeout_s=settings["remote_timeout_s"],
+        queue_bytes=settings["remote_queue_bytes"],
+    )
 
 
 def build_service_config(args: argparse.Namespace | Resolved) -> ServiceConfig:

@@ -94,6 +94,26 @@ SETTINGS: tuple[Setting, ...] = (
              "default write policy of puts: to disk when evicted from HOST (write_back), or "
              "before the put is acknowledged (write_through)",
              choices=tuple(policy.value for policy in WritePolicy)),
+    _setting("remote", Kind.STR, "",
+             "REMOTE tier shared by every node: redis://[user[:password]@]host:port[,host:port"
+             "...] of a Redis Cluster's nodes (or of one Redis server); rediss:// for TLS "
+             "(empty: none)", metavar="URL"),
+    _setting("remote_password_file", Kind.STR, "",
+             "file holding the REMOTE tier's password (beats one in the URL)", metavar="PATH"),
+    _setting("remote_tls_ca", Kind.STR, "",
+             "PEM CA bundle that signs the REMOTE tier's TLS certificates", metavar="PATH"),
+    _setting("remote_tls_cert", Kind.STR, "",
+             "PEM client certificate for the REMOTE tier (mutual TLS, with remote_tls_key)",
+             metavar="PATH"),
+    _setting("remote_tls_key", Kind.STR, "", "PEM key of remote_tls_cert", metavar="PATH"),
+    _setting("remote_ttl_s", Kind.INT, 0,
+             "expiry of every key written to the REMOTE tier (0: none; Redis's maxmemory "
+             "policy evicts)"),
+    _setting("remote_timeout_s", Kind.FLOAT, 0.5,
+             "a REMOTE node that does not answer within this is a miss, and is skipped while "
+             "a background probe waits for it"),
+    _setting("remote_queue_bytes", Kind.SIZE, 256 * 1024 * 1024,
+             "records waiting to be written to the REMOTE tier (more are dropped, counted)"),
     _setting("hash_seed", Kind.STR, None,
              "seed of session block hashes: the vLLM workers' PYTHONHASHSEED (any value given, "
              "even empty, is used as is)",
