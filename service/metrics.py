@@ -259,7 +259,7 @@ class StoreCollector(Collector):
             stats = store.stats()
         except StoreClosedError:
             return []
-        return [*_tier_families(stats), *_store_families(stats)]
+        return [*_tier_families(stats), *_store_families(stats), *_remote_families(stats)]
 
 
 def _tier_families(stats: StoreStats) -> Iterator[Metric]:
@@ -315,6 +315,39 @@ def _store_families(stats: StoreStats) -> Iterator[Metric]:
     for (source, destination), num_bytes in sorted(stats.bytes_moved.items()):
         moved.add_metric((source.label, destination.label), num_bytes)
     yield moved
+
+
+def _remote_families(stats: StoreStats) -> Iterator[Metric]:
+    """The REMOTE tier's figures (none without one)."""
+    remote = stats.remote
+    if remote is None:
+        return
+    for name, kind, text, value in (
+        ("connected", GaugeMetricFamily, "1 when the REMOTE tier's slot map is known.",
+         int(remote.connected)),
+        ("hits", CounterMetricFamily, "Blocks read from REMOTE into HOST.", remote.hits),
+        ("misses", CounterMetricFamily,
+         "Reads REMOTE did not complete (absent, node down, or a record failing its checks).",
+         remote.misses),
+        ("corrupt", CounterMetricFamily,
+         "REMOTE records that failed their checks (served as misses).", remote.corrupt),
+        ("lookups", CounterMetricFamily, "Lookups extended into REMOTE.", remote.lookups),
+        ("errors", CounterMetricFamily, "REMOTE node calls that failed or timed out.",
+         remote.errors),
+        ("skipped", CounterMetricFamily,
+         "Keys not asked of REMOTE because their node's breaker was open.", remote.skipped),
+        ("read_bytes", CounterMetricFamily, "Bytes read from REMOTE.", remote.bytes_read),
+        ("written_bytes", CounterMetricFamily, "Bytes written to REMOTE.", remote.bytes_written),
+        ("written", CounterMetricFamily, "Records of write-through puts sent to REMOTE.",
+         remote.written),
+        ("demoted", CounterMetricFamily, "Records of DISK evictions sent to REMOTE.",
+         remote.demoted),
+        ("queue_drops", CounterMetricFamily,
+         "Records dropped because the REMOTE write queue was full.", remote.queue_drops),
+        ("queued_bytes", GaugeMetricFamily, "Bytes waiting to be written to REMOTE.",
+         remote.queued_bytes),
+    ):
+        yield kind(f"tierkv_remote_{name}", text, value=value)
 
 
 class ServerMetrics:

@@ -90,6 +90,15 @@ def build_config(args: argparse.Namespace | Resolved) -> StoreConfig:
                            write_policy=WritePolicy(settings["write_policy"]))
 
 
+def _remote_label(config: StoreConfig) -> str | None:
+    """The REMOTE tier's seed nodes for logs (never its password), or None."""
+    remote = config.remote
+    if remote is None:
+        return None
+    scheme = "rediss" if remote.tls else "redis"
+    return f"{scheme}://" + ",".join(endpoint.label for endpoint in remote.endpoints)
+
+
 def _remote_config(settings: Resolved) -> RemoteTierConfig | None:
     if not settings["remote"]:
         return None
@@ -176,7 +185,8 @@ def run(args: argparse.Namespace) -> int:
               host_bytes=config.host.capacity_bytes, gpu_bytes=config.gpu.capacity_bytes,
               disk_path=str(config.disk.path) if config.disk else None,
               disk_bytes=config.disk.capacity_bytes if config.disk else 0,
-              write_policy=config.write_policy.value, tokens=bool(service_config.tokens),
+              write_policy=config.write_policy.value, remote=_remote_label(config),
+              tokens=bool(service_config.tokens),
               tls=service_config.tls is not None, metrics_port=service_config.metrics_port)
     tune_for_bulk_messages()
     asyncio.run(_serve(settings, config, service_config))
@@ -241,6 +251,7 @@ async def _serve(settings: Resolved, config: StoreConfig, service_config: Servic
         "recovered_blocks": store.num_recovered_blocks,
         "host_shm_name": store.host_shm_name,
         "page_bytes": config.host.page_bytes,
+        "remote": _remote_label(config),
     }
     print(json.dumps(ready), flush=True)
     log_event(log, logging.INFO, "ready", f"serving on {', '.join(service_config.listen)}",

@@ -111,6 +111,21 @@ def _ratio(hits: int, misses: int) -> str:
     return f"{hits / (hits + misses):.1%}" if hits + misses else "-"
 
 
+def _remote_lines(stats: ServerStats) -> list[str]:
+    remote = stats.remote
+    if remote is None:
+        return []
+    state = "connected" if remote.connected else "NOT CONNECTED"
+    return [
+        f"remote ({state}): hits {remote.hits}  misses {remote.misses} (corrupt "
+        f"{remote.corrupt})  hit ratio {_ratio(remote.hits, remote.misses)}  lookups "
+        f"{remote.lookups}  errors {remote.errors}  skipped {remote.skipped}",
+        f"remote writes: {remote.written} put + {remote.demoted} demoted, "
+        f"{format_size(remote.bytes_written)} written, {format_size(remote.bytes_read)} read, "
+        f"queued {format_size(remote.queued_bytes)}, dropped {remote.queue_drops}",
+    ]
+
+
 def render(stats: ServerStats, target: str) -> str:
     """The stats as text: tiers, counters, namespaces."""
     tier_rows = [
@@ -133,6 +148,7 @@ def render(stats: ServerStats, target: str) -> str:
         f"moved: {moved}",
         f"leases open {stats.num_leases} (expired {stats.leases_expired})  pinned "
         f"{stats.num_pinned}  namespaces {stats.num_namespaces}  sessions {stats.num_sessions}",
+        *_remote_lines(stats),
         "",
     ]
     if stats.namespaces:
