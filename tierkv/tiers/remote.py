@@ -153,6 +153,7 @@ class RemoteTier:
         self._connected = threading.Event()
         self._closed = threading.Event()
         self._refresh = threading.Event()
+        self._wake = threading.Event()  # set to make the watcher run now (and at close)
         self._errors = Throttle(ERROR_LOG_INTERVAL_S)
         self._calls = ThreadPoolExecutor(32, "tierkv-remote")
         self._script_sha = hashlib.sha1(_EXISTS_SCRIPT).hexdigest()
@@ -235,7 +236,8 @@ class RemoteTier:
             for node in list(self._nodes.values()):
                 if node.is_open or node.open_until_s:
                     self._probe(node)
-            self._closed.wait(interval_s)
+            self._wake.wait(interval_s)
+            self._wake.clear()
 
     def _probe(self, node: _Node) -> None:
         try:
@@ -262,9 +264,15 @@ class RemoteTier:
                       node=node.endpoint.label, count=num_errors)
 
     def _failed(self, node: _Node, op: str, exc: Exception) -> None:
-        self._note_error(node, op, exc)
-        if not isinstance(exc, _NODE_ERRORS):  # MOVED, CLUSTERDOWN, ...: the map may be stale
+        if isinstance(exc, _STALE_MAP):
+            # The node answers, but the slot map changed (a reshard, a failover): read it
+            # again; its keys are misses until then, the node is not shunned.
+            with self._lock:
+                self.counters.num_errors += 1
             self._refresh.set()
+            self._wake.set()
+            return
+        self._note_error(node, op, exc)
 
     def _group(self, raw_keys: Sequence[bytes]) -> dict[_Node, np.ndarray]:
         """Indices of ``raw_keys`` by the node serving them; keys of open breakers and of slots
@@ -447,6 +455,7 @@ class RemoteTier:
         if self._closed.is_set():
             return
         self._closed.set()
+        self._wake.set()
         self._calls.shutdown(wait=False, cancel_futures=True)
         for node in list(self._nodes.values()):
             node.client.close()
