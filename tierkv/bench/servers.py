@@ -1,6 +1,7 @@
 """The servers the benchmarks run beside themselves: ``tierkv serve`` (a subprocess, as in
-production; ``bench service`` and ``bench chat``) and ``redis-server`` (``scripts/redis-server``;
-``bench service``), started, awaited and stopped."""
+production; ``bench service``, ``bench chat`` and ``bench remote``), ``redis-server``
+(``scripts/redis-server``; ``bench service``) and a Redis Cluster (``scripts/redis-cluster``;
+``bench remote``), started, awaited and stopped."""
 
 from __future__ import annotations
 
@@ -14,13 +15,13 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from tierkv.config import MiB
-from tierkv.errors import ServiceUnavailableError
+from tierkv.errors import ConfigError, ServiceUnavailableError
 
 _REPO_ROOT = Path(__file__).resolve().parents[2]
 _START_TIMEOUT_S = 120.0  # the first run may install redis-server with apt-get
@@ -92,10 +93,12 @@ def _stop(process: subprocess.Popen[bytes]) -> None:
 
 @contextlib.contextmanager
 def tierkv_server(work_dir: Path, host_bytes: int, *, disk_bytes: int = 1024 * MiB,
-                  with_metrics: bool = False) -> Iterator[tuple[str, str]]:
+                  with_metrics: bool = False, extra_flags: Sequence[str] = ()
+                  ) -> Iterator[tuple[str, str]]:
     """``tierkv serve`` in a subprocess, its files under ``work_dir/tierkv``; yields its (unix,
     tcp) targets once it is ready, and stops it (SIGTERM) at the end. ``with_metrics``: with its
-    Prometheus endpoint on (a free loopback port), so that every call is counted."""
+    Prometheus endpoint on (a free loopback port), so that every call is counted.
+    ``extra_flags`` go after the others (e.g. ``--remote URL``, ``--no-disk``)."""
     work = work_dir / "tierkv"
     work.mkdir(parents=True, exist_ok=True)
     sock = work / "s.sock"
@@ -113,6 +116,7 @@ def tierkv_server(work_dir: Path, host_bytes: int, *, disk_bytes: int = 1024 * M
         ]
         if with_metrics:
             command += ["--metrics-port", str(_free_port())]
+        command += extra_flags
         # Only these flags configure it: no TIERKV_* settings (tokens, TLS, ...) from this shell.
         env = {key: value for key, value in os.environ.items() if not key.startswith("TIERKV_")}
         with stdout_path.open("wb") as stdout, stderr_path.open("wb") as stderr:
@@ -187,6 +191,73 @@ def running_servers(cfg: ServiceBenchConfig, host_bytes: int) -> Iterator[Server
             tierkv_server(cfg.work_dir, host_bytes, with_metrics=cfg.with_metrics) as (
                 unix_target, tcp_target):
         yield Servers(unix_target, tcp_target, redis_port, redis_socket)
+
+
+# --- a Redis Cluster (bench remote) ---------------------------------------------------------
+
+_CLUSTER_SCRIPT = _REPO_ROOT / "scripts" / "redis-cluster"
+_BUS_OFFSET = 10000  # a cluster node also listens on port + 10000 (the cluster bus)
+
+
+def free_cluster_ports(num: int) -> list[int]:
+    """``num`` distinct loopback ports free now, each with its bus port (+10000) free too."""
+    held: list[socket.socket] = []  # open until the end: the kernel never hands one out twice
+
+    def bind(port: int) -> int | None:
+        held.append(sock := socket.socket(socket.AF_INET, socket.SOCK_STREAM))
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return None
+        bound: int = sock.getsockname()[1]
+        return bound
+
+    chosen: list[int] = []
+    try:
+        for _ in range(100 * num):
+            port = bind(0)
+            if port is not None and port + _BUS_OFFSET < 65535 and bind(port + _BUS_OFFSET):
+                chosen.append(port)
+            if len(chosen) == num:
+                return chosen
+    finally:
+        for sock in held:
+            sock.close()
+    raise ServiceUnavailableError(f"found only {len(chosen)} of {num} free ports with a free "
+                                  "cluster bus port")
+
+
+@contextlib.contextmanager
+def redis_cluster(work_dir: Path, num_masters: int = 3, extra_args: Sequence[str] = ()
+                  ) -> Iterator[tuple[str, list[int]]]:
+    """A Redis Cluster of ``num_masters`` masters (no replicas) on free loopback ports, through
+    ``scripts/redis-cluster`` (which installs a missing redis-server first), its nodes' files in
+    ``work_dir``; yields its ``redis://`` URL and ports, and stops every node at the end, also
+    on errors and Ctrl-C. Ports taken meanwhile are chosen afresh, twice at most."""
+    if not _CLUSTER_SCRIPT.is_file():
+        raise ConfigError(f"{_CLUSTER_SCRIPT} is missing: a Redis Cluster bench needs a source "
+                          "checkout of tierkv")
+    work_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        for attempt in range(3):
+            ports = free_cluster_ports(num_masters)
+            command = [str(_CLUSTER_SCRIPT), str(work_dir), *map(str, ports), "--", *extra_args]
+            try:
+                result = subprocess.run(command, capture_output=True, text=True, check=False,
+                                        stdin=subprocess.DEVNULL, timeout=_START_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                raise ServiceUnavailableError(
+                    f"scripts/redis-cluster did not start in {_START_TIMEOUT_S:.0f} s") from None
+            if result.returncode == 0:
+                break
+            if "Address already in use" not in result.stderr or attempt == 2:
+                raise ServiceUnavailableError(
+                    f"scripts/redis-cluster exited with {result.returncode}:\n"
+                    f"{result.stderr[-4000:]}")
+        yield result.stdout.strip().splitlines()[-1], ports
+    finally:  # the nodes are daemons: nothing else ends them
+        subprocess.run([str(_CLUSTER_SCRIPT), "--stop", str(work_dir)], check=False,
+                       stdin=subprocess.DEVNULL, timeout=60)
 
 
 # --- helpers -----------------------------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""``tierkv bench store``: run the benchmarks, print a table, write JSON (and a PNG plot)."""
+"""``tierkv bench``: run the benchmarks, print a table, write JSON (and a PNG plot)."""
 
 from __future__ import annotations
 
@@ -36,6 +36,13 @@ def register(subparsers: Any) -> None:
                          help="run the sidecar with its Prometheus endpoint on (every call "
                          "counted): its cost is the difference with a run without")
     service.set_defaults(func=run_service)
+    remote = targets.add_parser(
+        "remote", help="the REMOTE tier (a Redis Cluster of its own) through two sidecars vs "
+                       "redis-py on the same cluster"
+    )
+    _add_common(remote, "remote", ["get", "put", "lookup"],
+                "where the cluster and the sidecars keep their files (default: a temp dir)")
+    remote.set_defaults(func=run_remote)
     gpu = targets.add_parser("gpu", help="CUDA copies through the store vs raw pinned copies")
     gpu.add_argument("--repeats", type=int, default=5)
     gpu.add_argument("--json", type=Path, default=Path("bench-out/gpu.json"))
@@ -175,6 +182,25 @@ def run_service(args: argparse.Namespace) -> int:
     extra = {"repeats": cfg.repeats, "batch_blocks": cfg.batch_blocks, "quick": args.quick,
              "redis_parser": redis_parser(), "with_metrics": cfg.with_metrics}
     return _report(rows, args, extra, "tierkv bench service")
+
+
+def run_remote(args: argparse.Namespace) -> int:
+    """Run ``bench remote`` (starts a 3-master Redis Cluster and two ``tierkv serve`` of its
+    own)."""
+    from tierkv.bench.remote_bench import RemoteBenchConfig, num_steps, run_remote_bench
+    from tierkv.bench.servers import redis_parser
+
+    with tempfile.TemporaryDirectory(prefix="tierkv-bench-", dir=args.work_dir) as work:
+        cfg = RemoteBenchConfig(Path(work), repeats=args.repeats)
+        if args.quick:
+            cfg = RemoteBenchConfig(Path(work), repeats=min(args.repeats, 3), lookup_calls=50)
+        with _progress(num_steps(cfg, args.only), "bench remote") as progress:
+            rows = run_remote_bench(cfg, args.only, progress)
+    extra = {"repeats": cfg.repeats, "batch_blocks": cfg.batch_blocks, "quick": args.quick,
+             "redis_parser": redis_parser(), "lookup_blocks": cfg.lookup_blocks,
+             "lookup_calls": cfg.lookup_calls, "cluster": "3 masters, loopback, "
+             f"--maxmemory {cfg.node_maxmemory} allkeys-lru"}
+    return _report(rows, args, extra, "tierkv bench remote")
 
 
 def run_vllm(args: argparse.Namespace) -> int:

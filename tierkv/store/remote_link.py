@@ -134,6 +134,27 @@ class RemoteLink:
                 self._counters.demoted += sum(1 for _, _, demoted in batch if demoted)
                 self._lock.notify_all()
 
+    def forget(self, raw_keys: Sequence[bytes] = (), namespace_id: bytes | None = None) -> int:
+        """Delete blocks from REMOTE: ``raw_keys``, or every block of ``namespace_id``. Records
+        of them still queued are dropped first, and a batch being written is waited for, so
+        that no write queued before this call brings one back. Returns how many REMOTE
+        deleted (what a node that is down holds stays there until its TTL or eviction)."""
+        doomed = set(raw_keys)
+
+        def matches(raw_key: bytes) -> bool:
+            return raw_key in doomed if namespace_id is None else raw_key.startswith(namespace_id)
+
+        with self._lock:
+            kept = [item for item in self._queue if not matches(item[0])]
+            self._queued_bytes -= sum(len(record) for key, record, _ in self._queue
+                                      if matches(key))
+            self._queue = deque(kept)
+            while self._num_writing and not self._closed:
+                self._lock.wait()
+        if namespace_id is not None:
+            return self.remote.delete_namespace(namespace_id)
+        return self.remote.delete(list(doomed)) if doomed else 0
+
     def flush(self, timeout_s: float | None = None) -> bool:
         """Wait until every record queued so far has been sent (or dropped); False on timeout."""
         deadline = None if timeout_s is None else time.monotonic() + timeout_s

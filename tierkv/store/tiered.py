@@ -26,7 +26,6 @@ from tierkv.errors import (
     TierKVError,
     UnknownNamespaceError,
 )
-from tierkv.hashing import DEFAULT_ALGORITHM, HashAlgorithm, block_hashes
 from tierkv.keys import Namespace
 from tierkv.shm.liveness import ClientWatch
 from tierkv.shm.presence import PresenceTable
@@ -40,7 +39,8 @@ from tierkv.store.ledger import NamespaceState, PagedLedger
 from tierkv.store.moves import Mover
 from tierkv.store.reads import Reader
 from tierkv.store.remote_link import RemoteLink
-from tierkv.store.sessions import ResumedSession, SessionInfo, SessionTable, TokenIds
+from tierkv.store.session_api import SessionMethods
+from tierkv.store.sessions import SessionTable
 from tierkv.store.stats import NamespaceStats, StoreStats, namespace_snapshot, snapshot
 from tierkv.store.validation import check_blocks, check_hashes, check_lookup_hashes, check_ttl
 from tierkv.store.writes import Writer
@@ -54,7 +54,7 @@ P = ParamSpec("P")
 R = TypeVar("R")
 
 
-class TieredStore(AsyncMethods, LeaseMethods):
+class TieredStore(AsyncMethods, LeaseMethods, SessionMethods):
     """KV blocks across GPU, HOST and DISK tiers, keyed by ``(namespace, block hash)``.
 
     Open it with a ``StoreConfig``; with a disk tier, blocks written there by an earlier process
@@ -349,7 +349,8 @@ class TieredStore(AsyncMethods, LeaseMethods):
     def delete(self, namespace: Namespace, hashes: Sequence[bytes]) -> int:
         """Remove the blocks of ``hashes`` from every tier; returns how many were stored.
 
-        They are misses at once. Their disk records are deleted durably before this returns
+        They are misses at once, REMOTE included (its copies are deleted before this returns,
+        unless their node is down). Their disk records are deleted durably before this returns
         (those of blocks being read at that moment go when the read ends). If the disk cannot
         commit the deletes (``DiskFullError``), they stay queued and ride in the next write.
         """
@@ -365,6 +366,8 @@ class TieredStore(AsyncMethods, LeaseMethods):
             job = self._core.submit_deletes_locked()
         if job is not None:
             self._core.wait_disk(job)
+        if self._remote is not None:  # or the next read would bring them back from REMOTE
+            self._remote.forget([state.id + key for key in keys])
         return num_deleted
 
     def wait_for_background(self, timeout_s: float | None = None) -> bool:
@@ -403,61 +406,13 @@ class TieredStore(AsyncMethods, LeaseMethods):
         """
         self._check_open()
         matches = namespace_filter(tenant, model_id, namespace)
-        return self._clearer.clear(matches, progress)
-
-    # --- sessions ---------------------------------------------------------------------------
-
-    def save_session(
-        self,
-        namespace: Namespace,
-        session_id: str,
-        token_ids: TokenIds,
-        ttl_s: float | None = None,
-    ) -> int:
-        """Store (or replace) the chat session ``session_id`` of ``namespace.tenant``: its
-        namespace and ``token_ids`` (ints, or a 1-D integer numpy array or tensor), last used
-        now, kept until deleted or, with ``ttl_s``, until ``ttl_s`` seconds pass without a
-        ``resume_session``. Returns the number of tokens.
-
-        Store the session's blocks yourself (``write_through``, ``Priority.SESSION``). With a
-        disk tier the record is durable when this returns; without one it is kept in memory
-        only, and ends with the process. Raises ``InvalidArgumentError`` (a ``ValueError``) for
-        an empty ``session_id``, one over 256 UTF-8 bytes or with NUL, token ids outside
-        ``[0, 2**32)`` or more than ``2**20`` of them, or a ``ttl_s`` outside ``(0, 30 days]``;
-        ``UnknownNamespaceError`` if ``namespace`` is not registered. Nothing is stored then.
-        """
-        self._state(namespace)
-        return self._sessions.save(namespace, session_id, token_ids, ttl_s)
-
-    def resume_session(
-        self, tenant: str, session_id: str, seed: str | None = None,
-        algorithm: HashAlgorithm = DEFAULT_ALGORITHM,
-    ) -> ResumedSession:
-        """The session's namespace and token ids, and how many leading tokens are cached (whole
-        blocks whose hashes, computed as ``block_hashes(..., seed, algorithm=algorithm)`` does,
-        are stored in some tier): prefill only ``token_ids[num_cached_tokens:]``. Sets its last
-        use to now (written to disk in the background) and registers its namespace if needed.
-        Raises ``SessionNotFoundError`` (a ``LookupError``) if the tenant has no such session or
-        its TTL ran out."""
-        self._check_open()
-        record = self._sessions.resume(tenant, session_id)
-        namespace = record.namespace
-        self.register(namespace)
-        tokens = record.token_array()
-        block_size = namespace.layout.block_size
-        num_blocks = self.lookup(namespace, block_hashes(tokens, block_size, seed, algorithm=algorithm))
-        return ResumedSession(namespace, tuple(tokens.tolist()), num_blocks * block_size)
-
-    def delete_session(self, tenant: str, session_id: str) -> bool:
-        """Delete the session (durably, with a disk tier); True if it existed and had not
-        expired. Its blocks stay until evicted or ``delete``d."""
-        self._check_open()
-        return self._sessions.delete(tenant, session_id)
-
-    def list_sessions(self, tenant: str) -> list[SessionInfo]:
-        """The tenant's sessions that have not expired, sorted by ``session_id``."""
-        self._check_open()
-        return self._sessions.list_for(tenant)
+        result = self._clearer.clear(matches, progress)
+        if self._remote is not None:  # the REMOTE copies of the namespaces this store knows
+            with self._core.lock:
+                cleared = [s.id for s in self._core.namespaces.values() if matches(s.namespace)]
+            for namespace_id in cleared:
+                self._remote.forget(namespace_id=namespace_id)
+        return result
 
     def _submit(self, fn: Callable[P, R], *args: P.args, **kwargs: P.kwargs) -> Future[R]:
         self._check_open()

@@ -303,9 +303,10 @@ class RemoteTier:
                 self.counters.num_skipped += count
 
     def _run(self, groups: dict[_Node, np.ndarray], op: str,
-             call: Callable[[_Node, np.ndarray], T]) -> dict[_Node, T]:
-        """``call`` for each node's indices at once, under one deadline; the results of the
-        nodes that answered in time (the others' breakers are opened)."""
+             call: Callable[[_Node, np.ndarray], T], bounded: bool = True) -> dict[_Node, T]:
+        """``call`` for each node's indices at once, under one deadline (``bounded``; else
+        each call is bounded by its socket timeouts only); the results of the nodes that
+        answered in time (the others' breakers are opened)."""
         if not groups:
             return {}
         if len(groups) == 1:
@@ -318,7 +319,7 @@ class RemoteTier:
         futures = {self._calls.submit(call, node, indices): node for node, indices in groups.items()}
         # A transfer's own time on top of the stall budget: a full fetch at ~1 GB/s.
         budget_s = self.config.timeout_s + self.config.max_fetch_bytes / 1e9
-        done, late = wait(futures, timeout=budget_s)
+        done, late = wait(futures, timeout=budget_s if bounded else None)
         results: dict[_Node, T] = {}
         for future in done:
             node = futures[future]
@@ -443,6 +444,35 @@ class RemoteTier:
             return sum(int(answer) for answer in pipe.execute())
 
         return sum(self._run(groups, "del", remove).values())
+
+    def delete_namespace(self, namespace_id: bytes) -> int:
+        """Delete every key of ``namespace_id`` on every master (``SCAN`` + ``UNLINK``: an
+        operator's clear, O(keys) on each node); how many were deleted. Nodes that fail are
+        skipped (counted as errors)."""
+        with self._lock:
+            owners = list(self._owners)
+        pattern = b"%s{*}:%s:*" % (KEY_PREFIX, namespace_id.hex().encode())
+
+        def unlink(node: _Node, keys: list[bytes]) -> int:
+            # One key a command: a cluster refuses a multi-key UNLINK across slots.
+            pipe = node.client.pipeline(transaction=False)
+            for key in keys:
+                pipe.unlink(key)
+            return sum(int(answer) for answer in pipe.execute())
+
+        def remove(node: _Node, _: np.ndarray) -> int:
+            num_deleted = 0
+            batch: list[bytes] = []
+            for key in node.client.scan_iter(match=pattern, count=1000):
+                batch.append(key)
+                if len(batch) >= 1000:
+                    num_deleted += unlink(node, batch)
+                    batch = []
+            return num_deleted + (unlink(node, batch) if batch else 0)
+
+        now = time.monotonic()
+        groups = {node: np.empty(0, np.int64) for node in owners if node.open_until_s <= now}
+        return sum(self._run(groups, "clear", remove, bounded=False).values())
 
     def counters_snapshot(self) -> RemoteCounters:
         """A copy of the counters."""
