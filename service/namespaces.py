@@ -47,8 +47,12 @@ class NamespaceBook:
         return namespace if namespace is not None and store.is_registered(namespace) else None
 
     def existing(self, store: TieredStore, spec: pb.Namespace, tenant: str) -> Namespace | None:
-        """The namespace of ``spec`` if it is registered, else None (never registers one).
-        Raises ``InvalidArgumentError`` for a malformed ``spec``."""
+        """The namespace of ``spec`` if it is registered, else None (never registers one),
+        except with a REMOTE tier: there another node may hold its blocks, so it is registered
+        (as ``registered`` does) and the read asks REMOTE. Raises ``InvalidArgumentError`` for
+        a malformed ``spec``."""
+        if store.has_remote_tier:
+            return self.registered(store, spec, tenant)
         namespace = self.cached(store, spec, tenant)
         if namespace is None:
             namespace = namespace_from(spec, tenant)
