@@ -344,6 +344,9 @@ def _remote_families(stats: StoreStats) -> Iterator[Metric]:
          remote.demoted),
         ("queue_drops", CounterMetricFamily,
          "Records dropped because the REMOTE write queue was full.", remote.queue_drops),
+        ("write_failures", CounterMetricFamily,
+         "Records sent to REMOTE that it did not store (node down or slow).",
+         remote.write_failures),
         ("queued_bytes", GaugeMetricFamily, "Bytes waiting to be written to REMOTE.",
          remote.queued_bytes),
     ):

@@ -43,8 +43,8 @@ from tierkv.service.errors import status_of
 from tierkv.store import (
     ClearResult,
     NamespaceStats,
-    RemoteStats,
     ReadLease,
+    RemoteStats,
     SessionInfo,
     StoreStats,
     TierStats,
@@ -252,7 +252,7 @@ def test_stats_round_trip_and_their_fields_cover_both_sides() -> None:
         set(pb.NamespaceStats.DESCRIPTOR.fields_by_name) - {"tenant", "namespace"})
 
     tiers = {tier: TierStats(tier, *range(10 * tier, 10 * tier + 8)) for tier in Tier}
-    stats = dataclasses.replace(_store_stats(tiers), remote=RemoteStats(True, *range(200, 212)))
+    stats = dataclasses.replace(_store_stats(tiers), remote=RemoteStats(True, *range(200, 213)))
     wire = pb.StatsResponse.FromString(convert.stats_to(stats, NAMESPACES).SerializeToString())
     back = convert.stats_from(wire, TierStats, ServerStats, NamespaceStats, RemoteStats)
     assert back == ServerStats(**{f.name: getattr(stats, f.name)

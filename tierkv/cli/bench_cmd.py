@@ -189,7 +189,10 @@ def run_remote(args: argparse.Namespace) -> int:
     own)."""
     from tierkv.bench.remote_bench import RemoteBenchConfig, num_steps, run_remote_bench
     from tierkv.bench.servers import redis_parser
+    from tierkv.errors import ConfigError
 
+    if args.repeats < 1:
+        raise ConfigError("bench remote: --repeats must be at least 1")
     with tempfile.TemporaryDirectory(prefix="tierkv-bench-", dir=args.work_dir) as work:
         cfg = RemoteBenchConfig(Path(work), repeats=args.repeats)
         if args.quick:

@@ -49,6 +49,8 @@ log = logging.getLogger(__name__)
 
 # Records sent to Redis in one pipelined batch (per node, at once).
 _WRITE_BATCH_BYTES = 64 << 20
+# Rounds a fill waits for other fills of the same blocks before it gives up on them.
+_FILL_ATTEMPTS = 3
 
 
 @dataclass(slots=True)
@@ -60,6 +62,7 @@ class _Counters:
     written: int = 0
     demoted: int = 0
     queue_drops: int = 0
+    write_failures: int = 0
 
 
 class RemoteLink:
@@ -77,6 +80,8 @@ class RemoteLink:
         self._queued_bytes = 0
         self._num_writing = 0
         self._closed = False
+        # Block keys being fetched by a fill, and the event set when it is done.
+        self._filling: dict[bytes, threading.Event] = {}
         self._thread = threading.Thread(target=self._write_loop, name="tierkv-remote-writer",
                                         daemon=True)
         self._thread.start()
@@ -121,17 +126,20 @@ class RemoteLink:
                     batch.append(item)
                     num_bytes += len(item[1])
                 self._num_writing = len(batch)
+            stored = np.zeros(len(batch), bool)
             try:
-                self.remote.put([(raw_key, record) for raw_key, record, _ in batch])
+                stored = self.remote.put([(raw_key, record) for raw_key, record, _ in batch])
             except Exception:  # RemoteTier answers, never raises; a bug must not stop writes
                 log.exception("writing %d records to the remote tier failed", len(batch))
-            # What a failed node did not store is dropped: REMOTE is a cache, and its breaker
-            # already said the node is gone.
+            # What a failed node did not store is dropped (counted): REMOTE is a cache, and
+            # its breaker already said the node is gone.
+            demoted = np.array([item[2] for item in batch], bool)
             with self._lock:
                 self._queued_bytes -= num_bytes
                 self._num_writing = 0
-                self._counters.written += sum(1 for _, _, demoted in batch if not demoted)
-                self._counters.demoted += sum(1 for _, _, demoted in batch if demoted)
+                self._counters.written += int(np.count_nonzero(stored & ~demoted))
+                self._counters.demoted += int(np.count_nonzero(stored & demoted))
+                self._counters.write_failures += int(np.count_nonzero(~stored))
                 self._lock.notify_all()
 
     def forget(self, raw_keys: Sequence[bytes] = (), namespace_id: bytes | None = None) -> int:
@@ -198,19 +206,48 @@ class RemoteLink:
 
     def fill(self, state: NamespaceState, keys: Sequence[bytes]) -> int:
         """Bring the blocks of ``keys``' leading run that only REMOTE holds into HOST (up to
-        what one fetch and HOST can take); returns how many were brought."""
+        what one fetch and HOST can take); returns how many were brought.
+
+        Readers of the same blocks at once fetch them once: a block another fill is fetching
+        is waited for (bounded), never fetched and placed twice (which would evict other
+        blocks for copies that are then thrown away)."""
         core = self.core
         host = core.paged[Tier.HOST]
+        max_blocks = max(1, min(self.remote.config.max_fetch_bytes // state.block_bytes,
+                                host.slab.num_pages // host.pages_for(state.block_bytes)))
+        wait_s = self.remote.config.timeout_s + 1.0
+        for _ in range(_FILL_ATTEMPTS):
+            with core.lock:
+                _, absent = self._local_run_locked(state, keys, 0)
+            if not absent:
+                return 0
+            # Only up to the next block that neither side can have: the run ends at a local
+            # miss that REMOTE does not fill, so fetching past ``max_blocks`` is waste.
+            absent = absent[:max_blocks]
+            raw_keys = [state.id + keys[i] for i in absent]
+            mine = threading.Event()
+            with self._lock:
+                others = {self._filling[k] for k in raw_keys if k in self._filling}
+                if not others:
+                    self._filling.update(dict.fromkeys(raw_keys, mine))
+            if others:
+                for event in others:
+                    event.wait(wait_s)
+                continue  # what they brought is local now: look again
+            try:
+                return self._fill_claimed(state, keys, absent)
+            finally:
+                with self._lock:
+                    for raw_key in raw_keys:
+                        if self._filling.get(raw_key) is mine:
+                            del self._filling[raw_key]
+                mine.set()
+        return 0
+
+    def _fill_claimed(self, state: NamespaceState, keys: Sequence[bytes], absent: list[int]
+                      ) -> int:
+        """``fill`` of the blocks at ``absent`` (claimed by this thread)."""
         block_bytes = state.block_bytes
-        max_blocks = max(1, min(self.remote.config.max_fetch_bytes // block_bytes,
-                                host.slab.num_pages // host.pages_for(block_bytes)))
-        with core.lock:
-            _, absent = self._local_run_locked(state, keys, 0)
-        if not absent:
-            return 0
-        # Only up to the next block that neither side can have: the run ends at a local miss
-        # that REMOTE does not fill, so fetching past ``max_blocks`` absent ones is waste.
-        absent = absent[:max_blocks]
         values = self.remote.get([state.id + keys[i] for i in absent])
         wanted: list[tuple[int, memoryview, bytes]] = []
         num_corrupt = 0
@@ -223,14 +260,14 @@ class RemoteLink:
                 num_corrupt += 1
                 break
             wanted.append((index, checked[0], checked[1]))
-        num_brought, bad_payload = self._bring_into_host(state, keys, wanted) if wanted \
-            else (0, False)
+        num_good, num_brought, bad_payload = self._bring_into_host(state, keys, wanted) \
+            if wanted else (0, 0, False)
         num_corrupt += bad_payload
         with self._lock:
             counters = self._counters
             counters.hits += num_brought
             counters.corrupt += num_corrupt
-            if num_brought < len(absent):  # the block that ended the run (or found no room)
+            if num_good < len(absent):  # the block that ended the run (or found no room)
                 counters.misses += 1
         if num_corrupt:
             log.warning("a remote record of %s failed its checks; served as a miss",
@@ -238,16 +275,17 @@ class RemoteLink:
         return num_brought
 
     def _bring_into_host(self, state: NamespaceState, keys: Sequence[bytes],
-                         wanted: list[tuple[int, memoryview, bytes]]) -> tuple[int, bool]:
+                         wanted: list[tuple[int, memoryview, bytes]]) -> tuple[int, int, bool]:
         """Copy verified payloads into fresh HOST pages, hashing each as it lands; publish the
-        leading run whose hashes match their records'. Returns its length, and whether a
-        payload that failed its checksum ended it."""
+        leading run whose hashes match their records'. Returns its length, how many of it
+        were new in HOST (a put may have stored some meanwhile), and whether a payload that
+        failed its checksum ended it."""
         core = self.core
         block_bytes = state.block_bytes
         try:
             locations = self.mover.reserve_pages(Tier.HOST, [block_bytes] * len(wanted))
         except CapacityError:
-            return 0, False
+            return 0, 0, False
         slab = core.paged[Tier.HOST].slab
         targets: list[tuple[np.ndarray, torch.Tensor | None]] = []
         for location in locations:
@@ -273,14 +311,14 @@ class RemoteLink:
             for location in locations[num_good:]:
                 core.release_pages_locked(Tier.HOST, location)
         if not num_good:
-            return 0, bool(wanted)
+            return 0, 0, bool(wanted)
         indices = [index for index, _, _ in wanted[:num_good]]
         plan = PutPlan(new_indices=indices)
         by_index: dict[int, Location] = dict(zip(indices, locations, strict=False))
         checksums = dict(zip(indices, actual, strict=False))
-        self.writer.publish(state, list(keys), Priority.NORMAL, Tier.HOST, plan, by_index,
-                            checksums)
-        return num_good, num_good < len(wanted)
+        num_new = self.writer.publish(state, list(keys), Priority.NORMAL, Tier.HOST, plan,
+                                      by_index, checksums)
+        return num_good, num_new, num_good < len(wanted)
 
     # --- the rest ---------------------------------------------------------------------------
 
@@ -292,7 +330,7 @@ class RemoteLink:
             return RemoteStats(
                 self.remote.is_connected, c.hits, c.misses, c.corrupt, c.lookups,
                 tier.num_errors, tier.num_skipped, tier.bytes_read, tier.bytes_written,
-                c.written, c.demoted, c.queue_drops, self._queued_bytes,
+                c.written, c.demoted, c.queue_drops, c.write_failures, self._queued_bytes,
             )
 
     def close(self, flush_timeout_s: float = 5.0) -> None:

@@ -45,8 +45,9 @@ class RemoteStats:
     ``hits``: blocks read from REMOTE into HOST; ``misses``: reads that asked REMOTE for a
     block it did not give (absent, node down, or ``corrupt``: a record that failed its checks);
     ``errors``/``skipped``: node calls that failed, keys not asked because their node's breaker
-    was open; ``written``/``demoted``: records stored by write-through puts and by DISK
-    evictions; ``queue_drops``: records dropped because the write queue was full.
+    was open; ``written``/``demoted``: records REMOTE stored, of write-through puts and of DISK
+    evictions; ``queue_drops``: records dropped because the write queue was full;
+    ``write_failures``: records sent that REMOTE did not store (their node down or slow).
     """
 
     connected: bool
@@ -61,6 +62,7 @@ class RemoteStats:
     written: int
     demoted: int
     queue_drops: int
+    write_failures: int
     queued_bytes: int
 
 

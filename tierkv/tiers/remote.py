@@ -86,7 +86,8 @@ def key_matrix(raw_keys: Sequence[bytes]) -> np.ndarray:
     without a Python step per key: a Lookup of 8,192 hashes names 8,192 keys."""
     count = len(raw_keys)
     raw = np.frombuffer(b"".join(raw_keys), np.uint8).reshape(count, RAW_BLOCK_KEY_BYTES)
-    hexed = np.frombuffer(raw.tobytes().hex().encode(), np.uint8).reshape(count, -1)
+    hexed = np.frombuffer(raw.tobytes().hex().encode(), np.uint8).reshape(
+        count, 2 * RAW_BLOCK_KEY_BYTES)
     keys = np.empty((count, KEY_BYTES), np.uint8)
     keys[:, : len(KEY_PREFIX)] = np.frombuffer(KEY_PREFIX, np.uint8)
     keys[:, _TAG_AT - 1] = ord("{")
@@ -198,6 +199,8 @@ class RemoteTier:
         candidates = list(self.config.endpoints) + [e for e in list(self._nodes)
                                                     if e not in self.config.endpoints]
         for endpoint in candidates:
+            if self._closed.is_set():
+                return False
             node = self._node(endpoint)
             try:
                 info = node.client.info("cluster")
@@ -208,7 +211,10 @@ class RemoteTier:
                     node.open_until_s = 0.0
                     return True
                 slots = node.client.execute_command("CLUSTER SLOTS")  # type: ignore[no-untyped-call]
-            except (redis.RedisError, OSError) as exc:
+            except Exception as exc:  # anything: this thread must live (a close mid-connect
+                # raises ValueError from the closed socket)
+                if self._closed.is_set():
+                    return False
                 self._note_error(node, "discover", exc)
                 continue
             owners: list[_Node] = []
@@ -229,20 +235,23 @@ class RemoteTier:
         """Connect, then probe open breakers and re-read the slot map when asked (decision 3)."""
         interval_s = min(self.config.breaker_cooldown_s, 1.0)
         while not self._closed.is_set():
-            if not self._connected.is_set() or self._refresh.is_set():
-                self._refresh.clear()
-                if self._discover():
-                    self._connected.set()
-            for node in list(self._nodes.values()):
-                if node.is_open or node.open_until_s:
-                    self._probe(node)
+            try:
+                if not self._connected.is_set() or self._refresh.is_set():
+                    self._refresh.clear()
+                    if self._discover():
+                        self._connected.set()
+                for node in list(self._nodes.values()):
+                    if node.is_open or node.open_until_s:
+                        self._probe(node)
+            except Exception:  # a bug must not end the probes: the breakers would stay open
+                log.exception("the remote tier's watcher failed; retrying")
             self._wake.wait(interval_s)
             self._wake.clear()
 
     def _probe(self, node: _Node) -> None:
         try:
             node.client.ping()
-        except (redis.RedisError, OSError):
+        except Exception:  # down, stalled, or closed under us
             node.open_until_s = time.monotonic() + self.config.breaker_cooldown_s
             return
         if node.open_until_s:
@@ -355,23 +364,26 @@ class RemoteTier:
             self.counters.bytes_read += num_bytes
         return values
 
-    def put(self, items: Sequence[tuple[bytes, bytes | bytearray]]) -> int:
-        """Store each ``(raw key, record)`` (with the configured TTL); how many were stored."""
+    def put(self, items: Sequence[tuple[bytes, bytes | bytearray]]) -> np.ndarray:
+        """Store each ``(raw key, record)`` (with the configured TTL); whether each was stored,
+        as a bool array."""
         keys = key_matrix([raw for raw, _ in items])
         groups = self._group([raw for raw, _ in items])
         ttl_s = self.config.ttl_s or None
 
-        def store(node: _Node, indices: np.ndarray) -> int:
+        def store(node: _Node, indices: np.ndarray) -> list[bool]:
             pipe = node.client.pipeline(transaction=False)
             for i in indices:
                 pipe.set(keys[i].tobytes(), items[i][1], ex=ttl_s)
-            return sum(1 for answer in pipe.execute() if answer)
+            return [bool(answer) for answer in pipe.execute()]
 
-        stored = self._run(groups, "set", store)
-        num_bytes = sum(len(items[i][1]) for node in stored for i in groups[node].tolist())
+        stored = np.zeros(len(items), bool)
+        for node, answers in self._run(groups, "set", store).items():
+            stored[groups[node]] = answers
+        num_bytes = sum(len(items[i][1]) for i in np.flatnonzero(stored).tolist())
         with self._lock:
             self.counters.bytes_written += num_bytes
-        return sum(stored.values())
+        return stored
 
     def exists(self, raw_keys: Sequence[bytes]) -> np.ndarray:
         """Whether each block key is held, as a bool array (False also for a node that is down

@@ -130,7 +130,7 @@ NAMESPACE_STATS_FIELDS = ("num_blocks", "stored_bytes", "num_sessions")
 """The counts of one namespace, named alike by ``tierkv.store.NamespaceStats`` and the wire."""
 REMOTE_STATS_FIELDS = ("connected", "hits", "misses", "corrupt", "lookups", "errors", "skipped",
                        "bytes_read", "bytes_written", "written", "demoted", "queue_drops",
-                       "queued_bytes")
+                       "write_failures", "queued_bytes")
 """The REMOTE tier's figures, named alike by ``tierkv.store.RemoteStats`` and the wire."""
 
 S = TypeVar("S")

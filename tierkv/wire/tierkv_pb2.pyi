@@ -303,7 +303,7 @@ class StatsResponse(_message.Message):
     def __init__(self, tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., num_namespaces: _Optional[int] = ..., num_pinned: _Optional[int] = ..., promotions: _Optional[int] = ..., demotions: _Optional[int] = ..., failed_demotions: _Optional[int] = ..., checksum_failures: _Optional[int] = ..., puts: _Optional[int] = ..., gets: _Optional[int] = ..., num_leases: _Optional[int] = ..., leases_expired: _Optional[int] = ..., num_sessions: _Optional[int] = ..., bytes_moved: _Optional[_Iterable[_Union[BytesMoved, _Mapping]]] = ..., namespaces: _Optional[_Iterable[_Union[NamespaceStats, _Mapping]]] = ..., remote: _Optional[_Union[RemoteStats, _Mapping]] = ...) -> None: ...
 
 class RemoteStats(_message.Message):
-    __slots__ = ("connected", "hits", "misses", "corrupt", "lookups", "errors", "skipped", "bytes_read", "bytes_written", "written", "demoted", "queue_drops", "queued_bytes")
+    __slots__ = ("connected", "hits", "misses", "corrupt", "lookups", "errors", "skipped", "bytes_read", "bytes_written", "written", "demoted", "queue_drops", "queued_bytes", "write_failures")
     CONNECTED_FIELD_NUMBER: _ClassVar[int]
     HITS_FIELD_NUMBER: _ClassVar[int]
     MISSES_FIELD_NUMBER: _ClassVar[int]
@@ -317,6 +317,7 @@ class RemoteStats(_message.Message):
     DEMOTED_FIELD_NUMBER: _ClassVar[int]
     QUEUE_DROPS_FIELD_NUMBER: _ClassVar[int]
     QUEUED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    WRITE_FAILURES_FIELD_NUMBER: _ClassVar[int]
     connected: bool
     hits: int
     misses: int
@@ -330,7 +331,8 @@ class RemoteStats(_message.Message):
     demoted: int
     queue_drops: int
     queued_bytes: int
-    def __init__(self, connected: _Optional[bool] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., corrupt: _Optional[int] = ..., lookups: _Optional[int] = ..., errors: _Optional[int] = ..., skipped: _Optional[int] = ..., bytes_read: _Optional[int] = ..., bytes_written: _Optional[int] = ..., written: _Optional[int] = ..., demoted: _Optional[int] = ..., queue_drops: _Optional[int] = ..., queued_bytes: _Optional[int] = ...) -> None: ...
+    write_failures: int
+    def __init__(self, connected: _Optional[bool] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., corrupt: _Optional[int] = ..., lookups: _Optional[int] = ..., errors: _Optional[int] = ..., skipped: _Optional[int] = ..., bytes_read: _Optional[int] = ..., bytes_written: _Optional[int] = ..., written: _Optional[int] = ..., demoted: _Optional[int] = ..., queue_drops: _Optional[int] = ..., queued_bytes: _Optional[int] = ..., write_failures: _Optional[int] = ...) -> None: ...
 
 class ClearRequest(_message.Message):
     __slots__ = ("tenant", "model_id", "namespace", "all")
