@@ -189,7 +189,10 @@ class RemoteLink:
         index = start
         while index < len(keys) and held(keys[index]):
             index += 1
-        return index, [i for i in range(index, len(keys)) if not held(keys[i])]
+        find = blocks.get  # one tight loop: a Lookup of 8,192 hashes runs it under the lock
+        return index, [i for i in range(index, len(keys))
+                       if (entry := find(keys[i])) is None or entry.priority == DOOMED
+                       or entry.top_tier() is None]
 
     def lookup_suffix(self, state: NamespaceState, keys: Sequence[bytes], num_local: int) -> int:
         """How many leading ``keys`` are held locally or in REMOTE, given that the first
@@ -198,7 +201,9 @@ class RemoteLink:
             end, absent = self._local_run_locked(state, keys, num_local)
         if not absent:
             return end
-        held = self.remote.exists([state.id + keys[i] for i in absent])
+        suffix = keys[num_local:] if len(absent) == len(keys) - num_local else [
+            keys[i] for i in absent]
+        held = self.remote.exists_in(state.id, suffix)
         with self._lock:
             self._counters.lookups += 1
         first_missing = int(np.argmin(held)) if not held.all() else len(absent)

@@ -81,31 +81,50 @@ _BULK_HEAD = b"$%d\r\n" % KEY_BYTES
 _BULK_BYTES = len(_BULK_HEAD) + KEY_BYTES + 2
 
 
-def key_matrix(raw_keys: Sequence[bytes]) -> np.ndarray:
-    """The Redis keys of 48-byte raw block keys, one row each (``KEY_BYTES`` wide), built
-    without a Python step per key: a Lookup of 8,192 hashes names 8,192 keys."""
-    count = len(raw_keys)
-    raw = np.frombuffer(b"".join(raw_keys), np.uint8).reshape(count, RAW_BLOCK_KEY_BYTES)
-    hexed = np.frombuffer(raw.tobytes().hex().encode(), np.uint8).reshape(
-        count, 2 * RAW_BLOCK_KEY_BYTES)
+_HASH_BYTES = RAW_BLOCK_KEY_BYTES - NAMESPACE_ID_BYTES
+
+
+def _key_rows(namespace_hex: np.ndarray, hashes: bytes, count: int) -> tuple[np.ndarray, np.ndarray]:
+    """Keys (one ``KEY_BYTES`` row each) and slots of ``count`` hashes joined in ``hashes``
+    under the namespace ids whose hex is ``namespace_hex`` (one row, or one per hash)."""
+    hashed = np.frombuffer(hashes, np.uint8).reshape(count, _HASH_BYTES)
+    hexed = np.frombuffer(hashes.hex().encode(), np.uint8).reshape(count, 2 * _HASH_BYTES)
     keys = np.empty((count, KEY_BYTES), np.uint8)
     keys[:, : len(KEY_PREFIX)] = np.frombuffer(KEY_PREFIX, np.uint8)
     keys[:, _TAG_AT - 1] = ord("{")
-    ns_hex = 2 * NAMESPACE_ID_BYTES
-    keys[:, _TAG_AT : _TAG_AT + 4] = hexed[:, ns_hex : ns_hex + 4]
+    keys[:, _TAG_AT : _TAG_AT + 4] = hexed[:, :4]
     keys[:, _TAG_AT + 4 : _NS_AT] = np.frombuffer(b"}:", np.uint8)
-    keys[:, _NS_AT : _NS_AT + ns_hex] = hexed[:, :ns_hex]
+    keys[:, _NS_AT : _HASH_AT - 1] = namespace_hex
     keys[:, _HASH_AT - 1] = ord(":")
-    keys[:, _HASH_AT:] = hexed[:, ns_hex:]
-    return keys
+    keys[:, _HASH_AT:] = hexed
+    slots: np.ndarray = _TAG_SLOTS[hashed[:, 0].astype(np.int32) << 8 | hashed[:, 1]]
+    return keys, slots
+
+
+def block_keys(namespace_id: bytes, hashes: Sequence[bytes]) -> tuple[np.ndarray, np.ndarray]:
+    """The Redis keys and slots of one namespace's block hashes, built without a Python step
+    per key (a Lookup of 8,192 hashes names 8,192 keys): the namespace's hex is one row."""
+    namespace_hex = np.frombuffer(namespace_id.hex().encode(), np.uint8)
+    return _key_rows(namespace_hex, b"".join(hashes), len(hashes))
+
+
+def raw_block_keys(raw_keys: Sequence[bytes]) -> tuple[np.ndarray, np.ndarray]:
+    """``block_keys`` of 48-byte raw block keys (namespace id + hash), any namespaces."""
+    count = len(raw_keys)
+    raw = np.frombuffer(b"".join(raw_keys), np.uint8).reshape(count, RAW_BLOCK_KEY_BYTES)
+    namespace_hex = np.frombuffer(raw[:, :NAMESPACE_ID_BYTES].tobytes().hex().encode(),
+                                  np.uint8).reshape(count, 2 * NAMESPACE_ID_BYTES)
+    return _key_rows(namespace_hex, raw[:, NAMESPACE_ID_BYTES:].tobytes(), count)
+
+
+def key_matrix(raw_keys: Sequence[bytes]) -> np.ndarray:
+    """The Redis keys of 48-byte raw block keys, one ``KEY_BYTES`` row each."""
+    return raw_block_keys(raw_keys)[0]
 
 
 def key_slots(raw_keys: Sequence[bytes]) -> np.ndarray:
     """The cluster slot of each raw block key's Redis key (from its tag, via ``_TAG_SLOTS``)."""
-    raw = np.frombuffer(b"".join(raw_keys), np.uint8).reshape(len(raw_keys), RAW_BLOCK_KEY_BYTES)
-    tags = raw[:, NAMESPACE_ID_BYTES].astype(np.int32) << 8 | raw[:, NAMESPACE_ID_BYTES + 1]
-    slots: np.ndarray = _TAG_SLOTS[tags]
-    return slots
+    return raw_block_keys(raw_keys)[1]
 
 
 def remote_key(raw_key: bytes) -> bytes:
@@ -283,15 +302,15 @@ class RemoteTier:
             return
         self._note_error(node, op, exc)
 
-    def _group(self, raw_keys: Sequence[bytes]) -> dict[_Node, np.ndarray]:
-        """Indices of ``raw_keys`` by the node serving them; keys of open breakers and of slots
-        without an owner are left out (and counted as skipped)."""
+    def _group(self, slots: np.ndarray) -> dict[_Node, np.ndarray]:
+        """Indices of keys (by their ``slots``) by the node serving them; keys of open breakers
+        and of slots without an owner are left out (and counted as skipped)."""
         with self._lock:
             owners, slot_owner = self._owners, self._slot_owner
-        if not raw_keys or not owners:
-            self._count_skipped(len(raw_keys))
+        if not len(slots) or not owners:
+            self._count_skipped(len(slots))
             return {}
-        by_key = slot_owner[key_slots(raw_keys)]
+        by_key = slot_owner[slots]
         groups: dict[_Node, np.ndarray] = {}
         now = time.monotonic()
         num_skipped = int(np.count_nonzero(by_key < 0))
@@ -344,8 +363,8 @@ class RemoteTier:
 
     def get(self, raw_keys: Sequence[bytes]) -> list[bytes | None]:
         """The value under each block key, or None (missing, node down or slow)."""
-        keys = key_matrix(raw_keys)
-        groups = self._group(raw_keys)
+        keys, slots = raw_block_keys(raw_keys)
+        groups = self._group(slots)
 
         def fetch(node: _Node, indices: np.ndarray) -> list[object]:
             pipe = node.client.pipeline(transaction=False)
@@ -367,8 +386,8 @@ class RemoteTier:
     def put(self, items: Sequence[tuple[bytes, bytes | bytearray]]) -> np.ndarray:
         """Store each ``(raw key, record)`` (with the configured TTL); whether each was stored,
         as a bool array."""
-        keys = key_matrix([raw for raw, _ in items])
-        groups = self._group([raw for raw, _ in items])
+        keys, slots = raw_block_keys([raw for raw, _ in items])
+        groups = self._group(slots)
         ttl_s = self.config.ttl_s or None
 
         def store(node: _Node, indices: np.ndarray) -> list[bool]:
@@ -388,14 +407,21 @@ class RemoteTier:
     def exists(self, raw_keys: Sequence[bytes]) -> np.ndarray:
         """Whether each block key is held, as a bool array (False also for a node that is down
         or slow)."""
-        found = np.zeros(len(raw_keys), bool)
-        groups = self._group(raw_keys)
+        return self._exists_keys(*raw_block_keys(raw_keys))
+
+    def exists_in(self, namespace_id: bytes, hashes: Sequence[bytes]) -> np.ndarray:
+        """``exists`` of one namespace's block hashes (without joining id and hash first)."""
+        return self._exists_keys(*block_keys(namespace_id, hashes))
+
+    def _exists_keys(self, keys: np.ndarray, slots: np.ndarray) -> np.ndarray:
+        found = np.zeros(len(keys), bool)
+        groups = self._group(slots)
         if not groups:
             return found
         # Every key as a RESP bulk string, so that a node's part of a call is one gather.
-        bulk = np.empty((len(raw_keys), _BULK_BYTES), np.uint8)
+        bulk = np.empty((len(keys), _BULK_BYTES), np.uint8)
         bulk[:, : len(_BULK_HEAD)] = np.frombuffer(_BULK_HEAD, np.uint8)
-        bulk[:, len(_BULK_HEAD) : -2] = key_matrix(raw_keys)
+        bulk[:, len(_BULK_HEAD) : -2] = keys
         bulk[:, -2:] = np.frombuffer(b"\r\n", np.uint8)
         answers = self._run(groups, "exists", lambda node, idx: self._exists(node, bulk, idx))
         for node, answer in answers.items():
@@ -446,8 +472,8 @@ class RemoteTier:
 
     def delete(self, raw_keys: Sequence[bytes]) -> int:
         """Delete block keys; how many existed."""
-        keys = key_matrix(raw_keys)
-        groups = self._group(raw_keys)
+        keys, slots = raw_block_keys(raw_keys)
+        groups = self._group(slots)
 
         def remove(node: _Node, indices: np.ndarray) -> int:
             pipe = node.client.pipeline(transaction=False)
