@@ -33,6 +33,7 @@ from tierkv.shm.presence import PresenceTable, fingerprint
 from tierkv.store.ledger import DOOMED, DiskLedger, Entry, Ledger, NamespaceState, PagedLedger
 from tierkv.store.pins import PinTable
 from tierkv.tiers.disk import DiskTier, DiskWrite
+from tierkv.tiers.records import RecordBuffers
 
 log = logging.getLogger(__name__)
 
@@ -99,6 +100,8 @@ class StoreCore:
         # and the records of DISK evictions, which the disk writer reads before deleting them.
         self.to_remote: Callable[[Sequence[tuple[bytes, bytes | bytearray]]], object] | None = None
         self._pending_demotes: list[bytes] = []
+        # Set with a REMOTE tier: buffers of write-through records it has sent (no disk only).
+        self.record_buffers: RecordBuffers | None = None
 
     # --- books ----------------------------------------------------------------------------
 

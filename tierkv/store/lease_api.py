@@ -36,6 +36,9 @@ class LeaseMethods:
     def _fill_remote(self, state: NamespaceState, keys: list[bytes]) -> None:
         raise NotImplementedError
 
+    def _writes_through(self) -> bool:
+        return self._core.disk is not None or self._core.to_remote is not None
+
     def acquire(
         self, namespace: Namespace, hashes: Sequence[bytes], ttl_s: float | None = None,
         owner: str = "", *, slab_id: bytes = b"", client_id: str = "",
@@ -100,8 +103,9 @@ class LeaseMethods:
 
     def _lease_policy(self, write_policy: WritePolicy | None) -> WritePolicy:
         policy = write_policy or self.config.write_policy
-        if policy is WritePolicy.WRITE_THROUGH and self._core.disk is None:
-            raise ConfigError("allocate: write_through needs a disk tier (--disk-path)")
+        if policy is WritePolicy.WRITE_THROUGH and not self._writes_through():
+            raise ConfigError("allocate: write_through needs a disk tier (--disk-path) or a "
+                              "REMOTE tier (--remote)")
         return policy
 
     def commit(self, lease_id: bytes, owner: str = "", checksums: Sequence[int] | None = None

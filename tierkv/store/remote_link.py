@@ -42,7 +42,7 @@ from tierkv.store.ledger import DOOMED, NamespaceState
 from tierkv.store.moves import Mover
 from tierkv.store.stats import RemoteStats
 from tierkv.store.writes import PutPlan, Writer
-from tierkv.tiers.records import verify_header
+from tierkv.tiers.records import RecordBuffers, verify_header
 from tierkv.tiers.remote import RemoteCounters, RemoteTier
 
 log = logging.getLogger(__name__)
@@ -80,6 +80,8 @@ class RemoteLink:
         self._queued_bytes = 0
         self._num_writing = 0
         self._closed = False
+        # Buffers of records sent, for the next ones (REMOTE-only write-through: see books).
+        self.record_buffers = RecordBuffers(_WRITE_BATCH_BYTES * 2)
         # Block keys being fetched by a fill, and the event set when it is done.
         self._filling: dict[bytes, threading.Event] = {}
         self._thread = threading.Thread(target=self._write_loop, name="tierkv-remote-writer",
@@ -133,6 +135,11 @@ class RemoteLink:
                 log.exception("writing %d records to the remote tier failed", len(batch))
             # What a failed node did not store is dropped (counted): REMOTE is a cache, and
             # its breaker already said the node is gone.
+            if self.core.disk is None:  # nothing else reads them (see ``Writer.write_records``)
+                # Only those a node stored: a node that missed the deadline may still be
+                # sending from its buffers.
+                self.record_buffers.give([record for (_, record, _), ok in zip(batch, stored,
+                                                                               strict=True) if ok])
             demoted = np.array([item[2] for item in batch], bool)
             with self._lock:
                 self._queued_bytes -= num_bytes

@@ -103,6 +103,7 @@ class TieredStore(AsyncMethods, LeaseMethods, SessionMethods):
         if config.remote is not None:  # connects in the background: never blocks the start
             self._remote = RemoteLink(self._core, mover, self._writer, RemoteTier(config.remote))
             self._core.to_remote = self._remote.offer
+            self._core.record_buffers = self._remote.record_buffers
             if self._disk is not None:
                 self._disk.on_demote = self._remote.offer_demoted
 
@@ -197,7 +198,8 @@ class TieredStore(AsyncMethods, LeaseMethods, SessionMethods):
         """Store ``blocks`` (``[n, *layout.block_shape]``) under ``hashes`` (n of them).
 
         Goes to ``tier`` (default: GPU for a CUDA tensor when the GPU tier is on, else HOST);
-        ``write_through`` also writes DISK before returning. Keys already there keep their one
+        ``write_through`` also writes DISK before returning, and queues the blocks for REMOTE
+        (without a disk tier, only that). Keys already there keep their one
         copy (put is idempotent). Returns the number of blocks newly stored in ``tier``. Raises
         ``CapacityError`` when they do not fit even after eviction; nothing is then stored.
         """
@@ -208,8 +210,9 @@ class TieredStore(AsyncMethods, LeaseMethods, SessionMethods):
         target = tier if tier is not None else self._default_tier(flat)
         if target not in self._core.ledgers:
             raise ConfigError(f"put: the {target.label} tier is not configured")
-        if policy is WritePolicy.WRITE_THROUGH and self._core.disk is None:
-            raise ConfigError("put: write_through needs a disk tier (--disk-path)")
+        if policy is WritePolicy.WRITE_THROUGH and not self._writes_through():
+            raise ConfigError("put: write_through needs a disk tier (--disk-path) or a REMOTE "
+                              "tier (--remote)")
         return self._writer.put(state, keys, flat, Priority(priority), policy, target)
 
     def _default_tier(self, flat: torch.Tensor) -> Tier:

@@ -24,7 +24,7 @@ from tierkv.paging import Location
 from tierkv.store.books import StoreCore
 from tierkv.store.ledger import DOOMED, Entry, NamespaceState
 from tierkv.store.moves import Mover
-from tierkv.tiers.records import encode_record
+from tierkv.tiers.records import encode_records
 
 _FLUSH_BATCH = 64
 
@@ -124,6 +124,8 @@ class Writer:
                 if target is not Tier.DISK and (top is None or top > target):
                     plan.new_indices.append(index)
                 wants_disk = policy is WritePolicy.WRITE_THROUGH or target is Tier.DISK
+                if core.disk is None:  # a record for REMOTE only: of blocks new here
+                    wants_disk = wants_disk and top is None
                 if wants_disk and (entry is None or entry.disk is None):
                     plan.disk_indices.append(index)
         plan.own = frozenset(own)
@@ -157,9 +159,13 @@ class Writer:
         fingerprint = state.fingerprint
         records: list[tuple[bytes, bytearray]] = []
         checksums: dict[int, int] = {}
-        for i in indices:
-            record, checksums[i] = encode_record(state.id + keys[i], fingerprint, payload_of(i))
-            records.append((state.id + keys[i], record))
+        raw_keys = [state.id + keys[i] for i in indices]
+        # Without a disk, REMOTE's writer is the records' only reader: it gives them back.
+        encoded = encode_records(raw_keys, fingerprint, [payload_of(i) for i in indices],
+                                 core.record_buffers if core.disk is None else None)
+        for i, raw_key, (record, value) in zip(indices, raw_keys, encoded, strict=True):
+            checksums[i] = value
+            records.append((raw_key, record))
         bad = [i for i in indices if expected is not None and checksums[i] != expected[i]]
         if bad:
             with core.lock:
@@ -168,6 +174,13 @@ class Writer:
                 f"{len(bad)} of {len(indices)} blocks differ from what their writer wrote "
                 f"(first: block {bad[0]}); nothing is stored"
             )
+        if core.to_remote is not None:
+            # Write-through reaches REMOTE too, without waiting, and at once: its write then
+            # runs while the disk commits. Should the commit fail, REMOTE still holds verified
+            # bytes of these keys: a cache may hold a block its writer was told failed.
+            core.to_remote(records)
+        if core.disk is None:
+            return checksums
         with core.lock:
             core.reserve_disk_locked(len(records), state.record_bytes, own)
             job = core.submit_disk_locked(records)
@@ -178,8 +191,6 @@ class Writer:
                 assert core.disk_ledger is not None
                 core.disk_ledger.release_bytes(len(records) * state.record_bytes)
             raise
-        if core.to_remote is not None:  # write-through reaches REMOTE too, without waiting
-            core.to_remote(records)
         return checksums
 
     def publish(
@@ -202,7 +213,7 @@ class Writer:
                     num_stored += 1
                 else:  # a concurrent put of the same key won, or only its record was wanted
                     core.release_pages_locked(target, location)
-            if plan.disk_indices:
+            if plan.disk_indices and core.disk is not None:
                 num_on_disk = self._publish_disk(state, keys, priority, plan.disk_indices)
                 if target is Tier.DISK:
                     num_stored = num_on_disk
