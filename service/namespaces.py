@@ -52,7 +52,10 @@ class NamespaceBook:
         (as ``registered`` does) and the read asks REMOTE. Raises ``InvalidArgumentError`` for
         a malformed ``spec``."""
         if store.has_remote_tier:
-            return self.registered(store, spec, tenant)
+            try:
+                return self.registered(store, spec, tenant)
+            except CapacityError:  # the tenant's namespaces are full: a read is a miss
+                return None
         namespace = self.cached(store, spec, tenant)
         if namespace is None:
             namespace = namespace_from(spec, tenant)

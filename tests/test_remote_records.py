@@ -27,7 +27,7 @@ from redis_cluster import RedisCluster, RedisServer
 
 from tierkv import KVLayout, Namespace, TieredStore
 from tierkv.config import RemoteTierConfig, Tier, WritePolicy
-from tierkv.tiers.remote import remote_key
+from tierkv.tiers.remote_keys import remote_key
 from tiny_blocks import BLOCK_BYTES, RECORD_BYTES, TINY_LAYOUT, StoreFactory, blocks, keys, same_bytes
 
 # Same bytes a block as TINY_LAYOUT, another shape: another fingerprint, so another namespace id.

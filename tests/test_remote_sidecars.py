@@ -27,7 +27,7 @@ from redis_cluster import RedisCluster
 
 from tierkv import Client, Namespace, WritePolicy
 from tierkv.store import RemoteStats
-from tierkv.tiers.remote import remote_key
+from tierkv.tiers.remote_keys import remote_key
 from tiny_blocks import RECORD_BYTES, TINY_LAYOUT, blocks, keys, same_bytes
 
 pytestmark = pytest.mark.slow

@@ -25,7 +25,8 @@ from tierkv import Namespace, TieredStore
 from tierkv.checksums import checksum
 from tierkv.config import RemoteTierConfig, Tier, WritePolicy
 from tierkv.store import RemoteStats
-from tierkv.tiers.remote import RemoteTier, key_slots, remote_key
+from tierkv.tiers.remote import RemoteTier
+from tierkv.tiers.remote_keys import key_slots, remote_key
 from tiny_blocks import BLOCK_BYTES, RECORD_BYTES, TINY_LAYOUT, StoreFactory, blocks, keys, same_bytes
 
 T = TypeVar("T")

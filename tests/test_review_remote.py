@@ -1,5 +1,8 @@
-"""Review of the REMOTE tier: bugs found against a real redis-server, each a strict xfail that
-passes once the bug is fixed.
+"""Review of the REMOTE tier: bugs a review found against a real redis-server (each was a
+strict xfail until its fix): deleted blocks brought back by a racing fill or DISK demotion, a
+fill evicting its chain's own head or waiting seconds on busy HOST pages, fills counted as
+puts, an ACL's refusal opening the breaker, no deadline for one slow node, reads refused at the
+namespace limit, the lookup script off for good after a reshard.
 
 Where a race needs one side to be slow, the test holds it at a gate on the store's own object
 (the REMOTE tier's ``get``, the disk writer's ``on_demote`` sink): the gate only stands for
@@ -25,7 +28,8 @@ from tierkv import Namespace, TieredStore
 from tierkv.config import RemoteTierConfig, WritePolicy
 from tierkv.service.config import ServiceConfig
 from tierkv.service.namespaces import NamespaceBook
-from tierkv.tiers.remote import RemoteTier, key_slots, remote_key
+from tierkv.tiers.remote import RemoteTier
+from tierkv.tiers.remote_keys import key_slots, remote_key
 from tierkv.wire.namespaces import namespace_to
 from tiny_blocks import TINY_LAYOUT, StoreFactory, blocks, keys, same_bytes
 
@@ -81,10 +85,6 @@ def shared(make_store: StoreFactory, tmp_path: Path, server: RedisServer, name: 
     return hashes, data
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "RemoteLink._bring_into_host publishes a fill's blocks by key (Writer.publish creates the "
-    "entry) without checking that no delete()/clear() of those keys ran since remote.get: a "
-    "get racing delete() puts the deleted block back into HOST after delete() returned"))
 def test_a_fill_racing_delete_brings_the_deleted_block_back(
         make_store: StoreFactory, tmp_path: Path, server: RedisServer) -> None:
     namespace = Namespace("fill-delete", TINY_LAYOUT, tenant="review")
@@ -118,11 +118,6 @@ def test_a_fill_racing_delete_brings_the_deleted_block_back(
     assert len(reader.get(namespace, hashes)) == 0
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "a DISK eviction's record is handed to REMOTE by the disk writer (_hand_over_demoted) after "
-    "the eviction; delete() of that block (no disk copy left, so no disk job to wait for) runs "
-    "forget() before the hand-over, and the demoted record then writes the deleted block back "
-    "into REMOTE: a later read brings it back"))
 def test_a_demotion_racing_delete_writes_the_deleted_block_back(
         make_store: StoreFactory, tmp_path: Path, server: RedisServer) -> None:
     namespace = Namespace("demote-delete", TINY_LAYOUT, tenant="review")
@@ -160,10 +155,6 @@ def test_a_demotion_racing_delete_writes_the_deleted_block_back(
     assert len(store.get(namespace, hashes[:1])) == 0
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "RemoteLink._bring_into_host reserves HOST pages with no exclude: the fill of a chain's "
-    "REMOTE-only tail evicts the chain's own head from HOST (dropped without DISK), so a get of "
-    "a chain whose first 4 blocks are local returns 0 blocks"))
 def test_a_fill_evicts_the_chains_own_local_head(
         make_store: StoreFactory, tmp_path: Path, server: RedisServer) -> None:
     namespace = Namespace("own-head", TINY_LAYOUT, tenant="review")
@@ -176,11 +167,6 @@ def test_a_fill_evicts_the_chains_own_local_head(
     assert same_bytes(got[:4], data[:4])
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "RemoteLink._bring_into_host calls Mover.reserve_pages with wait=True (a put's mode): when "
-    "HOST is held by readers (leases) a get whose chain has a REMOTE-only tail waits "
-    "_RESERVE_WAIT_S = 5 s for room, far past timeout_s, before serving its local blocks; a "
-    "promotion's wait=False would fail at once"))
 def test_a_fill_waits_seconds_for_busy_host_pages(
         make_store: StoreFactory, tmp_path: Path, server: RedisServer) -> None:
     namespace = Namespace("busy-host", TINY_LAYOUT, tenant="review")
@@ -198,10 +184,6 @@ def test_a_fill_waits_seconds_for_busy_host_pages(
     assert elapsed < 1.5, f"a get of 4 local blocks took {elapsed:.2f} s (REMOTE timeout 0.5 s)"
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "a REMOTE fill publishes through Writer.publish, which counts core.counters.puts: every "
-    "get/prefetch/acquire that fills from REMOTE shows as a put in stats().puts and "
-    "tierkv_store_puts ('Puts the store published')"))
 def test_a_fill_is_counted_as_a_put(
         make_store: StoreFactory, tmp_path: Path, server: RedisServer) -> None:
     namespace = Namespace("fill-count", TINY_LAYOUT, tenant="review")
@@ -215,12 +197,6 @@ def test_a_fill_is_counted_as_a_put(
     assert stats.puts == puts_before, "a read was counted as a put"
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "RemoteTier.delete sends DEL, which the ACL user of README (and of "
-    "tests/service/test_remote_security.py, +unlink +scan added) may not run: NOPERM, the "
-    "REMOTE copy stays (the next read brings the deleted block back) and RemoteTier._failed "
-    "opens the node's breaker for an answer (line 63 says answers must not), so reads of "
-    "every block there miss for breaker_cooldown_s"))
 def test_delete_with_the_documented_acl_user(make_store: StoreFactory, tmp_path: Path) -> None:
     namespace = Namespace("acl-delete", TINY_LAYOUT, tenant="review")
     hashes, data = keys(3, salt="acl-delete"), blocks(3, seed=6)
@@ -284,11 +260,6 @@ class TrickleProxy:
                 sock.close()
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "RemoteTier._run calls a single node's pipeline in the caller's thread with no overall "
-    "deadline (only per-recv socket timeouts): a node that answers steadily but slowly holds "
-    "a get for as long as its answer takes (~2.6 s here with timeout_s 0.3 s); with several "
-    "nodes the same call gives up after timeout_s + max_fetch_bytes / 1 GB/s"))
 def test_a_slow_single_node_holds_a_get_past_the_timeout(
         make_store: StoreFactory, tmp_path: Path, server: RedisServer) -> None:
     namespace = Namespace("slow-node", TINY_LAYOUT, tenant="review")
@@ -307,11 +278,6 @@ def test_a_slow_single_node_holds_a_get_past_the_timeout(
     assert elapsed < 1.2, f"a get waited {elapsed:.1f} s on REMOTE (timeout_s 0.3 s)"
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "with a REMOTE tier NamespaceBook.existing registers the namespace of every read "
-    "(service/namespaces.py:54): a Lookup/Get of a new namespace by a tenant whose share is "
-    "full of namespaces holding blocks raises CapacityError (RESOURCE_EXHAUSTED), where a "
-    "read must answer a miss (the module's decision 1)"))
 def test_a_read_at_the_namespace_limit_is_refused(
         make_store: StoreFactory, server: RedisServer) -> None:
     store = connected(make_store(host_blocks=8, remote=remote(server.url)))
@@ -323,12 +289,6 @@ def test_a_read_at_the_namespace_limit_is_refused(
     book.existing(store, other, "t")  # a read-only call's namespace: must not raise
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "RemoteTier._exists takes any ResponseError of the lookup script for 'this node cannot run "
-    "scripts' and sets exists_by_script = False for good: after a reshard (README: sidecars "
-    "follow the slot map), the old owner's 'Script attempted to access a non local key' turns "
-    "every later lookup on that node into 8,192 pipelined EXISTS (~40 ms, its docstring), "
-    "until the sidecar restarts"))
 def test_a_reshard_turns_the_lookup_script_off_for_good(tmp_path: Path) -> None:
     namespace = Namespace("reshard", TINY_LAYOUT, tenant="review")
     raw = [namespace.id + h for h in keys(64, salt="reshard")]

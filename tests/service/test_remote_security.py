@@ -37,6 +37,14 @@ def _wait_written(client: Client, count: int) -> None:
         time.sleep(0.05)
 
 
+def _wait_connected(client: Client) -> None:
+    """Until the sidecar has read the REMOTE tier's topology (it connects in the background)."""
+    deadline = time.monotonic() + 20
+    while not (remote := client.stats().remote) or not remote.connected:
+        assert time.monotonic() < deadline, f"never connected: {remote}"
+        time.sleep(0.05)
+
+
 def _share(start: Callable[..., Sidecar], flags: list[str], salt: str) -> tuple[Sidecar, Sidecar]:
     """Two sidecars on ``flags``: blocks put through the first are read bit-exact through the
     second (which has none of them locally); returns both."""
@@ -45,9 +53,11 @@ def _share(start: Callable[..., Sidecar], flags: list[str], salt: str) -> tuple[
     namespace = Namespace("remote-model", TINY_LAYOUT)
     hashes, data = keys(6, salt=salt), blocks(6, seed=len(salt))
     with stream_client(a) as writer:
+        _wait_connected(writer)
         assert writer.put(namespace, hashes, data, write_policy=WritePolicy.WRITE_THROUGH) == 6
         _wait_written(writer, 6)
     with shm_client(b) as reader:
+        _wait_connected(reader)
         assert reader.lookup(namespace, hashes) == 6
         got = reader.get(namespace, hashes)
     assert torch.equal(got.view(torch.uint8), data.view(torch.uint8))
@@ -144,9 +154,11 @@ def test_remote_metrics_count_what_two_sidecars_shared(
         namespace = Namespace("remote-model", TINY_LAYOUT)
         hashes, data = keys(5, salt="metrics"), blocks(5, seed=9)
         with stream_client(a) as writer:
+            _wait_connected(writer)
             writer.put(namespace, hashes, data, write_policy=WritePolicy.WRITE_THROUGH)
             _wait_written(writer, 5)
         with stream_client(b) as reader:
+            _wait_connected(reader)
             assert reader.get(namespace, [*hashes, *keys(1, salt="absent")]).shape[0] == 5
         written, shared = scrape(port_a), scrape(port_b)
         assert written.value("tierkv_remote_written_total") == 5

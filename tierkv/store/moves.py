@@ -53,14 +53,17 @@ class Mover:
         sizes_bytes: list[int],
         exclude: frozenset[Entry] = frozenset(),
         wait: bool = True,
+        drop: bool | None = None,
     ) -> list[Location]:
         """Pages in ``tier`` for blocks of ``sizes_bytes``, evicting (and demoting) as needed.
 
         ``exclude`` are never victims (a put's own chain). With ``wait``, room held by blocks
         being read or copied is waited for (up to ``_RESERVE_WAIT_S``) and victims that cannot
         be demoted are dropped (a put: new data beats old). Without it (a promotion, which holds
-        blocks itself and must never destroy any), it fails at once. Raises ``CapacityError``
-        when there is no room; nothing is then reserved.
+        blocks itself and must never destroy any), it fails at once. ``drop`` (default: as
+        ``wait``) says whether victims that cannot be demoted are dropped (a REMOTE fill: it
+        drops, as a put does, without waiting). Raises ``CapacityError`` when there is no room;
+        nothing is then reserved.
         """
         ledger = self.core.paged[tier]
         pages_needed = sum(ledger.pages_for(size) for size in sizes_bytes)
@@ -77,7 +80,7 @@ class Mover:
                         break
                     self.core.changed.wait(_RESERVE_POLL_S)
                     continue
-            if not self._evict(ledger, victims, wait):
+            if not self._evict(ledger, victims, wait if drop is None else drop):
                 break
         raise CapacityError(
             f"{tier.label} tier: no room for {len(sizes_bytes)} block(s) "

@@ -23,11 +23,12 @@ Decisions:
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -36,10 +37,12 @@ import torch
 from tierkv.checksums import copy_with_checksums, value_digest
 from tierkv.config import Priority, Tier
 from tierkv.errors import CapacityError
+from tierkv.keys import NAMESPACE_ID_BYTES
 from tierkv.paging import Location
 from tierkv.store.books import StoreCore
 from tierkv.store.ledger import DOOMED, NamespaceState
 from tierkv.store.moves import Mover
+from tierkv.store.remote_forget import Forgetting, Forgotten
 from tierkv.store.stats import RemoteStats
 from tierkv.store.writes import PutPlan, Writer
 from tierkv.tiers.records import RecordBuffers, verify_header
@@ -80,6 +83,9 @@ class RemoteLink:
         self._queued_bytes = 0
         self._num_writing = 0
         self._closed = False
+        self.forgotten = Forgotten()
+        # How long a forget waits for a batch being written (the tier's own deadline).
+        self._deadline_s = remote.config.timeout_s + remote.config.max_fetch_bytes / 1e9
         # Buffers of records sent, for the next ones (REMOTE-only write-through: see books).
         self.record_buffers = RecordBuffers(_WRITE_BATCH_BYTES * 2)
         # Block keys being fetched by a fill, and the event set when it is done.
@@ -96,6 +102,10 @@ class RemoteLink:
         queued (the rest found the queue full and were dropped, counted)."""
         limit = self.remote.config.queue_bytes
         num_queued = 0
+        if demoted:  # evicted before a delete, read after it: never back into REMOTE
+            records = [item for item in records if not self.forgotten.blocks_demotion(item[0])]
+        else:
+            self.forgotten.revive([raw_key for raw_key, _ in records])
         with self._lock:
             if self._closed:
                 return 0
@@ -149,26 +159,40 @@ class RemoteLink:
                 self._counters.write_failures += int(np.count_nonzero(~stored))
                 self._lock.notify_all()
 
-    def forget(self, raw_keys: Sequence[bytes] = (), namespace_id: bytes | None = None) -> int:
-        """Delete blocks from REMOTE: ``raw_keys``, or every block of ``namespace_id``. Records
-        of them still queued are dropped first, and a batch being written is waited for, so
-        that no write queued before this call brings one back. Returns how many REMOTE
-        deleted (what a node that is down holds stays there until its TTL or eviction)."""
-        doomed = set(raw_keys)
+    @contextlib.contextmanager
+    def forgetting(self, raw_keys: Sequence[bytes] = (), namespace_ids: Sequence[bytes] = ()
+                   ) -> Iterator[None]:
+        """Around a ``delete``'s or ``clear``'s doom of the local copies: then delete the
+        blocks (``raw_keys``, or every block of ``namespace_ids``) from REMOTE too. From the
+        start no fill publishes them and no demotion sends them (``Forgotten``); at the end
+        records of them still queued are dropped, a batch being written is waited for (within
+        the tier's deadline), and REMOTE's copies are deleted (what a node that is down holds
+        stays until its TTL or eviction)."""
+        # (begin takes the lock a fill holds between its check and its publish)
+        forgetting = self.forgotten.begin(raw_keys, namespace_ids)
+        try:
+            yield
+            self._purge(forgetting)
+        finally:
+            self.forgotten.end(forgetting)
 
+    def _purge(self, forgetting: Forgetting) -> None:
         def matches(raw_key: bytes) -> bool:
-            return raw_key in doomed if namespace_id is None else raw_key.startswith(namespace_id)
+            return raw_key in forgetting.raw_keys or raw_key[:NAMESPACE_ID_BYTES] in \
+                forgetting.namespace_ids
 
+        deadline = time.monotonic() + self._deadline_s
         with self._lock:
             kept = [item for item in self._queue if not matches(item[0])]
             self._queued_bytes -= sum(len(record) for key, record, _ in self._queue
                                       if matches(key))
             self._queue = deque(kept)
-            while self._num_writing and not self._closed:
-                self._lock.wait()
-        if namespace_id is not None:
-            return self.remote.delete_namespace(namespace_id)
-        return self.remote.delete(list(doomed)) if doomed else 0
+            while self._num_writing and not self._closed and time.monotonic() < deadline:
+                self._lock.wait(max(0.0, deadline - time.monotonic()))
+        for namespace_id in forgetting.namespace_ids:
+            self.remote.delete_namespace(namespace_id)
+        if forgetting.raw_keys:
+            self.remote.delete(list(forgetting.raw_keys))
 
     def flush(self, timeout_s: float | None = None) -> bool:
         """Wait until every record queued so far has been sent (or dropped); False on timeout."""
@@ -260,6 +284,7 @@ class RemoteLink:
                       ) -> int:
         """``fill`` of the blocks at ``absent`` (claimed by this thread)."""
         block_bytes = state.block_bytes
+        started_s = time.monotonic()  # before the fetch: a forget from now on wins
         values = self.remote.get([state.id + keys[i] for i in absent])
         wanted: list[tuple[int, memoryview, bytes]] = []
         num_corrupt = 0
@@ -272,8 +297,8 @@ class RemoteLink:
                 num_corrupt += 1
                 break
             wanted.append((index, checked[0], checked[1]))
-        num_good, num_brought, bad_payload = self._bring_into_host(state, keys, wanted) \
-            if wanted else (0, 0, False)
+        num_good, num_brought, bad_payload = self._bring_into_host(
+            state, keys, wanted, started_s) if wanted else (0, 0, False)
         num_corrupt += bad_payload
         with self._lock:
             counters = self._counters
@@ -287,15 +312,23 @@ class RemoteLink:
         return num_brought
 
     def _bring_into_host(self, state: NamespaceState, keys: Sequence[bytes],
-                         wanted: list[tuple[int, memoryview, bytes]]) -> tuple[int, int, bool]:
+                         wanted: list[tuple[int, memoryview, bytes]], started_s: float
+                         ) -> tuple[int, int, bool]:
         """Copy verified payloads into fresh HOST pages, hashing each as it lands; publish the
-        leading run whose hashes match their records'. Returns its length, how many of it
-        were new in HOST (a put may have stored some meanwhile), and whether a payload that
-        failed its checksum ended it."""
+        leading run whose hashes match their records' and that no forget since ``started_s``
+        names. Returns its length, how many of it were new in HOST (a put may have stored some
+        meanwhile), and whether a payload that failed its checksum ended it.
+
+        The room is made as a put makes it (victims demoted, or dropped when there is no tier
+        below), but never by evicting the chain's own local blocks, and never by waiting for
+        pages in use: a read must not wait seconds on a REMOTE fill."""
         core = self.core
         block_bytes = state.block_bytes
+        with core.lock:
+            own = frozenset(entry for key in keys if (entry := state.blocks.get(key)) is not None)
         try:
-            locations = self.mover.reserve_pages(Tier.HOST, [block_bytes] * len(wanted))
+            locations = self.mover.reserve_pages(Tier.HOST, [block_bytes] * len(wanted), own,
+                                                 wait=False, drop=True)
         except CapacityError:
             return 0, 0, False
         slab = core.paged[Tier.HOST].slab
@@ -319,18 +352,24 @@ class RemoteLink:
         for (_, staging), location in zip(targets[:num_good], locations, strict=False):
             if staging is not None:
                 self.mover.write_block(Tier.HOST, location, staging)
-        with core.lock:
-            for location in locations[num_good:]:
-                core.release_pages_locked(Tier.HOST, location)
-        if not num_good:
-            return 0, 0, bool(wanted)
-        indices = [index for index, _, _ in wanted[:num_good]]
-        plan = PutPlan(new_indices=indices)
-        by_index: dict[int, Location] = dict(zip(indices, locations, strict=False))
-        checksums = dict(zip(indices, actual, strict=False))
-        num_new = self.writer.publish(state, list(keys), Priority.NORMAL, Tier.HOST, plan,
-                                      by_index, checksums)
-        return num_good, num_new, num_good < len(wanted)
+        bad_payload = num_good < len(wanted)
+        with self.forgotten.lock:  # a forget that begins now waits for this publish
+            for number, (index, _, _) in enumerate(wanted[:num_good]):
+                if self.forgotten.blocks_fill_locked(state.id + keys[index], started_s):
+                    num_good = number  # deleted meanwhile: the run ends before it
+                    break
+            with core.lock:
+                for location in locations[num_good:]:
+                    core.release_pages_locked(Tier.HOST, location)
+            if not num_good:
+                return 0, 0, bad_payload
+            indices = [index for index, _, _ in wanted[:num_good]]
+            plan = PutPlan(new_indices=indices)
+            by_index: dict[int, Location] = dict(zip(indices, locations, strict=False))
+            checksums = dict(zip(indices, actual, strict=False))
+            num_new = self.writer.publish(state, list(keys), Priority.NORMAL, Tier.HOST, plan,
+                                          by_index, checksums, count_put=False)
+        return num_good, num_new, bad_payload
 
     # --- the rest ---------------------------------------------------------------------------
 

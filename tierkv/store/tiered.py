@@ -10,6 +10,7 @@ coroutines run the blocking work on the store's worker threads and never block t
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -360,18 +361,24 @@ class TieredStore(AsyncMethods, LeaseMethods, SessionMethods):
         state = self._state(namespace)
         keys = check_hashes(hashes)
         num_deleted = 0
-        with self._core.lock:
-            for key in keys:
-                entry = state.blocks.get(key)
-                if entry is not None:
-                    self._core.doom_locked(entry)
-                    num_deleted += 1
-            job = self._core.submit_deletes_locked()
-        if job is not None:
-            self._core.wait_disk(job)
-        if self._remote is not None:  # or the next read would bring them back from REMOTE
-            self._remote.forget([state.id + key for key in keys])
+        # REMOTE's copies too, or the next read would bring them back.
+        with self._forgetting(raw_keys=[state.id + key for key in keys]):
+            with self._core.lock:
+                for key in keys:
+                    entry = state.blocks.get(key)
+                    if entry is not None:
+                        self._core.doom_locked(entry)
+                        num_deleted += 1
+                job = self._core.submit_deletes_locked()
+            if job is not None:
+                self._core.wait_disk(job)
         return num_deleted
+
+    def _forgetting(self, raw_keys: Sequence[bytes] = (), namespace_ids: Sequence[bytes] = ()
+                    ) -> contextlib.AbstractContextManager[None]:
+        if self._remote is None:
+            return contextlib.nullcontext()
+        return self._remote.forgetting(raw_keys, namespace_ids)
 
     def wait_for_background(self, timeout_s: float | None = None) -> bool:
         """Wait until the background promotions started so far have finished (for tests,
@@ -409,13 +416,11 @@ class TieredStore(AsyncMethods, LeaseMethods, SessionMethods):
         """
         self._check_open()
         matches = namespace_filter(tenant, model_id, namespace)
-        result = self._clearer.clear(matches, progress)
-        if self._remote is not None:  # the REMOTE copies of the namespaces this store knows
-            with self._core.lock:
-                cleared = [s.id for s in self._core.namespaces.values() if matches(s.namespace)]
-            for namespace_id in cleared:
-                self._remote.forget(namespace_id=namespace_id)
-        return result
+        with self._core.lock:
+            cleared = [s.id for s in self._core.namespaces.values() if matches(s.namespace)]
+        # The REMOTE copies of the namespaces this store knows, too.
+        with self._forgetting(namespace_ids=cleared):
+            return self._clearer.clear(matches, progress)
 
     def _submit(self, fn: Callable[P, R], *args: P.args, **kwargs: P.kwargs) -> Future[R]:
         self._check_open()

@@ -196,14 +196,15 @@ class Writer:
     def publish(
         self, state: NamespaceState, keys: list[bytes], priority: Priority, target: Tier,
         plan: PutPlan, locations: dict[int, Location], checksums: dict[int, int],
+        count_put: bool = True,
     ) -> int:
         """Make a put visible: link the copies in ``target`` (``locations`` by block index, with
         their ``checksums`` in HOST; room reserved for blocks another put stored meanwhile is
         given back) and, when the plan wrote records, on disk. Returns the blocks newly stored
-        in ``target``."""
+        in ``target``. ``count_put``: False for blocks a read brought from REMOTE."""
         core = self.core
         with core.lock:
-            core.counters.puts += 1
+            core.counters.puts += count_put
             num_stored = 0
             for index, location in locations.items():
                 existing = state.blocks.get(keys[index])

@@ -28,7 +28,6 @@ Decisions:
 
 from __future__ import annotations
 
-import binascii
 import hashlib
 import logging
 import threading
@@ -44,14 +43,19 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from tierkv.config import RemoteEndpoint, RemoteTierConfig
-from tierkv.keys import NAMESPACE_ID_BYTES, RAW_BLOCK_KEY_BYTES
 from tierkv.logs import Throttle, log_event
+from tierkv.tiers.remote_keys import (
+    BULK_BYTES,
+    BULK_HEAD,
+    KEY_PREFIX,
+    NUM_SLOTS,
+    block_keys,
+    raw_block_keys,
+)
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
-KEY_PREFIX = b"tkv:1:"
-NUM_SLOTS = 16384
 ERROR_LOG_INTERVAL_S = 10.0
 _EXISTS_SCRIPT = b"""#!lua flags=no-writes,allow-cross-slot-keys
 local out = {}
@@ -67,69 +71,18 @@ _STALE_MAP = (redis.exceptions.MovedError, redis.exceptions.AskError,
               redis.exceptions.ClusterDownError, redis.exceptions.TryAgainError)
 
 
-# Key layout (decision 1): prefix, "{tag}:" (tag: the first 2 hash bytes in hex), namespace id
-# hex, ":", block hash hex.
-_TAG_AT = len(KEY_PREFIX) + 1
-_NS_AT = _TAG_AT + 4 + 2
-_HASH_AT = _NS_AT + 2 * NAMESPACE_ID_BYTES + 1
-KEY_BYTES = _HASH_AT + 2 * (RAW_BLOCK_KEY_BYTES - NAMESPACE_ID_BYTES)
-# The slot of each of the 65,536 tags: a key's slot is the CRC16 of its tag alone.
-_TAG_SLOTS = np.array([binascii.crc_hqx(b"%04x" % tag, 0) % NUM_SLOTS for tag in range(1 << 16)],
-                      dtype=np.int32)
-# One key as a RESP bulk string: "$110\r\n" key "\r\n".
-_BULK_HEAD = b"$%d\r\n" % KEY_BYTES
-_BULK_BYTES = len(_BULK_HEAD) + KEY_BYTES + 2
+
+def _names_another_node(exc: Exception) -> bool:
+    """A script's reply that a key is not this node's: the slot map is stale."""
+    return isinstance(exc, redis.ResponseError) and "non local key" in str(exc)
 
 
-_HASH_BYTES = RAW_BLOCK_KEY_BYTES - NAMESPACE_ID_BYTES
-
-
-def _key_rows(namespace_hex: np.ndarray, hashes: bytes, count: int) -> tuple[np.ndarray, np.ndarray]:
-    """Keys (one ``KEY_BYTES`` row each) and slots of ``count`` hashes joined in ``hashes``
-    under the namespace ids whose hex is ``namespace_hex`` (one row, or one per hash)."""
-    hashed = np.frombuffer(hashes, np.uint8).reshape(count, _HASH_BYTES)
-    hexed = np.frombuffer(hashes.hex().encode(), np.uint8).reshape(count, 2 * _HASH_BYTES)
-    keys = np.empty((count, KEY_BYTES), np.uint8)
-    keys[:, : len(KEY_PREFIX)] = np.frombuffer(KEY_PREFIX, np.uint8)
-    keys[:, _TAG_AT - 1] = ord("{")
-    keys[:, _TAG_AT : _TAG_AT + 4] = hexed[:, :4]
-    keys[:, _TAG_AT + 4 : _NS_AT] = np.frombuffer(b"}:", np.uint8)
-    keys[:, _NS_AT : _HASH_AT - 1] = namespace_hex
-    keys[:, _HASH_AT - 1] = ord(":")
-    keys[:, _HASH_AT:] = hexed
-    slots: np.ndarray = _TAG_SLOTS[hashed[:, 0].astype(np.int32) << 8 | hashed[:, 1]]
-    return keys, slots
-
-
-def block_keys(namespace_id: bytes, hashes: Sequence[bytes]) -> tuple[np.ndarray, np.ndarray]:
-    """The Redis keys and slots of one namespace's block hashes, built without a Python step
-    per key (a Lookup of 8,192 hashes names 8,192 keys): the namespace's hex is one row."""
-    namespace_hex = np.frombuffer(namespace_id.hex().encode(), np.uint8)
-    return _key_rows(namespace_hex, b"".join(hashes), len(hashes))
-
-
-def raw_block_keys(raw_keys: Sequence[bytes]) -> tuple[np.ndarray, np.ndarray]:
-    """``block_keys`` of 48-byte raw block keys (namespace id + hash), any namespaces."""
-    count = len(raw_keys)
-    raw = np.frombuffer(b"".join(raw_keys), np.uint8).reshape(count, RAW_BLOCK_KEY_BYTES)
-    namespace_hex = np.frombuffer(raw[:, :NAMESPACE_ID_BYTES].tobytes().hex().encode(),
-                                  np.uint8).reshape(count, 2 * NAMESPACE_ID_BYTES)
-    return _key_rows(namespace_hex, raw[:, NAMESPACE_ID_BYTES:].tobytes(), count)
-
-
-def key_matrix(raw_keys: Sequence[bytes]) -> np.ndarray:
-    """The Redis keys of 48-byte raw block keys, one ``KEY_BYTES`` row each."""
-    return raw_block_keys(raw_keys)[0]
-
-
-def key_slots(raw_keys: Sequence[bytes]) -> np.ndarray:
-    """The cluster slot of each raw block key's Redis key (from its tag, via ``_TAG_SLOTS``)."""
-    return raw_block_keys(raw_keys)[1]
-
-
-def remote_key(raw_key: bytes) -> bytes:
-    """The Redis key of one 48-byte raw block key (decision 1)."""
-    return key_matrix([raw_key]).tobytes()
+def _cannot_script(exc: redis.ResponseError) -> bool:
+    """Whether ``exc`` says the node will never run the lookup script for us: the ACL forbids
+    it, or scripting is unknown or off (any other error reply may pass)."""
+    text = str(exc).lower()
+    return isinstance(exc, redis.exceptions.NoPermissionError) or "unknown command" in text \
+        or "noperm" in text or "disabled" in text
 
 
 @dataclass(slots=True)
@@ -279,20 +232,24 @@ class RemoteTier:
         node.open_until_s = 0.0
         self._refresh.set()  # it may have come back with other slots
 
-    def _note_error(self, node: _Node, op: str, exc: BaseException) -> None:
-        node.open_until_s = time.monotonic() + self.config.breaker_cooldown_s
+    def _note_error(self, node: _Node, op: str, exc: BaseException, shun: bool = True) -> None:
+        """Count and log (throttled) a failed call; ``shun``: open the node's breaker (it is
+        down or slow; an error reply, such as NOPERM or OOM, says the node works)."""
+        if shun:
+            node.open_until_s = time.monotonic() + self.config.breaker_cooldown_s
         with self._lock:
             self.counters.num_errors += 1
         num_errors = self._errors.admit()
         if num_errors:
+            outcome = (f"its keys are misses for {self.config.breaker_cooldown_s:.1f} s" if shun
+                       else "the node is still used")
             log_event(log, logging.WARNING, "remote_error",
                       f"remote {op} on {node.endpoint.label} failed ({num_errors} errors since the "
-                      f"last line): {exc}; its keys are misses for "
-                      f"{self.config.breaker_cooldown_s:.1f} s",
+                      f"last line): {exc}; {outcome}",
                       node=node.endpoint.label, count=num_errors)
 
     def _failed(self, node: _Node, op: str, exc: Exception) -> None:
-        if isinstance(exc, _STALE_MAP):
+        if isinstance(exc, _STALE_MAP) or _names_another_node(exc):
             # The node answers, but the slot map changed (a reshard, a failover): read it
             # again; its keys are misses until then, the node is not shunned.
             with self._lock:
@@ -300,7 +257,8 @@ class RemoteTier:
             self._refresh.set()
             self._wake.set()
             return
-        self._note_error(node, op, exc)
+        # An error reply is an answer: the node is up (only its calls' keys are misses).
+        self._note_error(node, op, exc, shun=not isinstance(exc, redis.ResponseError))
 
     def _group(self, slots: np.ndarray) -> dict[_Node, np.ndarray]:
         """Indices of keys (by their ``slots``) by the node serving them; keys of open breakers
@@ -337,14 +295,13 @@ class RemoteTier:
         answered in time (the others' breakers are opened)."""
         if not groups:
             return {}
-        if len(groups) == 1:
-            ((node, indices),) = groups.items()
-            try:
-                return {node: call(node, indices)}
-            except Exception as exc:  # nothing here raises to the caller (decision 3)
-                self._failed(node, op, exc)
+        # Even one node's call runs on the pool: a node that answers slowly but steadily
+        # never trips a socket timeout, and only the deadline below bounds the caller's wait.
+        try:
+            futures = {self._calls.submit(call, node, indices): node
+                       for node, indices in groups.items()}
+        except RuntimeError:  # closed: a miss, as for a node that is down
             return {}
-        futures = {self._calls.submit(call, node, indices): node for node, indices in groups.items()}
         # A transfer's own time on top of the stall budget: a full fetch at ~1 GB/s.
         budget_s = self.config.timeout_s + self.config.max_fetch_bytes / 1e9
         done, late = wait(futures, timeout=budget_s if bounded else None)
@@ -419,9 +376,9 @@ class RemoteTier:
         if not groups:
             return found
         # Every key as a RESP bulk string, so that a node's part of a call is one gather.
-        bulk = np.empty((len(keys), _BULK_BYTES), np.uint8)
-        bulk[:, : len(_BULK_HEAD)] = np.frombuffer(_BULK_HEAD, np.uint8)
-        bulk[:, len(_BULK_HEAD) : -2] = keys
+        bulk = np.empty((len(keys), BULK_BYTES), np.uint8)
+        bulk[:, : len(BULK_HEAD)] = np.frombuffer(BULK_HEAD, np.uint8)
+        bulk[:, len(BULK_HEAD) : -2] = keys
         bulk[:, -2:] = np.frombuffer(b"\r\n", np.uint8)
         answers = self._run(groups, "exists", lambda node, idx: self._exists(node, bulk, idx))
         for node, answer in answers.items():
@@ -440,13 +397,15 @@ class RemoteTier:
                 return held
             except _STALE_MAP:
                 raise
-            except redis.ResponseError as exc:  # NOPERM or scripting off: plain EXISTS below
+            except redis.ResponseError as exc:
+                if not _cannot_script(exc):
+                    raise  # e.g. a key another node serves now (a reshard): counted, retried
                 node.exists_by_script = False
                 log.info("remote node %s cannot run the lookup script (%s); using EXISTS",
                          node.endpoint.label, exc)
         pipe = node.client.pipeline(transaction=False)
         for i in indices:
-            pipe.exists(bulk[i, len(_BULK_HEAD) : -2].tobytes())
+            pipe.exists(bulk[i, len(BULK_HEAD) : -2].tobytes())
         return np.array([bool(answer) for answer in pipe.execute()], bool)
 
     def _evalsha_exists(self, node: _Node, bulk: np.ndarray, indices: np.ndarray) -> bytes:
@@ -478,7 +437,7 @@ class RemoteTier:
         def remove(node: _Node, indices: np.ndarray) -> int:
             pipe = node.client.pipeline(transaction=False)
             for i in indices:
-                pipe.delete(keys[i].tobytes())
+                pipe.unlink(keys[i].tobytes())
             return sum(int(answer) for answer in pipe.execute())
 
         return sum(self._run(groups, "del", remove).values())
