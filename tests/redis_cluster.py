@@ -21,6 +21,10 @@ from redis.cluster import ClusterNode
 from redis.crc import key_slot
 from redis.retry import Retry
 
+from tierkv.bench.servers import free_cluster_ports
+from tierkv.config import RemoteTierConfig
+from tierkv.store import TieredStore
+
 _SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
 _CLUSTER_SCRIPT = _SCRIPTS / "redis-cluster"
 _SERVER_SCRIPT = _SCRIPTS / "redis-server"
@@ -30,30 +34,10 @@ _BUS_OFFSET = 10000  # a cluster node also listens on port + 10000 (the cluster 
 
 
 def free_ports(n: int) -> list[int]:
-    """``n`` distinct ports free on 127.0.0.1 now, each below 55535 and with port + 10000 free as
-    well (a cluster node's bus). Free now only: another process may take one before it is used."""
-    held: list[socket.socket] = []  # open until the end, so the kernel never hands one out twice
-
-    def bind(port: int) -> int | None:
-        held.append(sock := socket.socket(socket.AF_INET, socket.SOCK_STREAM))
-        try:
-            sock.bind(("127.0.0.1", port))
-        except OSError:
-            return None
-        return int(sock.getsockname()[1])
-
-    chosen: list[int] = []
-    try:
-        for _ in range(100 * n):
-            port = bind(0)
-            if port is not None and port + _BUS_OFFSET < 65535 and bind(port + _BUS_OFFSET):
-                chosen.append(port)
-            if len(chosen) == n:
-                return chosen
-        raise RuntimeError(f"found only {len(chosen)} of {n} free ports with a free bus port")
-    finally:
-        for sock in held:
-            sock.close()
+    """``n`` distinct ports free on 127.0.0.1 now, each with port + 10000 free as well (a cluster
+    node's bus): the bench's own search. Free now only: another process may take one before it
+    is used."""
+    return free_cluster_ports(n)
 
 
 def _options(password: str | None, kwargs: dict[str, Any]) -> dict[str, Any]:
@@ -295,3 +279,33 @@ class StallingListener:
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
+
+
+# --- stores on a REMOTE tier ------------------------------------------------------------------
+
+TIMEOUT_S = 5.0  # healthy Redis on a busy 2-core machine is never a miss
+
+
+def remote_config(url: str, **options: object) -> RemoteTierConfig:
+    """A REMOTE tier config of ``url`` with the tests' generous ``timeout_s`` by default."""
+    options.setdefault("timeout_s", TIMEOUT_S)
+    return RemoteTierConfig.from_url(url, **options)
+
+
+def wait_until(condition: Callable[[], bool], timeout_s: float, what: str) -> None:
+    """Poll ``condition`` until true; AssertionError naming ``what`` after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"not within {timeout_s} s: {what}"
+        time.sleep(0.02)
+
+
+def connected(store: TieredStore) -> TieredStore:
+    """``store`` once its REMOTE tier knows the slot map: it connects in the background, and
+    until then every key is a miss and every queued record is skipped."""
+    def is_connected() -> bool:
+        stats = store.stats().remote
+        return stats is not None and stats.connected
+
+    wait_until(is_connected, 10, "the store connects to Redis")
+    return store

@@ -19,18 +19,25 @@ from typing import TypeVar
 import numpy as np
 import pytest
 import torch
-from redis_cluster import RedisCluster, RedisServer, StallingListener, free_ports
+from redis_cluster import (
+    RedisCluster,
+    RedisServer,
+    StallingListener,
+    connected,
+    free_ports,
+    wait_until,
+)
+from redis_cluster import remote_config as config
 
 from tierkv import Namespace, TieredStore
 from tierkv.checksums import checksum
-from tierkv.config import RemoteTierConfig, Tier, WritePolicy
+from tierkv.config import Tier, WritePolicy
 from tierkv.store import RemoteStats
 from tierkv.tiers.remote import RemoteTier
 from tierkv.tiers.remote_keys import key_slots, remote_key
 from tiny_blocks import BLOCK_BYTES, RECORD_BYTES, TINY_LAYOUT, StoreFactory, blocks, keys, same_bytes
 
 T = TypeVar("T")
-TIMEOUT_S = 5.0  # healthy Redis: generous, so that a busy 2-core machine is never a miss
 WT = WritePolicy.WRITE_THROUGH
 
 
@@ -63,25 +70,6 @@ def remote_stats(store: TieredStore) -> RemoteStats:
     stats = store.stats().remote
     assert stats is not None
     return stats
-
-
-def config(url: str, **options: object) -> RemoteTierConfig:
-    options.setdefault("timeout_s", TIMEOUT_S)
-    return RemoteTierConfig.from_url(url, **options)
-
-
-def wait_until(condition: Callable[[], bool], timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, f"not within {timeout_s} s: {what}"
-        time.sleep(0.05)
-
-
-def connected(store: TieredStore) -> TieredStore:
-    """``store`` once its REMOTE tier knows the slot map: it connects in the background, and
-    until then every key is a miss and every queued record is skipped."""
-    wait_until(lambda: remote_stats(store).connected, 10, "the store connects to Redis")
-    return store
 
 
 def writer_and_reader(make_store: StoreFactory, tmp_path: Path, url: str, host_blocks: int = 64,

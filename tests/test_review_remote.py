@@ -17,15 +17,16 @@ import socket
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
-from redis_cluster import RedisCluster, RedisServer
+from redis_cluster import RedisCluster, RedisServer, connected, wait_until
+from redis_cluster import remote_config as remote
 
-from tierkv import Namespace, TieredStore
-from tierkv.config import RemoteTierConfig, WritePolicy
+from tierkv import Namespace
+from tierkv.config import WritePolicy
 from tierkv.service.config import ServiceConfig
 from tierkv.service.namespaces import NamespaceBook
 from tierkv.tiers.remote import RemoteTier
@@ -34,7 +35,6 @@ from tierkv.wire.namespaces import namespace_to
 from tiny_blocks import TINY_LAYOUT, StoreFactory, blocks, keys, same_bytes
 
 WT = WritePolicy.WRITE_THROUGH
-TIMEOUT_S = 5.0  # healthy Redis on a busy 2-core machine is never a miss
 
 
 @pytest.fixture(scope="module")
@@ -45,27 +45,6 @@ def server() -> Iterator[RedisServer]:
             yield redis_server
     finally:
         shutil.rmtree(work_dir, ignore_errors=True)
-
-
-def remote(url: str, **options: object) -> RemoteTierConfig:
-    options.setdefault("timeout_s", TIMEOUT_S)
-    return RemoteTierConfig.from_url(url, **options)
-
-
-def wait_until(condition: Callable[[], bool], timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, f"not within {timeout_s} s: {what}"
-        time.sleep(0.02)
-
-
-def connected(store: TieredStore) -> TieredStore:
-    def is_connected() -> bool:
-        stats = store.stats().remote
-        return stats is not None and stats.connected
-
-    wait_until(is_connected, 10, "the store connects to Redis")
-    return store
 
 
 def held_in_redis(server: RedisServer, namespace: Namespace, block_hash: bytes) -> bool:
