@@ -57,13 +57,15 @@ def remote(client: Client) -> RemoteStats:
     return stats
 
 
-def drain(client: Client, *, written: int = 0, demoted: int = 0) -> RemoteStats:
+def drain(client: Client, *, written: int = 0, demoted: int = 0, settled: int = 0
+          ) -> RemoteStats:
     """Poll until the server's REMOTE queue is empty with at least ``written`` / ``demoted``
-    records sent (totals since its start)."""
+    records stored, and ``settled`` records stored or failed (totals since its start)."""
     deadline = time.monotonic() + DRAIN_TIMEOUT_S
     while True:
         stats = remote(client)
-        if stats.queued_bytes == 0 and stats.written >= written and stats.demoted >= demoted:
+        if (stats.queued_bytes == 0 and stats.written >= written and stats.demoted >= demoted
+                and stats.written + stats.write_failures >= settled):
             return stats
         assert time.monotonic() < deadline, f"REMOTE queue did not drain: {stats}"
         time.sleep(0.02)
