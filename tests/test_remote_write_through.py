@@ -12,7 +12,7 @@ import torch
 from redis_cluster import RedisServer
 
 from tierkv import ConfigError, Namespace, TieredStore, WritePolicy
-from tierkv.config import HostTierConfig, RemoteTierConfig, StoreConfig
+from tierkv.config import HostTierConfig, RemoteTierConfig, StoreConfig, Tier
 from tiny_blocks import BLOCK_BYTES, PAGE_BYTES, TINY_LAYOUT, blocks, keys
 
 
@@ -61,3 +61,24 @@ def test_write_through_needs_a_disk_or_a_remote_tier(tmp_path: Path) -> None:
         store.register(namespace)
         with pytest.raises(ConfigError, match=r"disk tier .* or a REMOTE tier"):
             store.put(namespace, keys(1), blocks(1), write_policy=WritePolicy.WRITE_THROUGH)
+
+
+def test_without_a_disk_host_evictions_are_demoted_to_remote(redis_url: str) -> None:
+    namespace = Namespace("demote-model", TINY_LAYOUT)
+    with _store(redis_url, host_blocks=8) as small, _store(redis_url, host_blocks=64) as reader:
+        small.register(namespace)
+        reader.register(namespace)
+        hashes, data = keys(32, salt="host-demote"), blocks(32, seed=77)
+        for start in range(0, 32, 4):  # write_back: only evictions reach REMOTE
+            small.put(namespace, hashes[start : start + 4], data[start : start + 4])
+        assert small.flush_remote(10)
+        remote = small.stats().remote
+        assert remote is not None and remote.demoted >= 24 and remote.written == 0
+        assert small.stats().tiers[Tier.HOST].evictions >= 24
+        got = reader.get(namespace, hashes[:24])  # the evicted ones, from REMOTE alone
+        assert torch.equal(got.view(torch.uint8), data[:24].view(torch.uint8))
+        # A block deleted meanwhile is not demoted afterwards.
+        small.delete(namespace, hashes[24:25])
+        small.put(namespace, keys(8, salt="push"), blocks(8, seed=78))
+        assert small.flush_remote(10)
+        assert reader.lookup(namespace, hashes[24:25]) == 0

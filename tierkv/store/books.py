@@ -99,6 +99,8 @@ class StoreCore:
         # With a REMOTE tier: where write-through records go once durable (``RemoteLink.offer``),
         # and the records of DISK evictions, which the disk writer reads before deleting them.
         self.to_remote: Callable[[Sequence[tuple[bytes, bytes | bytearray]]], object] | None = None
+        # Without a disk tier: where HOST's busy-marked victims go (``RemoteLink.demote``).
+        self.demote_to_remote: Callable[[list[Entry]], object] | None = None
         self._pending_demotes: list[bytes] = []
         # Set with a REMOTE tier: buffers of write-through records it has sent (no disk only).
         self.record_buffers: RecordBuffers | None = None

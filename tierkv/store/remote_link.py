@@ -40,12 +40,12 @@ from tierkv.errors import CapacityError
 from tierkv.keys import NAMESPACE_ID_BYTES
 from tierkv.paging import Location
 from tierkv.store.books import StoreCore
-from tierkv.store.ledger import DOOMED, NamespaceState
+from tierkv.store.ledger import DOOMED, Entry, NamespaceState
 from tierkv.store.moves import Mover
 from tierkv.store.remote_forget import Forgetting, Forgotten
 from tierkv.store.stats import RemoteStats
 from tierkv.store.writes import PutPlan, Writer
-from tierkv.tiers.records import RecordBuffers, verify_header
+from tierkv.tiers.records import RecordBuffers, encode_records, verify_header
 from tierkv.tiers.remote import RemoteCounters, RemoteTier
 
 log = logging.getLogger(__name__)
@@ -120,9 +120,29 @@ class RemoteLink:
                 self._lock.notify_all()
         return num_queued
 
-    def offer_demoted(self, records: Sequence[tuple[bytes, bytes]]) -> None:
-        """DISK evictions: their records, read just before they were deleted."""
+    def offer_demoted(self, records: Sequence[tuple[bytes, bytes | bytearray]]) -> None:
+        """Evictions from the lowest local tier: DISK's records, read just before they were
+        deleted, or (without a disk) HOST's blocks as records."""
         self.offer(records, demoted=True)
+
+    def demote(self, entries: list[Entry]) -> None:
+        """Without a disk tier, HOST's victims (busy-marked, about to be dropped) as records
+        for REMOTE, each checked against the block's checksum on its own copy: a stray write
+        into the pages is never sent."""
+        host = self.core.paged[Tier.HOST]
+        by_namespace: dict[NamespaceState, list[Entry]] = {}
+        for entry in entries:
+            if entry.priority != DOOMED and entry.host is not None:
+                by_namespace.setdefault(entry.ns, []).append(entry)
+        records: list[tuple[bytes, bytes | bytearray]] = []
+        for ns, batch in by_namespace.items():
+            encoded = encode_records([e.raw_key for e in batch], ns.fingerprint,
+                                     [self.mover.host_bytes(e, Tier.HOST) for e in batch])
+            records += [(entry.raw_key, record)
+                        for entry, (record, value) in zip(batch, encoded, strict=True)
+                        if entry.host is not None and value == host.checksum_of(entry.host.location)]
+        if records:
+            self.offer_demoted(records)
 
     def _write_loop(self) -> None:
         while True:

@@ -107,6 +107,8 @@ class TieredStore(AsyncMethods, LeaseMethods, SessionMethods):
             self._core.record_buffers = self._remote.record_buffers
             if self._disk is not None:
                 self._disk.on_demote = self._remote.offer_demoted
+            else:
+                self._core.demote_to_remote = self._remote.demote
 
     # --- namespaces -----------------------------------------------------------------------
 
