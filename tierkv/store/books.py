@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -101,7 +102,7 @@ class StoreCore:
         self.to_remote: Callable[[Sequence[tuple[bytes, bytes | bytearray]]], object] | None = None
         # Without a disk tier: where HOST's busy-marked victims go (``RemoteLink.demote``).
         self.demote_to_remote: Callable[[list[Entry]], object] | None = None
-        self._pending_demotes: list[bytes] = []
+        self._pending_demotes: list[tuple[bytes, float]] = []  # (raw key, evicted at)
         # Set with a REMOTE tier: buffers of write-through records it has sent (no disk only).
         self.record_buffers: RecordBuffers | None = None
 
@@ -357,7 +358,7 @@ class StoreCore:
             self.drop_locked(entry, Tier.DISK)
             ledger.counters.evictions += 1
             if self.to_remote is not None:  # DISK eviction demotes to REMOTE
-                self._pending_demotes.append(entry.raw_key)
+                self._pending_demotes.append((entry.raw_key, time.monotonic()))
         reserved = ledger.try_reserve_bytes(needed)
         assert reserved
 

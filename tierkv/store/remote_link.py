@@ -96,17 +96,22 @@ class RemoteLink:
 
     # --- writes (decision 1) ----------------------------------------------------------------
 
-    def offer(self, records: Sequence[tuple[bytes, bytes | bytearray]], demoted: bool = False
-              ) -> int:
+    def offer(self, records: Sequence[tuple[bytes, bytes | bytearray]],
+              evicted_s: Sequence[float] | None = None) -> int:
         """Queue ``(raw key, record)`` pairs for REMOTE without waiting; returns how many were
-        queued (the rest found the queue full and were dropped, counted)."""
+        queued (the rest found the queue full and were dropped, counted). ``evicted_s``: for
+        demotions, when each block was evicted: one a delete forgets since is dropped, never
+        sent back into REMOTE (``Forgotten``)."""
         limit = self.remote.config.queue_bytes
         num_queued = 0
-        if demoted:  # evicted before a delete, read after it: never back into REMOTE
-            records = [item for item in records if not self.forgotten.blocks_demotion(item[0])]
-        else:
-            self.forgotten.revive([raw_key for raw_key, _ in records])
+        demoted = evicted_s is not None
+        # The check and the enqueue under one lock: a forget's purge (which takes it after
+        # the forget began) finds what was queued before, and what comes after sees it.
         with self._lock:
+            if evicted_s is not None:
+                with self.forgotten.lock:
+                    records = [item for item, seen_s in zip(records, evicted_s, strict=True)
+                               if not self.forgotten.forbids_locked(item[0], seen_s)]
             if self._closed:
                 return 0
             for raw_key, record in records:
@@ -120,10 +125,11 @@ class RemoteLink:
                 self._lock.notify_all()
         return num_queued
 
-    def offer_demoted(self, records: Sequence[tuple[bytes, bytes | bytearray]]) -> None:
+    def offer_demoted(self, records: Sequence[tuple[bytes, bytes | bytearray, float]]) -> None:
         """Evictions from the lowest local tier: DISK's records, read just before they were
-        deleted, or (without a disk) HOST's blocks as records."""
-        self.offer(records, demoted=True)
+        deleted, or (without a disk) HOST's blocks as records; each with when it was evicted."""
+        self.offer([(raw_key, record) for raw_key, record, _ in records],
+                   [evicted_s for _, _, evicted_s in records])
 
     def demote(self, entries: list[Entry]) -> None:
         """Without a disk tier, HOST's victims (busy-marked, about to be dropped) as records
@@ -131,14 +137,16 @@ class RemoteLink:
         into the pages is never sent."""
         host = self.core.paged[Tier.HOST]
         by_namespace: dict[NamespaceState, list[Entry]] = {}
-        for entry in entries:
-            if entry.priority != DOOMED and entry.host is not None:
-                by_namespace.setdefault(entry.ns, []).append(entry)
-        records: list[tuple[bytes, bytes | bytearray]] = []
+        with self.core.lock:  # a delete that dooms them later is running by now (Forgotten)
+            seen_s = time.monotonic()
+            for entry in entries:
+                if entry.priority != DOOMED and entry.host is not None:
+                    by_namespace.setdefault(entry.ns, []).append(entry)
+        records: list[tuple[bytes, bytes | bytearray, float]] = []
         for ns, batch in by_namespace.items():
             encoded = encode_records([e.raw_key for e in batch], ns.fingerprint,
                                      [self.mover.host_bytes(e, Tier.HOST) for e in batch])
-            records += [(entry.raw_key, record)
+            records += [(entry.raw_key, record, seen_s)
                         for entry, (record, value) in zip(batch, encoded, strict=True)
                         if entry.host is not None and value == host.checksum_of(entry.host.location)]
         if records:
@@ -170,7 +178,7 @@ class RemoteLink:
                 # sending from its buffers.
                 self.record_buffers.give([record for (_, record, _), ok in zip(batch, stored,
                                                                                strict=True) if ok])
-            demoted = np.array([item[2] for item in batch], bool)
+            demoted = np.array([item[2] for item in batch], bool)  # (see ``offer``)
             with self._lock:
                 self._queued_bytes -= num_bytes
                 self._num_writing = 0
@@ -351,7 +359,37 @@ class RemoteLink:
                                                  wait=False, drop=True)
         except CapacityError:
             return 0, 0, False
-        slab = core.paged[Tier.HOST].slab
+        try:
+            num_good, actual = self._copy_verified(locations, wanted, block_bytes)
+        except BaseException:
+            with core.lock:  # nothing is published: every page comes back
+                for location in locations:
+                    core.release_pages_locked(Tier.HOST, location)
+            raise
+        bad_payload = num_good < len(wanted)
+        with self.forgotten.lock:  # a forget that begins now waits for this publish
+            for number, (index, _, _) in enumerate(wanted[:num_good]):
+                if self.forgotten.forbids_locked(state.id + keys[index], started_s):
+                    num_good = number  # deleted meanwhile: the run ends before it
+                    break
+            with core.lock:
+                for location in locations[num_good:]:
+                    core.release_pages_locked(Tier.HOST, location)
+            if not num_good:
+                return 0, 0, bad_payload
+            indices = [index for index, _, _ in wanted[:num_good]]
+            plan = PutPlan(new_indices=indices)
+            by_index: dict[int, Location] = dict(zip(indices, locations, strict=False))
+            checksums = dict(zip(indices, actual, strict=False))
+            num_new = self.writer.publish(state, list(keys), Priority.NORMAL, Tier.HOST, plan,
+                                          by_index, checksums, count_put=False)
+        return num_good, num_new, bad_payload
+
+    def _copy_verified(self, locations: list[Location], wanted: list[tuple[int, memoryview, bytes]],
+                       block_bytes: int) -> tuple[int, list[int]]:
+        """Copy the payloads into their pages, hashing each as it lands; the length of the
+        leading run whose hashes match their records', and every copy's hash."""
+        slab = self.core.paged[Tier.HOST].slab
         targets: list[tuple[np.ndarray, torch.Tensor | None]] = []
         for location in locations:
             view = slab.view(location, block_bytes)
@@ -372,24 +410,7 @@ class RemoteLink:
         for (_, staging), location in zip(targets[:num_good], locations, strict=False):
             if staging is not None:
                 self.mover.write_block(Tier.HOST, location, staging)
-        bad_payload = num_good < len(wanted)
-        with self.forgotten.lock:  # a forget that begins now waits for this publish
-            for number, (index, _, _) in enumerate(wanted[:num_good]):
-                if self.forgotten.blocks_fill_locked(state.id + keys[index], started_s):
-                    num_good = number  # deleted meanwhile: the run ends before it
-                    break
-            with core.lock:
-                for location in locations[num_good:]:
-                    core.release_pages_locked(Tier.HOST, location)
-            if not num_good:
-                return 0, 0, bad_payload
-            indices = [index for index, _, _ in wanted[:num_good]]
-            plan = PutPlan(new_indices=indices)
-            by_index: dict[int, Location] = dict(zip(indices, locations, strict=False))
-            checksums = dict(zip(indices, actual, strict=False))
-            num_new = self.writer.publish(state, list(keys), Priority.NORMAL, Tier.HOST, plan,
-                                          by_index, checksums, count_put=False)
-        return num_good, num_new, bad_payload
+        return num_good, actual
 
     # --- the rest ---------------------------------------------------------------------------
 

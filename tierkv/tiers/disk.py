@@ -81,8 +81,9 @@ class DiskWrite:
     session_puts: Sequence[tuple[bytes, bytes]] = ()
     session_deletes: Sequence[bytes] = ()
     namespace_deletes: Sequence[bytes] = ()
-    block_demotes: Sequence[bytes] = ()
-    """Deleted block keys whose records go to ``DiskTier.on_demote`` first (DISK evictions)."""
+    block_demotes: Sequence[tuple[bytes, float]] = ()
+    """Deleted block keys (with when they were evicted) whose records go to
+    ``DiskTier.on_demote`` first (DISK evictions)."""
     future: Future[None] = field(default_factory=Future)
 
     @property
@@ -135,7 +136,7 @@ class DiskTier:
         self._writer = threading.Thread(target=self._write_loop, name="tierkv-disk-writer", daemon=True)
         self._writer.start()
         self.readers = ThreadPoolExecutor(config.num_reader_threads, "tierkv-disk-read")
-        self.on_demote: Callable[[list[tuple[bytes, bytes]]], object] | None = None
+        self.on_demote: Callable[[list[tuple[bytes, bytes, float]]], object] | None = None
         """Given the records of ``block_demotes`` (read before they are deleted), on the writer
         thread; it must not block (the REMOTE tier's queue)."""
         self._closed = False
@@ -221,17 +222,17 @@ class DiskTier:
     def _hand_over_demoted(self, batch: list[DiskWrite]) -> None:
         """Read the records of the batch's ``block_demotes`` (still there: only this thread
         deletes) and give them to ``on_demote``."""
-        keys = [key for job in batch for key in job.block_demotes]
+        demotes = [demote for job in batch for demote in job.block_demotes]
         sink = self.on_demote
-        if not keys or sink is None:
+        if not demotes or sink is None:
             return
-        records: list[tuple[bytes, bytes]] = []
+        records: list[tuple[bytes, bytes, float]] = []
         try:
             with self._env.begin(db=self._blocks, buffers=True) as txn:
-                for key in keys:
+                for key, evicted_s in demotes:
                     value = txn.get(key)
                     if value is not None:
-                        records.append((key, bytes(value)))
+                        records.append((key, bytes(value), evicted_s))
             sink(records)
         except Exception as exc:  # demotion is best effort; the deletes must go on
             self._log_error("demote", exc)
