@@ -16,7 +16,8 @@ Decisions:
    deadline, and a node's failure is that node's keys missing, nothing more.
 3. A call to a node that fails or times out opens that node's breaker: for
    ``breaker_cooldown_s`` its keys are misses without a call, and a background thread probes it
-   (PING) and re-reads the slot map until it answers again. Nothing here raises to the caller.
+   (PING) once the cooldown is over, and re-reads the slot map, until it answers again. Nothing
+   here raises to the caller.
 4. Lookups ask each node one ``EVALSHA`` of a read-only script that answers the existence of all
    its keys as one string of ``0``/``1``. The keys go as arguments, not declared keys: a
    cluster refuses declared keys of several slots before the script runs, and
@@ -213,7 +214,10 @@ class RemoteTier:
                     if self._discover():
                         self._connected.set()
                 for node in list(self._nodes.values()):
-                    if node.is_open or node.open_until_s:
+                    # A shunned node keeps its whole cooldown: one that answers PING at once
+                    # but a call slowly would otherwise be let back within a second, and each
+                    # late call holds a pool thread until its socket times out.
+                    if node.open_until_s and not node.is_open:
                         self._probe(node)
             except Exception:  # a bug must not end the probes: the breakers would stay open
                 log.exception("the remote tier's watcher failed; retrying")
