@@ -1,5 +1,5 @@
-"""Review of the REMOTE tier: bugs a review found against a real redis-server (each was a
-strict xfail until its fix): deleted blocks brought back by a racing fill or DISK demotion, a
+"""Review of the REMOTE tier: bugs a review found against a real redis-server (each was an
+expected failure until its fix): deleted blocks brought back by a racing fill or DISK demotion, a
 fill evicting its chain's own head or waiting seconds on busy HOST pages, fills counted as
 puts, an ACL's refusal opening the breaker, no deadline for one slow node, reads refused at the
 namespace limit, the lookup script off for good after a reshard.

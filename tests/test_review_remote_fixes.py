@@ -1,7 +1,7 @@
 """Review of the REMOTE tier's fixes (97cfc72 and later): bugs a second review showed against a
-real redis-server (strict xfails until fixed): tombstones that refused legitimate demotions
-after a clear or a re-put, a demotion's check racing a delete, a fill leaking its pages when it
-raises, a large forget trimming its own tombstones.
+real redis-server (each an expected failure until its fix): tombstones that refused legitimate
+demotions after a clear or a re-put, a demotion's check racing a delete, a fill leaking its
+pages when it raises, a large forget trimming its own tombstones.
 
 Where a race needs one side to be slow, the test holds it at a gate on the store's own object;
 the gate stands for ordinary scheduling delay (a GIL switch), never for other bytes.
