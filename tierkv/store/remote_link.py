@@ -239,19 +239,11 @@ class RemoteLink:
                           ) -> tuple[int, list[int]]:
         """From ``start``: the end of the run held locally, and the indices after it that no
         local tier holds."""
-        blocks = state.blocks
-
-        def held(key: bytes) -> bool:
-            entry = blocks.get(key)
-            return entry is not None and entry.priority != DOOMED and entry.top_tier() is not None
-
-        index = start
-        while index < len(keys) and held(keys[index]):
-            index += 1
-        find = blocks.get  # one tight loop: a Lookup of 8,192 hashes runs it under the lock
-        return index, [i for i in range(index, len(keys))
-                       if (entry := find(keys[i])) is None or entry.priority == DOOMED
-                       or entry.top_tier() is None]
+        find = state.blocks.get  # one tight loop: a Lookup of 8,192 hashes runs it under the lock
+        absent = [i for i in range(start, len(keys))
+                  if (entry := find(keys[i])) is None or entry.priority == DOOMED
+                  or entry.top_tier() is None]
+        return (absent[0] if absent else len(keys)), absent
 
     def lookup_suffix(self, state: NamespaceState, keys: Sequence[bytes], num_local: int) -> int:
         """How many leading ``keys`` are held locally or in REMOTE, given that the first

@@ -234,7 +234,9 @@ class TieredStore(AsyncMethods, LeaseMethods, SessionMethods):
                     break
                 num_found += 1
         check_lookup_hashes(hashes, num_found)
-        return self.extend_lookup(namespace, hashes, num_found)
+        if self._remote is None or num_found >= len(hashes):
+            return num_found
+        return self._remote.lookup_suffix(state, check_hashes(hashes), num_found)
 
     @property
     def has_remote_tier(self) -> bool:

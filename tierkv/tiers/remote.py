@@ -4,11 +4,8 @@ It only moves bytes: values are the disk tier's checksummed records (``tierkv.ti
 written and read whole; what they mean, and whether one is intact, is the store's business.
 
 Decisions:
-1. Keys are ``tkv:1:{<tag>}:<namespace id hex>:<block hash hex>``. The namespace id covers
-   model, layout, TP rank/size and tenant, so a tenant's key can never name another tenant's
-   block. The tag (the first two bytes of the block hash, in hex) is what Redis hashes to place
-   the key: block hashes are uniform, so keys still spread over every slot, and the slots of
-   8,192 keys are one table lookup (65,536 tags) instead of 8,192 CRCs in Python.
+1. Keys are ``tierkv.tiers.remote_keys``'s: they name namespace (tenant included) and hash,
+   and a tag of the hash places them in a slot.
 2. redis-py's cluster pieces (its slot hash, ``CLUSTER SLOTS``, one ``redis.Redis`` per node) with
    our own per-node pipelines rather than ``RedisCluster``'s: its calls retry and re-read the
    slot map in the caller's thread (seconds against a dead node) and read the nodes' replies one
@@ -70,7 +67,6 @@ _NODE_ERRORS = (redis.ConnectionError, redis.TimeoutError, OSError)
 # Answers that mean the slot map is stale or the cluster is changing: re-read it.
 _STALE_MAP = (redis.exceptions.MovedError, redis.exceptions.AskError,
               redis.exceptions.ClusterDownError, redis.exceptions.TryAgainError)
-
 
 
 def _names_another_node(exc: Exception) -> bool:

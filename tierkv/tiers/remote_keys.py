@@ -18,7 +18,7 @@ from tierkv.keys import NAMESPACE_ID_BYTES, RAW_BLOCK_KEY_BYTES
 
 KEY_PREFIX = b"tkv:1:"
 NUM_SLOTS = 16384
-# Key layout (decision 1): prefix, "{tag}:" (tag: the first 2 hash bytes in hex), namespace id
+# Key layout (see the module docstring): prefix, "{tag}:" (tag: the first 2 hash bytes in hex), namespace id
 # hex, ":", block hash hex.
 _TAG_AT = len(KEY_PREFIX) + 1
 _NS_AT = _TAG_AT + 4 + 2
@@ -80,5 +80,5 @@ def key_slots(raw_keys: Sequence[bytes]) -> np.ndarray:
 
 
 def remote_key(raw_key: bytes) -> bytes:
-    """The Redis key of one 48-byte raw block key (decision 1)."""
+    """The Redis key of one 48-byte raw block key (see the module docstring)."""
     return key_matrix([raw_key]).tobytes()
