@@ -88,3 +88,43 @@ def test_the_server_imports_as_tierkv_service_and_service_is_not_a_module(instal
     )
     # From outside the checkout: its service/ folder must not be what answers.
     assert _run(installed, "-c", code, cwd=installed.parent).strip() == "ok"
+
+
+# Import names of the runtime dependencies (distribution name -> the module it installs).
+_MODULE_OF_DISTRIBUTION = {"grpcio": "grpc", "grpcio-health-checking": "grpc_health",
+                           "grpcio-reflection": "grpc_reflection", "protobuf": "google",
+                           "prometheus-client": "prometheus_client"}
+# Imported only inside the functions that need them, and named in the error when missing.
+_OPTIONAL_MODULES = {"transformers"}
+
+
+def test_everything_the_server_and_the_store_import_is_a_runtime_dependency() -> None:
+    """What ``scripts/serve`` installs runs ``tierkv serve`` with every tier: a module that the
+    package (the benches and the engine integrations aside) or the server imports must come
+    from ``[project].dependencies``, not only from the dev extras (redis-py once did)."""
+    import ast
+    import re
+    import tomllib
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    installed = set()
+    for requirement in project["dependencies"]:
+        name = re.split(r"[<>=!~ \[;]", requirement, maxsplit=1)[0].lower()
+        installed.add(_MODULE_OF_DISTRIBUTION.get(name, name))
+    imported: dict[str, str] = {}
+    for folder in (ROOT / "tierkv", ROOT / "service"):
+        for path in folder.rglob("*.py"):
+            parts = path.relative_to(ROOT).parts
+            if parts[:2] in (("tierkv", "bench"), ("tierkv", "integrations"), ("tierkv", "service")):
+                continue  # tierkv/service is a link to service/
+            for node in ast.walk(ast.parse(path.read_text())):
+                names = ([alias.name for alias in node.names] if isinstance(node, ast.Import)
+                         else [node.module] if isinstance(node, ast.ImportFrom) and node.level == 0
+                         and node.module else [])
+                for name in names:
+                    imported.setdefault(name.split(".")[0], str(path.relative_to(ROOT)))
+    third_party = {module: where for module, where in imported.items()
+                   if module not in sys.stdlib_module_names and module != "tierkv"}
+    missing = {module: where for module, where in third_party.items()
+               if module not in installed and module not in _OPTIONAL_MODULES}
+    assert not missing, f"imported but not a runtime dependency: {missing}"

@@ -15,7 +15,7 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import ParamSpec, TypeVar
+from typing import TYPE_CHECKING, ParamSpec, TypeVar
 
 import torch
 
@@ -39,7 +39,6 @@ from tierkv.store.leases import Leases
 from tierkv.store.ledger import NamespaceState, PagedLedger
 from tierkv.store.moves import Mover
 from tierkv.store.reads import Reader
-from tierkv.store.remote_link import RemoteLink
 from tierkv.store.session_api import SessionMethods
 from tierkv.store.sessions import SessionTable
 from tierkv.store.stats import NamespaceStats, StoreStats, namespace_snapshot, snapshot
@@ -48,7 +47,9 @@ from tierkv.store.writes import Writer
 from tierkv.tiers.disk import DiskTier
 from tierkv.tiers.gpu import DeviceSlab
 from tierkv.tiers.host import HostSlab
-from tierkv.tiers.remote import RemoteTier
+
+if TYPE_CHECKING:
+    from tierkv.store.remote_link import RemoteLink
 
 log = logging.getLogger(__name__)
 P = ParamSpec("P")
@@ -102,6 +103,10 @@ class TieredStore(AsyncMethods, LeaseMethods, SessionMethods):
                               ClientWatch(self.client_lock_prefix, clock), clock)
         self._remote: RemoteLink | None = None
         if config.remote is not None:  # connects in the background: never blocks the start
+            # Imported here: a store without a REMOTE tier never loads redis-py.
+            from tierkv.store.remote_link import RemoteLink
+            from tierkv.tiers.remote import RemoteTier
+
             self._remote = RemoteLink(self._core, mover, self._writer, RemoteTier(config.remote))
             self._core.to_remote = self._remote.offer
             self._core.record_buffers = self._remote.record_buffers
