@@ -46,6 +46,13 @@ _LEASE_MARGIN = 0.8
 # What the shared-memory path retries once after describing the server again: its slab was
 # replaced (a restart), or what the client wrote did not arrive intact.
 REMAP_ERRORS = (StaleSlabError, IntegrityError)
+# The granule in which the client maps the slab's page tables ahead of a copy (see
+# ``SlabMapping.populate``).
+_POPULATE_GRANULE_BYTES = 2 << 20
+# madvise(2) MADV_POPULATE_READ (Linux 5.14): map resident pages without touching them. Also
+# for write leases: measured here, _WRITE takes 3.5x as long, more than the write faults that
+# remain after _READ (fault-around maps 16 pages a fault).
+_MADV_POPULATE_READ = 22
 
 
 @dataclass(frozen=True, slots=True)
@@ -174,6 +181,41 @@ class SlabMapping:
             os.close(self._fd)
             raise
         self.array = np.frombuffer(self._map, np.uint8)
+        # Which granules of the mapping have their page tables filled (``populate``).
+        num_granules = -(-size_bytes // _POPULATE_GRANULE_BYTES)
+        self._populated = np.zeros(num_granules, np.bool_)
+        self._can_populate = True
+
+    def populate(self, extents: Sequence[tuple[int, int]]) -> None:
+        """Fill this process's page tables for the slab ranges ``extents`` (start, length)
+        before a copy touches them, in one ``madvise(MADV_POPULATE_READ)`` per run of granules
+        not filled yet. The pages are resident (the server pre-faults its slab), but this
+        process's first touch of each 4 KiB page of a fresh mapping faults: measured here,
+        ~1 us a page, 16 ms for a 64 MiB batch, where populating it takes 2 ms. A kernel
+        without the call (before 5.14) falls back to faulting. Safe from several threads."""
+        if not self._can_populate:
+            return
+        granule, num_granules = _POPULATE_GRANULE_BYTES, len(self._populated)
+        ranges = np.asarray(extents, np.int64).reshape(-1, 2)
+        firsts = np.clip(ranges[:, 0] // granule, 0, num_granules)
+        ends = np.clip(-(-(ranges[:, 0] + ranges[:, 1]) // granule), 0, num_granules)
+        marks = np.zeros(num_granules + 1, np.int64)
+        np.add.at(marks, firsts, 1)
+        np.add.at(marks, ends, -1)
+        wanted = np.cumsum(marks[:-1]) > 0
+        wanted &= ~self._populated
+        if not wanted.any():
+            return
+        edges = np.flatnonzero(np.diff(np.concatenate(([0], wanted.view(np.int8), [0]))))
+        try:
+            for first, end in zip(edges[::2].tolist(), edges[1::2].tolist(), strict=True):
+                start = first * granule
+                self._map.madvise(_MADV_POPULATE_READ, start,
+                                  min(end * granule, len(self._map)) - start)
+        except (OSError, ValueError):
+            self._can_populate = False  # an older kernel (EINVAL): first touches fault instead
+            return
+        self._populated |= wanted
 
     def is_current(self) -> bool:
         """False once the server removed the segment (it stopped, or a restarted server swept
@@ -187,10 +229,12 @@ class SlabMapping:
         """The (destination, source) parts of each leased block, in block order: block
         ``block_indices[i]`` of the flat ``buffer`` and its extents ``blocks[i]`` in the slab."""
         copies: list[CopyParts] = []
-        for extents, index in zip(blocks, block_indices, strict=True):
+        all_extents = [extents_from(extents) for extents in blocks]
+        self.populate([extent for extents in all_extents for extent in extents])
+        for extents, index in zip(all_extents, block_indices, strict=True):
             offset = index * block_bytes
             block: list[tuple[np.ndarray, np.ndarray]] = []
-            for start, length in extents_from(extents):
+            for start, length in extents:
                 in_slab = self.array[start : start + length]
                 in_buffer = buffer[offset : offset + length]
                 block.append((in_slab, in_buffer) if into_slab else (in_buffer, in_slab))
