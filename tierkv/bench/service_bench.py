@@ -40,8 +40,6 @@ Progress = Callable[[str], None]
 
 
 
-
-
 def _interleaved(fns: Sequence[Callable[[], float]], repeats: int,
                  progress: Progress | None = None, label: str = "") -> list[list[float]]:
     """``repeats`` rounds of each of ``fns``, in turn (so drifts hit every figure alike)."""
@@ -52,8 +50,6 @@ def _interleaved(fns: Sequence[Callable[[], float]], repeats: int,
         if progress is not None:
             progress(label)
     return samples
-
-
 
 
 def _med(samples: list[float]) -> float:
@@ -186,48 +182,67 @@ class _BulkRounds:
 
 
 def bench_local(cfg: ServiceBenchConfig, servers: Servers, progress: Progress) -> list[Row]:
-    """Same host: ``get_into`` / ``put`` through the shared-memory slab vs numpy.copyto and
-    redis-py pipelines (Redis over its Unix socket, its fastest same-host transport)."""
+    """Same host: ``get_into`` / ``put`` through the shared-memory slab vs the same copies in
+    one process (a ``torch`` ``copy_`` on all its threads, the issue 13 baseline, and a
+    single-threaded ``numpy.copyto``) and redis-py pipelines (Redis over its Unix socket, its
+    fastest same-host transport). The in-process copies move the same batches between the
+    caller's tensors and a pre-faulted buffer as large as the slab's working set, so that both
+    sides read or write memory the same distance away."""
     bulk = _Bulk.make(cfg.batch_blocks, cfg.num_batches)
     batch_bytes = bulk.batch_bytes
     copy_dst = np.zeros(batch_bytes * cfg.num_batches, np.uint8)  # pre-faulted, like the slab
+    slab_like = torch.from_numpy(copy_dst)
+    threads = torch.get_num_threads()
     with Client(servers.unix_target, use_shm=True) as client, \
             contextlib.closing(_redis(servers, unix=True)) as rds:
         assert client.uses_shared_memory
         rounds = _BulkRounds(client, rds, bulk, cfg.num_batches)
         out_np = rounds.out.view(torch.uint8).reshape(-1).numpy()
+        out_flat = rounds.out.view(torch.uint8).reshape(-1)
+
+        def region(i: int) -> slice:
+            return slice(i * batch_bytes, (i + 1) * batch_bytes)
 
         def copy_round() -> float:  # what put does: the caller's blocks into the slab
-            return rounds.gbs(
-                lambda i: np.copyto(copy_dst[i * batch_bytes : (i + 1) * batch_bytes],
-                                    bulk.batch_np(i))
-            )
+            return rounds.gbs(lambda i: np.copyto(copy_dst[region(i)], bulk.batch_np(i)))
 
         def copy_back_round() -> float:  # what get_into does: the slab into the caller's buffer
-            return rounds.gbs(
-                lambda i: np.copyto(out_np, copy_dst[i * batch_bytes : (i + 1) * batch_bytes])
-            )
+            return rounds.gbs(lambda i: np.copyto(out_np, copy_dst[region(i)]))
+
+        def torch_round() -> float:
+            return rounds.gbs(lambda i: slab_like[region(i)].copy_(
+                bulk.batch(i).view(torch.uint8).reshape(-1)))
+
+        def torch_back_round() -> float:
+            return rounds.gbs(lambda i: out_flat.copy_(slab_like[region(i)]))
 
         # Warm-up (untimed): the client's first touch of its mapping of the slab pages (and of
         # the baselines' buffers and connections).
-        for fn in (rounds.put, rounds.get, copy_round, copy_back_round, rounds.redis_set,
-                   rounds.redis_get):
+        for fn in (rounds.put, rounds.get, copy_round, copy_back_round, torch_round,
+                   torch_back_round, rounds.redis_set, rounds.redis_get):
             fn()
         progress("same-host warm-up")
-        get_s, copy_back_s, redis_get_s = _interleaved(
-            [rounds.get, copy_back_round, rounds.redis_get], cfg.repeats, progress,
-            "same-host get")
-        put_s, copy_s, redis_set_s = _interleaved(
-            [rounds.put, copy_round, rounds.redis_set], cfg.repeats, progress, "same-host put")
+        get_s, torch_back_s, copy_back_s, redis_get_s = _interleaved(
+            [rounds.get, torch_back_round, copy_back_round, rounds.redis_get], cfg.repeats,
+            progress, "same-host get")
+        put_s, torch_s, copy_s, redis_set_s = _interleaved(
+            [rounds.put, torch_round, copy_round, rounds.redis_set], cfg.repeats, progress,
+            "same-host put")
         rounds.verify_and_clean()
     get_gbs, put_gbs = _med(get_s), _med(put_s)
+    torch_back_gbs, torch_gbs = _med(torch_back_s), _med(torch_s)
     copy_back_gbs, copy_gbs = _med(copy_back_s), _med(copy_s)
     rget_gbs, rset_gbs = _med(redis_get_s), _med(redis_set_s)
+    torch_name = f"torch copy_ ({threads} threads)"
     return [
+        Row("shm get_into vs torch copy_", "GB/s", get_gbs, torch_back_gbs, torch_name,
+            ">= 0.8x", get_gbs >= 0.8 * torch_back_gbs, get_s),
         Row("shm get_into vs numpy.copyto", "GB/s", get_gbs, copy_back_gbs,
             "numpy.copyto", ">= 0.6x", get_gbs >= 0.6 * copy_back_gbs, get_s),
         Row("shm get_into vs redis GET, unix", "GB/s", get_gbs, rget_gbs,
             "redis-py pipelined GET (unix)", ">= 5.0x", get_gbs >= 5.0 * rget_gbs, get_s),
+        Row("shm put vs torch copy_", "GB/s", put_gbs, torch_gbs, torch_name, ">= 0.7x",
+            put_gbs >= 0.7 * torch_gbs, put_s),
         Row("shm put vs numpy.copyto", "GB/s", put_gbs, copy_gbs, "numpy.copyto", ">= 0.5x",
             put_gbs >= 0.5 * copy_gbs, put_s),
         Row("shm put vs redis SET, unix", "GB/s", put_gbs, rset_gbs,
