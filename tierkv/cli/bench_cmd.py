@@ -43,6 +43,13 @@ def register(subparsers: Any) -> None:
     _add_common(remote, "remote", ["get", "put", "lookup"],
                 "where the cluster and the sidecars keep their files (default: a temp dir)")
     remote.set_defaults(func=run_remote)
+    connector = targets.add_parser(
+        "connector", help="the vLLM connector's worker saving and loading a 4K-token prompt "
+                          "through a sidecar vs index_select / index_copy_ in one process"
+    )
+    _add_common(connector, "connector", ["save", "load"],
+                "where the sidecar keeps its socket and logs (default: a temp dir)")
+    connector.set_defaults(func=run_connector)
     gpu = targets.add_parser("gpu", help="CUDA copies through the store vs raw pinned copies")
     gpu.add_argument("--repeats", type=int, default=5)
     gpu.add_argument("--json", type=Path, default=Path("bench-out/gpu.json"))
@@ -204,6 +211,33 @@ def run_remote(args: argparse.Namespace) -> int:
              "lookup_calls": cfg.lookup_calls, "cluster": "3 masters, loopback, "
              f"--maxmemory {cfg.node_maxmemory} allkeys-lru"}
     return _report(rows, args, extra, "tierkv bench remote")
+
+
+def run_connector(args: argparse.Namespace) -> int:
+    """Run ``bench connector`` (a ``tierkv serve`` of its own)."""
+    from tierkv.bench.connector_bench import (
+        ConnectorBenchConfig,
+        num_steps,
+        quick_config,
+        run_connector_bench,
+    )
+    from tierkv.errors import ConfigError
+
+    if args.repeats < 1:
+        raise ConfigError("bench connector: --repeats must be at least 1")
+    with tempfile.TemporaryDirectory(prefix="tierkv-bench-", dir=args.work_dir) as work:
+        cfg = (quick_config(Path(work), args.repeats) if args.quick else
+               ConnectorBenchConfig(Path(work), repeats=args.repeats))
+        with _progress(num_steps(cfg), "bench connector") as progress:
+            result = run_connector_bench(cfg, args.only, progress)
+    extra = {"repeats": cfg.repeats, "warmup": cfg.warmup, "prompt_tokens": cfg.prompt_tokens,
+             "cache_blocks": cfg.cache_blocks, "layout": str(cfg.layout),
+             "torch_threads": cfg.torch_threads, "quick": args.quick,
+             "busy_before": result.busy_before, "samples_gbs": result.samples}
+    if result.busy_before is not None and result.busy_before > 0.1:
+        print(f"bench connector: other processes kept {result.busy_before:.0%} of the CPUs "
+              "busy at the start: the figures are unreliable", file=sys.stderr)
+    return _report(result.rows, args, extra, "tierkv bench connector")
 
 
 def run_vllm(args: argparse.Namespace) -> int:
