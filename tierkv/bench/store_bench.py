@@ -189,7 +189,7 @@ def bench_disk(cfg: StoreBenchConfig, progress: Progress) -> list[Row]:
         Row("DISK put write_through", "GB/s", put_gbs, write_gbs, "write+fsync", ">= 0.5x",
             put_gbs >= 0.5 * write_gbs, put_samples),
         Row("DISK get (page cache warm)", "GB/s", get_gbs, read_gbs, "file readinto",
-            ">= 0.7x", get_gbs >= 0.7 * read_gbs, get_samples),
+            ">= 0.8x", get_gbs >= 0.8 * read_gbs, get_samples),  # issue 13
     ]
 
 

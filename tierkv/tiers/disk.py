@@ -5,8 +5,8 @@ are queued to the writer thread, which commits queued jobs together (group commi
 many puts) and resolves each job's future once its transaction is durable. Beside the block
 records, two small sub-databases hold what the store keeps about namespaces (descriptors) and
 chat sessions (``tierkv.store.sessions``); they change in the same queued jobs. Reads run on the
-caller's thread (or the tier's reader threads) inside a read transaction and copy the payload
-straight out of LMDB's map.
+caller's thread (or the tier's reader threads), with copy helpers for large batches, inside a
+read transaction and copy the payload straight out of LMDB's map.
 
 Decisions (each from a failure seen in LMDB users):
 1. Never ``writemap``: with it a full disk is a SIGBUS; without it, a write error we can report.
@@ -32,10 +32,15 @@ Decisions (each from a failure seen in LMDB users):
    ``op``, ``kind`` = full, io or other, ``path``, ``error``, ``num_errors``), at most one line
    per ``DISK_ERROR_LOG_INTERVAL_S`` and kind, counting the rest: a failing device fails every
    write, and one line per block would bury the first.
+10. A read checks its records' headers, then copies and hashes the payloads (each chunk right
+   after it lands) in the same read transaction; from ``PARALLEL_READ_BYTES`` on, helpers of a
+   pool of their own take blocks beside the caller (one core copying and hashing is slower
+   than the kernel's ``read`` copying alone). ``close`` waits for reads in flight to unmap.
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
 import os
@@ -51,7 +56,7 @@ import numpy as np
 
 from tierkv.checksums import copy_with_checksum, digest_value
 from tierkv.config import DiskTierConfig, MiB
-from tierkv.errors import ConfigError, DiskFullError, DiskIOError, TierKVError
+from tierkv.errors import ConfigError, DiskFullError, DiskIOError, StoreClosedError, TierKVError
 from tierkv.logs import Throttle, log_event
 from tierkv.tiers.lmdb_env import DAMAGED, DirectoryLock, MapBounds, open_environment
 from tierkv.tiers.records import VERIFY_CHUNK_BYTES, RecordStatus, seal, verify_header
@@ -68,6 +73,9 @@ READER_CHECK_INTERVAL_S = 10.0
 # An EIO with less free space than a failed write needs plus this is a full disk (decision 8).
 _FULL_DISK_MARGIN_BYTES = 4 * MiB
 DISK_ERROR_LOG_INTERVAL_S = 10.0
+# Reads of this many payload bytes or more are copied on every core (decision 10).
+PARALLEL_READ_BYTES = 4 * MiB
+_NUM_COPY_HELPERS = max(1, min(3, (os.cpu_count() or 1) - 1))
 
 
 @dataclass(slots=True)
@@ -136,6 +144,9 @@ class DiskTier:
         self._writer = threading.Thread(target=self._write_loop, name="tierkv-disk-writer", daemon=True)
         self._writer.start()
         self.readers = ThreadPoolExecutor(config.num_reader_threads, "tierkv-disk-read")
+        self._copiers = ThreadPoolExecutor(_NUM_COPY_HELPERS, "tierkv-disk-copy")
+        self._num_reads = 0
+        self._reads_idle = threading.Condition()
         self.on_demote: Callable[[list[tuple[bytes, bytes, float]]], object] | None = None
         """Given the records of ``block_demotes`` (read before they are deleted), on the writer
         thread; it must not block (the REMOTE tier's queue)."""
@@ -332,40 +343,55 @@ class DiskTier:
         checksum (``tierkv.checksums``) being the record's, verified, when the status is OK.
 
         ``MISSING``: no record. ``CORRUPT``: the record failed a check; its destination may then
-        hold garbage and must not be used.
+        hold garbage and must not be used. Raises ``StoreClosedError`` once the tier is closed.
+        Large batches are copied on every core (decision 10).
         """
         self._check_process()
-        results: list[tuple[RecordStatus, int]] = []
+        with self._reads_idle:
+            if self._closed:
+                raise StoreClosedError("the disk tier is closed")
+            self._num_reads += 1
+        try:
+            return self._read_batch(requests, fingerprint, payload_bytes)
+        finally:
+            with self._reads_idle:
+                self._num_reads -= 1
+                if not self._num_reads:
+                    self._reads_idle.notify_all()
+
+    def _read_batch(
+        self, requests: Sequence[tuple[bytes, np.ndarray]], fingerprint: str, payload_bytes: int,
+    ) -> list[tuple[RecordStatus, int]]:
+        results = [(RecordStatus.CORRUPT, 0)] * len(requests)
         try:
             with self._env.begin(db=self._blocks, buffers=True) as txn:
-                for raw_key, destination in requests:
-                    results.append(self._read_one(txn, raw_key, fingerprint, payload_bytes,
-                                                  destination, self._bounds))
+                found: list[tuple[int, np.ndarray, np.ndarray, bytes]] = []
+                try:
+                    for index, (raw_key, destination) in enumerate(requests):
+                        value = txn.get(raw_key)
+                        if value is None:
+                            results[index] = (RecordStatus.MISSING, 0)
+                            continue
+                        value = memoryview(value)
+                        if not self._bounds.contains(value):  # a damaged length: could SIGBUS
+                            continue
+                        verified = verify_header(value, raw_key, fingerprint, payload_bytes)
+                        if verified is not None:
+                            payload = np.frombuffer(verified[0], np.uint8)
+                            found.append((index, destination, payload, verified[1]))
+                except lmdb.Error as exc:  # the rest stay CORRUPT; the records found are read
+                    self._log_error("read", exc)
+                jobs = [(destination, payload) for _, destination, payload, _ in found]
+                large = sum(payload.nbytes for _, payload in jobs) >= PARALLEL_READ_BYTES
+                # Before the transaction ends: the payloads lie in its snapshot.
+                copied = _Copies(jobs).run(self._copiers, _NUM_COPY_HELPERS if large else 0)
         except lmdb.Error as exc:
             self._log_error("read", exc)
-            results.extend([(RecordStatus.CORRUPT, 0)] * (len(requests) - len(results)))
+            return results
+        for (index, _, _, expected), checksum in zip(found, copied, strict=True):
+            if checksum == digest_value(expected):
+                results[index] = (RecordStatus.OK, checksum)
         return results
-
-    @staticmethod
-    def _read_one(
-        txn: lmdb.Transaction, raw_key: bytes, fingerprint: str, payload_bytes: int,
-        destination: np.ndarray, bounds: MapBounds,
-    ) -> tuple[RecordStatus, int]:
-        value = txn.get(raw_key)
-        if value is None:
-            return RecordStatus.MISSING, 0
-        value = memoryview(value)
-        if not bounds.contains(value):  # a damaged length: reading it could fault (SIGBUS)
-            return RecordStatus.CORRUPT, 0
-        verified = verify_header(value, raw_key, fingerprint, payload_bytes)
-        if verified is None:
-            return RecordStatus.CORRUPT, 0
-        payload, expected = verified
-        copied = copy_with_checksum([(destination, np.frombuffer(payload, np.uint8))],
-                                    VERIFY_CHUNK_BYTES)
-        if copied != digest_value(expected):
-            return RecordStatus.CORRUPT, 0
-        return RecordStatus.OK, copied
 
     # --- lifecycle ----------------------------------------------------------------------------
 
@@ -373,10 +399,14 @@ class DiskTier:
         """Finish queued writes, sync and close. Idempotent."""
         if self._closed or os.getpid() != self._pid:
             return
-        self._closed = True
+        with self._reads_idle:
+            self._closed = True
         self._queue.put(None)
         self._writer.join()
         self.readers.shutdown(wait=True)
+        with self._reads_idle:  # no payload may be read from the map once it is unmapped
+            self._reads_idle.wait_for(lambda: not self._num_reads)
+        self._copiers.shutdown(wait=True)
         self._env.sync(True)
         self._env.close()
         self._lock.release()
@@ -431,3 +461,47 @@ class DiskTier:
                 f"device?): {exc}"
             )
         return TierKVError(f"disk write failed: {exc}")
+
+
+
+class _Copies:
+    """The payload copies of one read: the caller and its helpers each take the next block
+    until none is left (decision 10); each block's checksum is of its own copy."""
+
+    def __init__(self, jobs: list[tuple[np.ndarray, np.ndarray]]) -> None:
+        self._jobs = jobs  # (destination, payload)
+        self._values = [0] * len(jobs)
+        self._next, self._left = 0, len(jobs)
+        self._error: BaseException | None = None
+        self._changed = threading.Condition()
+
+    def run(self, pool: ThreadPoolExecutor, num_helpers: int) -> list[int]:
+        """Copy every block, on the caller's thread and ``num_helpers`` of ``pool``'s; the
+        checksum of each. Raises the first error a copy raised, once no copy runs."""
+        helpers: list[Future[None]] = []
+        with contextlib.suppress(RuntimeError):  # shut down: the caller copies them all
+            for _ in range(min(num_helpers, len(self._jobs) - 1)):
+                helpers.append(pool.submit(self._work))
+        self._work()
+        with self._changed:
+            self._changed.wait_for(lambda: not self._left)
+            self._jobs = []  # a helper that starts now finds nothing, and holds no payload
+        for helper in helpers:
+            helper.cancel()
+        if self._error is not None:
+            raise self._error
+        return self._values
+
+    def _work(self) -> None:
+        while True:
+            with self._changed:
+                if self._next >= len(self._jobs):
+                    return
+                index, self._next = self._next, self._next + 1
+            try:
+                self._values[index] = copy_with_checksum([self._jobs[index]], VERIFY_CHUNK_BYTES)
+            except BaseException as exc:  # raised on the caller's thread by run()
+                self._error = exc
+            with self._changed:
+                self._left -= 1
+                self._changed.notify_all()

@@ -34,8 +34,10 @@ _PREFIX = struct.Struct("<4sI")
 _MAX_HEADER_BYTES = 4096
 SEAL_MAGIC = b"TKS1"
 _SEAL_PREFIX = struct.Struct("<4s8s")
-# Half of a typical per-core L2 cache.
-VERIFY_CHUNK_BYTES = 256 * 1024
+# Copied, then hashed while still in the cache. Measured on DISK reads of 64 MiB (2 MiB L2 a
+# core): 512 KiB ~ 256 KiB on one thread, and 10-15% faster than it on two; 1 MiB ~ 512 KiB
+# on two, slower on one.
+VERIFY_CHUNK_BYTES = 512 * 1024
 
 
 class RecordStatus(enum.Enum):
