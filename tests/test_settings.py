@@ -269,7 +269,7 @@ def test_serve_print_config_prints_toml_and_starts_nothing(tmp_path: Path) -> No
 def test_resolved_settings_describe_where_a_value_came_from() -> None:
     settings: Resolved = resolve([*FIXED, "--host-bytes", "2GiB"], {})
     assert settings.describe("host_bytes") == 'host_bytes = "2GiB" (from --host-bytes)'
-    assert settings.describe("page_bytes") == 'page_bytes = "256KiB" (default)'
+    assert settings.describe("page_bytes") == 'page_bytes = "4KiB" (default)'
     assert settings.describe("hash_seed").endswith("(computed at start)")
 
 

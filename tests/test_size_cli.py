@@ -11,10 +11,15 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from tierkv.cli import size_cmd
+from tierkv.config import HostTierConfig, StoreConfig, Tier
 from tierkv.errors import TierKVError
-from tierkv.layout import PRESETS
+from tierkv.keys import Namespace
+from tierkv.layout import PRESETS, KVLayout
+from tierkv.paging import blocks_that_fit
+from tierkv.store import TieredStore
 
 GIB = 1024**3
 REPO = Path(__file__).resolve().parent.parent
@@ -141,6 +146,41 @@ def test_memory_budget_rounds_down(size: Runner) -> None:
 
 
 @pytest.mark.parametrize(
+    ("page_flags", "pages_per_block", "blocks", "utilisation"),
+    [
+        ((), 48, 8 * GIB // 196_608, 1.0),  # the server's default 4 KiB pages
+        (("--page-bytes", "256KiB"), 1, 8 * GIB // (256 * 1024), 0.75),
+        (("--page-bytes", "5000"), 40, (8 * GIB // 5000) // 40, 196_608 / 200_000),
+    ],
+)
+def test_blocks_that_fit_take_whole_pages(
+    size: Runner, page_flags: tuple[str, ...], pages_per_block: int, blocks: int,
+    utilisation: float,
+) -> None:
+    # A Qwen2.5-0.5B-shaped block (24 x 2 x 64, fp16): 196,608 bytes, 48 pages of 4 KiB.
+    argv = ("--layers", "24", "--kv-heads", "2", "--head-dim", "64", "--memory", "8GiB")
+    report = size_json(size, *argv, *page_flags)
+    assert report["pages_per_block"] == pages_per_block
+    assert report["blocks_that_fit"] == blocks
+    assert report["page_utilisation"] == pytest.approx(utilisation)
+    code, out, _ = size(*argv, *page_flags)
+    assert code == 0 and f"{blocks:,}" in line(out, "blocks that fit:")
+
+
+def test_blocks_that_fit_is_what_a_host_tier_holds() -> None:
+    layout = KVLayout(num_layers=3, num_kv_heads=1, head_dim=40, block_size=16)  # 7,680 B
+    capacity = 1_000_000
+    expected = blocks_that_fit(capacity, 4096, layout.bytes_per_block)
+    with TieredStore(StoreConfig(host=HostTierConfig(capacity), presence_slots=0)) as store:
+        namespace = Namespace("size-check", layout)
+        store.register(namespace)
+        for i in range(expected + 5):
+            store.put(namespace, [i.to_bytes(32, "big")],
+                      torch.zeros((1, *layout.block_shape), dtype=layout.torch_dtype))
+        assert store.stats().tiers[Tier.HOST].num_blocks == expected
+
+
+@pytest.mark.parametrize(
     ("dtype", "per_token", "per_block"),
     [
         ("fp32", 262_144, 4_194_304),
@@ -197,6 +237,10 @@ def test_list_models(size: Runner) -> None:
         (("--model", "llama-9"), "unknown model 'llama-9'"),
         (("--model", "llama-3-8b", "--memory", "lots"), "--memory: cannot read 'lots'"),
         (("--model", "llama-3-8b", "--memory", "0"), "--memory must be more than 0"),
+        (("--model", "llama-3-8b", "--memory", "1GiB", "--page-bytes", "0"),
+         "--page-bytes must be more than 0"),
+        (("--model", "llama-3-8b", "--memory", "1GiB", "--page-bytes", "big"),
+         "--page-bytes: cannot read 'big'"),
         (("--model", "llama-3-8b", "--dtype", "fp64"), "unknown dtype 'fp64'"),
         (("--model", "llama-3-8b", "--dtype", "int4", "--head-dim", "127"), "head_dim"),
     ],

@@ -57,6 +57,13 @@ def _check_positive(name: str, value: int) -> None:
         raise ConfigError(f"{name} must be a positive integer, got {value!r}")
 
 
+DEFAULT_PAGE_BYTES = 4 * KiB
+"""The page of the HOST and GPU slabs unless configured: every block whose size is a multiple of
+4 KiB fills its pages exactly, whatever the model (a block takes whole pages; at the earlier
+256 KiB default a 16 KiB block used 6% of its page, a 917,504-byte one 88%). Batches still get
+adjacent pages, so one copy moves a batch: HOST put/get measured the same as with 256 KiB."""
+
+
 @dataclass(frozen=True, slots=True)
 class HostTierConfig:
     """HOST tier: one shared-memory slab of ``capacity_bytes`` cut into ``page_bytes`` pages.
@@ -66,7 +73,7 @@ class HostTierConfig:
     """
 
     capacity_bytes: int
-    page_bytes: int = 256 * KiB
+    page_bytes: int = DEFAULT_PAGE_BYTES
     prefault: bool = True
     shm_name: str | None = None
 
@@ -89,7 +96,7 @@ class GpuTierConfig:
     """
 
     capacity_bytes: int = 0
-    page_bytes: int = 256 * KiB
+    page_bytes: int = DEFAULT_PAGE_BYTES
     device: str = "cuda"
 
     def __post_init__(self) -> None:

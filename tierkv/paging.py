@@ -98,6 +98,18 @@ def copy_spans(
     return spans
 
 
+def pages_for(num_bytes: int, page_bytes: int) -> int:
+    """Pages a block of ``num_bytes`` takes in a slab of ``page_bytes`` pages (whole pages)."""
+    return -(-num_bytes // page_bytes)
+
+
+def blocks_that_fit(capacity_bytes: int, page_bytes: int, block_bytes: int) -> int:
+    """How many blocks of ``block_bytes`` a slab of ``capacity_bytes`` holds: the slab has
+    ``capacity_bytes // page_bytes`` pages and each block takes ``pages_for`` of them (the
+    arithmetic of the HOST and GPU tiers; ``tierkv size`` reports it)."""
+    return (capacity_bytes // page_bytes) // pages_for(block_bytes, page_bytes)
+
+
 def first_page(location: Location) -> int:
     """The page a location starts at (its block's bytes begin there)."""
     return unpack_extent(location if isinstance(location, int) else location[0])[0]

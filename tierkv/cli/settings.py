@@ -49,7 +49,7 @@ from tierkv.cli.setting_values import (
     toml_string,
     toml_value,
 )
-from tierkv.config import DiskCorruptAction, GiB, KiB, WritePolicy
+from tierkv.config import DEFAULT_PAGE_BYTES, DiskCorruptAction, GiB, WritePolicy
 from tierkv.errors import ConfigError
 from tierkv.hashing import DEFAULT_ALGORITHM, HASH_ALGORITHMS, VLLM_DEFAULT_SEED
 from tierkv.logs import LOG_FORMATS, LOG_LEVELS
@@ -80,7 +80,8 @@ SETTINGS: tuple[Setting, ...] = (
              computed="2GiB when CUDA is present, else 0"),
     _setting("gpu_device", Kind.STR, "cuda",
              "cuda[:N], or emulated (a CPU pool that runs the GPU tier's code)", metavar="DEVICE"),
-    _setting("page_bytes", Kind.SIZE, 256 * KiB, "page size of the GPU and HOST slabs"),
+    _setting("page_bytes", Kind.SIZE, DEFAULT_PAGE_BYTES,
+             "page size of the GPU and HOST slabs (a block takes whole pages)"),
     _setting("no_disk", Kind.BOOL, False, "run without a DISK tier"),
     _setting("disk_path", Kind.STR, None, "LMDB directory of the DISK tier (one server a path)",
              computed="<user cache dir>/tierkv/store, e.g. ~/.cache/tierkv/store", metavar="PATH"),

@@ -1,7 +1,9 @@
 """``tierkv size``: how many bytes of KV cache a model needs, and how many tokens fit.
 
 KV bytes = 2 x num_layers x num_kv_heads x head_dim x bytes per element x seq_len x batch; the
-arithmetic is :class:`tierkv.layout.KVLayout`'s.
+arithmetic is :class:`tierkv.layout.KVLayout`'s. With ``--memory``, the blocks that fit are
+counted as the HOST and GPU tiers count them (``tierkv.paging.blocks_that_fit``): a slab of
+``--page-bytes`` pages (the server's default unless given), each block taking whole pages.
 """
 
 from __future__ import annotations
@@ -10,8 +12,10 @@ import argparse
 import json
 from typing import Any
 
+from tierkv.config import DEFAULT_PAGE_BYTES
 from tierkv.errors import ConfigError
 from tierkv.layout import PRESETS, DType, KVLayout, ModelPreset
+from tierkv.paging import blocks_that_fit, pages_for
 from tierkv.sizes import format_size, parse_size
 
 
@@ -38,6 +42,9 @@ def register(subparsers: Any) -> None:
     parser.add_argument("--batch", type=int, default=1, help="requests in the batch (1)")
     parser.add_argument("--block-size", type=int, default=16, help="tokens per block (16)")
     parser.add_argument("--memory", help="memory budget, e.g. 80GiB: report what fits in it")
+    parser.add_argument("--page-bytes", default=str(DEFAULT_PAGE_BYTES),
+                        help="the server's --page-bytes, for the blocks that fit in --memory "
+                        f"(default: {format_size(DEFAULT_PAGE_BYTES)}, the server's default)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.set_defaults(func=run)
 
@@ -94,7 +101,14 @@ def size_report(args: argparse.Namespace) -> dict[str, Any]:
         report["memory_bytes"] = memory
         report["tokens_that_fit"] = memory // layout.bytes_per_token
         report["requests_that_fit"] = memory // report["bytes_per_request"]
-        report["blocks_that_fit"] = memory // layout.bytes_per_block
+        page_bytes = parse_size(args.page_bytes, "--page-bytes")
+        if page_bytes < 1:
+            raise ConfigError(f"--page-bytes must be more than 0 bytes, got {args.page_bytes!r}")
+        num_pages = pages_for(layout.bytes_per_block, page_bytes)
+        report["page_bytes"] = page_bytes
+        report["pages_per_block"] = num_pages
+        report["blocks_that_fit"] = blocks_that_fit(memory, page_bytes, layout.bytes_per_block)
+        report["page_utilisation"] = layout.bytes_per_block / (num_pages * page_bytes)
     return report
 
 
@@ -149,6 +163,7 @@ def _format_report(r: dict[str, Any]) -> str:
             f"memory:            {_bytes(r['memory_bytes'])}",
             f"tokens that fit:   {r['tokens_that_fit']:,}",
             f"requests that fit: {r['requests_that_fit']:,}  [of {r['seq_len']:,} tokens]",
-            f"blocks that fit:   {r['blocks_that_fit']:,}",
+            f"blocks that fit:   {r['blocks_that_fit']:,}  [{r['pages_per_block']:,} page(s) of "
+            f"{format_size(r['page_bytes'])} a block: {r['page_utilisation']:.1%} of them KV]",
         ]
     return "\n".join(lines)

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 import torch
 
 from tierkv.checksums import checksums
-from tierkv.paging import CopySpan, Location, block_extents, copy_spans, iter_extents
+from tierkv.paging import CopySpan, Location, block_extents, copy_spans, iter_extents, pages_for
 
 
 class PagedSlab:
@@ -32,7 +32,7 @@ class PagedSlab:
 
     def pages_for(self, num_bytes: int) -> int:
         """Pages needed to hold ``num_bytes``."""
-        return -(-num_bytes // self.page_bytes)
+        return pages_for(num_bytes, self.page_bytes)
 
     def plan(
         self,
