@@ -132,6 +132,7 @@ def render(stats: ServerStats, target: str) -> str:
     tier_rows = [
         [tier.label, f"{format_size(t.used_bytes)} / {format_size(t.capacity_bytes)}",
          f"{t.used_bytes / t.capacity_bytes:.0%}" if t.capacity_bytes else "-",
+         "-" if t.utilisation is None else f"{t.utilisation:.1%}",
          t.num_blocks, t.hits, t.misses, _ratio(t.hits, t.misses), t.evictions]
         for tier, t in stats.tiers.items()
     ]
@@ -140,7 +141,8 @@ def render(stats: ServerStats, target: str) -> str:
     lines = [
         f"tierkv at {target}",
         "",
-        table(["tier", "used / budget", "full", "blocks", "hits", "misses", "hit ratio",
+        table(["tier", "used / budget", "full", "KV of used", "blocks", "hits", "misses",
+               "hit ratio",
                "evictions"], tier_rows),
         "",
         f"puts {stats.puts}  gets {stats.gets}  promotions {stats.promotions}  demotions "

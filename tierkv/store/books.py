@@ -127,6 +127,7 @@ class StoreCore:
         entry.set_residency(tier, node)
         ledger = self.ledgers[tier]
         ledger.num_blocks += 1
+        ledger.stored_bytes += entry.ns.block_bytes
         if entry not in self.pins:
             ledger.lru.push_mru(node, entry.priority)
 
@@ -139,6 +140,7 @@ class StoreCore:
         ledger.lru.remove(node)
         entry.set_residency(tier, None)
         ledger.num_blocks -= 1
+        ledger.stored_bytes -= entry.ns.block_bytes
         if isinstance(ledger, PagedLedger):
             ledger.release(node.location)
             self.changed.notify_all()

@@ -120,6 +120,7 @@ class Ledger:
         self.capacity_bytes = capacity_bytes
         self.lru: PriorityLru[Entry] = PriorityLru()
         self.num_blocks = 0
+        self.stored_bytes = 0  # KV bytes of the blocks held (their layouts' bytes_per_block)
         self.counters = TierCounters()
 
     @property

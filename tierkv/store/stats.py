@@ -25,7 +25,9 @@ from tierkv.store.books import StoreCore
 @dataclass(frozen=True, slots=True)
 class TierStats:
     """One tier at one instant. ``used_bytes`` counts reserved in-flight copies too, and never
-    exceeds ``capacity_bytes``."""
+    exceeds ``capacity_bytes``. ``stored_bytes``: the KV bytes of the blocks the tier holds (a
+    block's ``layout.bytes_per_block``), so ``utilisation`` says how much of what the tier uses
+    is KV: the rest is page rounding, in-flight copies, or (DISK) record headers and LMDB."""
 
     tier: Tier
     capacity_bytes: int
@@ -36,6 +38,12 @@ class TierStats:
     evictions: int
     promotions_in: int
     demotions_in: int
+    stored_bytes: int = 0
+
+    @property
+    def utilisation(self) -> float | None:
+        """``stored_bytes / used_bytes``; None while the tier uses nothing."""
+        return self.stored_bytes / self.used_bytes if self.used_bytes else None
 
 
 @dataclass(frozen=True, slots=True)
@@ -166,7 +174,7 @@ def snapshot(core: StoreCore, leases: Sized, num_sessions: int,
             tier: TierStats(
                 tier, ledger.capacity_bytes, ledger.used_bytes, ledger.num_blocks,
                 ledger.counters.hits, ledger.counters.misses, ledger.counters.evictions,
-                ledger.counters.promotions_in, ledger.counters.demotions_in,
+                ledger.counters.promotions_in, ledger.counters.demotions_in, ledger.stored_bytes,
             )
             for tier, ledger in sorted(core.ledgers.items())
         }

@@ -119,7 +119,7 @@ def lookup_from(response: pb.LookupResponse) -> LookupDetail:
 # --- stats ---------------------------------------------------------------------------------
 
 TIER_STATS_FIELDS = ("capacity_bytes", "used_bytes", "num_blocks", "hits", "misses",
-                     "evictions", "promotions_in", "demotions_in")
+                     "evictions", "promotions_in", "demotions_in", "stored_bytes")
 """The fields of one tier's stats, named alike by ``tierkv.TierStats`` and the wire."""
 STORE_STATS_FIELDS = ("num_namespaces", "num_pinned", "promotions", "demotions",
                       "failed_demotions", "checksum_failures", "puts", "gets", "num_leases",

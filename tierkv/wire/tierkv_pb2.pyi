@@ -247,7 +247,7 @@ class NamespaceStats(_message.Message):
     def __init__(self, tenant: _Optional[str] = ..., namespace: _Optional[_Union[Namespace, _Mapping]] = ..., num_blocks: _Optional[int] = ..., stored_bytes: _Optional[int] = ..., num_sessions: _Optional[int] = ...) -> None: ...
 
 class TierStats(_message.Message):
-    __slots__ = ("tier", "capacity_bytes", "used_bytes", "num_blocks", "hits", "misses", "evictions", "promotions_in", "demotions_in")
+    __slots__ = ("tier", "capacity_bytes", "used_bytes", "num_blocks", "hits", "misses", "evictions", "promotions_in", "demotions_in", "stored_bytes")
     TIER_FIELD_NUMBER: _ClassVar[int]
     CAPACITY_BYTES_FIELD_NUMBER: _ClassVar[int]
     USED_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -257,6 +257,7 @@ class TierStats(_message.Message):
     EVICTIONS_FIELD_NUMBER: _ClassVar[int]
     PROMOTIONS_IN_FIELD_NUMBER: _ClassVar[int]
     DEMOTIONS_IN_FIELD_NUMBER: _ClassVar[int]
+    STORED_BYTES_FIELD_NUMBER: _ClassVar[int]
     tier: str
     capacity_bytes: int
     used_bytes: int
@@ -266,7 +267,8 @@ class TierStats(_message.Message):
     evictions: int
     promotions_in: int
     demotions_in: int
-    def __init__(self, tier: _Optional[str] = ..., capacity_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., num_blocks: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., evictions: _Optional[int] = ..., promotions_in: _Optional[int] = ..., demotions_in: _Optional[int] = ...) -> None: ...
+    stored_bytes: int
+    def __init__(self, tier: _Optional[str] = ..., capacity_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., num_blocks: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., evictions: _Optional[int] = ..., promotions_in: _Optional[int] = ..., demotions_in: _Optional[int] = ..., stored_bytes: _Optional[int] = ...) -> None: ...
 
 class StatsResponse(_message.Message):
     __slots__ = ("tiers", "num_namespaces", "num_pinned", "promotions", "demotions", "failed_demotions", "checksum_failures", "puts", "gets", "num_leases", "leases_expired", "num_sessions", "bytes_moved", "namespaces", "remote")
