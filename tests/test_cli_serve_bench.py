@@ -90,3 +90,14 @@ def test_bench_store_writes_json_and_a_plot(tmp_path: Path) -> None:
     }
     assert all(row["ours"] > 0 for row in rows)
     assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_bench_store_utilisation_rows_cover_every_layout_and_the_mix() -> None:
+    from tierkv.bench.utilisation_bench import LAYOUTS, bench_utilisation
+
+    rows = bench_utilisation(lambda _: None)
+    utilisation = {row.metric: row.ours for row in rows if row.unit == "ratio"}
+    assert len(utilisation) == len(LAYOUTS) + 1
+    assert all(value >= 0.97 for value in utilisation.values()), utilisation
+    copies = [row for row in rows if row.unit == "copies"]
+    assert len(copies) == 1 and copies[0].ours >= 1

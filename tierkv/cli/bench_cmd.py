@@ -24,7 +24,7 @@ def register(subparsers: Any) -> None:
     store = targets.add_parser(
         "store", help="the embedded store vs memcpy, write+fsync, file reads and cbor2"
     )
-    _add_common(store, "store", ["host", "disk", "lookup", "hashing", "index"],
+    _add_common(store, "store", ["host", "disk", "lookup", "hashing", "index", "utilisation"],
                 "where disk benchmarks write (default: a temp dir)")
     store.set_defaults(func=run_store)
     service = targets.add_parser(
@@ -166,7 +166,7 @@ def run_store(args: argparse.Namespace) -> int:
         if args.quick:
             cfg = StoreBenchConfig(Path(work), num_batches=2, num_disk_batches=2,
                                    repeats=min(args.repeats, 3), index_blocks=100_000)
-        with _progress(4 * cfg.repeats + 9, "bench store") as progress:
+        with _progress(4 * cfg.repeats + 12, "bench store") as progress:
             rows = run_store_bench(cfg, args.only, progress)
     extra = {"repeats": cfg.repeats, "batch_blocks": cfg.batch_blocks, "quick": args.quick}
     return _report(rows, args, extra, "tierkv bench store")

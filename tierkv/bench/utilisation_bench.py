@@ -1,0 +1,105 @@
+"""``tierkv bench store`` utilisation rows (issue 14): how much of what HOST uses is KV.
+
+For each layout of the issue's table, 8 blocks are put into a fresh ``TieredStore`` with the
+default pages and ``stats()`` gives ``stored_bytes / used_bytes``. Then a mix of three of them
+churns through a HOST that evicts (batches of 1-32 blocks of random models), and the rows give
+the utilisation at the end and the copies a batch needs (runs of adjacent slab bytes among the
+extents a read lease hands out: one copy moves one run).
+"""
+
+from __future__ import annotations
+
+import random
+import statistics
+from collections.abc import Callable
+
+import torch
+
+from tierkv.bench.report import Row, fresh_hashes
+from tierkv.config import GpuTierConfig, HostTierConfig, MiB, StoreConfig, Tier
+from tierkv.keys import Namespace
+from tierkv.layout import KVLayout
+from tierkv.store import TieredStore
+
+Progress = Callable[[str], None]
+
+LAYOUTS = {  # the issue's table: (layers, KV heads, head_dim), fp16, 16-token blocks
+    "2x2x64 (test models)": (2, 2, 64),
+    "8x4x64 (156M bench model)": (8, 4, 64),
+    "24x2x64 (Qwen2.5-0.5B shape)": (24, 2, 64),
+    "28x4x128 (Qwen2.5-7B shape)": (28, 4, 128),
+    "32x8x128 (Llama-3-8B)": (32, 8, 128),
+}
+MIXED = ("8x4x64 (156M bench model)", "24x2x64 (Qwen2.5-0.5B shape)",
+         "28x4x128 (Qwen2.5-7B shape)")
+TARGET = 0.97
+
+
+def _layout(name: str) -> KVLayout:
+    layers, heads, head_dim = LAYOUTS[name]
+    return KVLayout(num_layers=layers, num_kv_heads=heads, head_dim=head_dim, block_size=16)
+
+
+def _store(host_bytes: int) -> TieredStore:
+    return TieredStore(StoreConfig(host=HostTierConfig(host_bytes), gpu=GpuTierConfig(0),
+                                   presence_slots=0))
+
+
+def _put(store: TieredStore, namespace: Namespace, count: int) -> list[bytes]:
+    layout = namespace.layout
+    hashes = fresh_hashes(count)
+    store.put(namespace, hashes, torch.zeros((count, *layout.block_shape),
+                                             dtype=layout.torch_dtype))
+    return hashes
+
+
+def _utilisation(store: TieredStore) -> float:
+    host = store.stats().tiers[Tier.HOST]
+    return host.utilisation or 0.0
+
+
+def _copies(store: TieredStore, namespace: Namespace, hashes: list[bytes]) -> int:
+    """Runs of adjacent slab bytes among the extents of a read lease of ``hashes``."""
+    lease = store.acquire(namespace, hashes)
+    try:
+        runs, end = 0, -1
+        for extents in lease.blocks:
+            for offset, length in extents:
+                runs += offset != end
+                end = offset + length
+        return runs
+    finally:
+        store.release(lease.lease_id)
+
+
+def bench_utilisation(progress: Progress, seed: int = 1) -> list[Row]:
+    """One row per layout, then the churned mix: utilisation and copies per batch."""
+    rows: list[Row] = []
+    for name in LAYOUTS:
+        with _store(256 * MiB) as store:
+            namespace = Namespace(f"util-{name.split()[0]}", _layout(name))
+            store.register(namespace)
+            _put(store, namespace, 8)
+            value = _utilisation(store)
+        rows.append(Row(f"HOST utilisation, {name}", "ratio", value, None, "-",
+                        f">= {TARGET}", value >= TARGET, [value]))
+    progress("utilisation per layout")
+    rng = random.Random(seed)
+    with _store(256 * MiB) as store:
+        namespaces = [Namespace(f"mix-{name.split()[0]}", _layout(name)) for name in MIXED]
+        for namespace in namespaces:
+            store.register(namespace)
+        copies: list[float] = []
+        for step in range(600):
+            namespace = rng.choice(namespaces)
+            hashes = _put(store, namespace, rng.choice((1, 4, 16, 32)))
+            if step >= 200:  # once HOST is full and evicting
+                copies.append(_copies(store, namespace, hashes))
+        value = _utilisation(store)
+    progress("utilisation, mixed")
+    return [*rows,
+            Row("HOST utilisation, 3 models mixed, evicting", "ratio", value, None, "-",
+                f">= {TARGET}", value >= TARGET, [value]),
+            Row("copies per batch, 3 models mixed, evicting", "copies",
+                statistics.median(copies), None, "-", "(info)", True,
+                [float(c) for c in copies])]
