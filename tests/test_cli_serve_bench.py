@@ -101,3 +101,11 @@ def test_bench_store_utilisation_rows_cover_every_layout_and_the_mix() -> None:
     assert all(value >= 0.97 for value in utilisation.values()), utilisation
     copies = [row for row in rows if row.unit == "copies"]
     assert len(copies) == 1 and copies[0].ours >= 1
+
+
+def test_bench_store_measures_lmdb_overhead_per_record(tmp_path: Path) -> None:
+    from tierkv.bench.utilisation_bench import bench_disk_overhead
+
+    rows = {row.metric: row.ours for row in bench_disk_overhead(tmp_path, lambda _: None)}
+    assert len(rows) == 3 and all(value > 1.0 for value in rows.values()), rows
+    assert rows["DISK bytes per KV byte, 2 MiB blocks"] <= 1.03  # one page in 512 more

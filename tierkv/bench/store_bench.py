@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from tierkv.bench.report import GB, Row, fresh_hashes, median_of, random_blocks, timed, total_s
-from tierkv.bench.utilisation_bench import bench_utilisation
+from tierkv.bench.utilisation_bench import bench_disk_overhead, bench_utilisation
 from tierkv.config import DiskTierConfig, HostTierConfig, StoreConfig, Tier, WritePolicy
 from tierkv.hashing import block_hashes, none_hash
 from tierkv.keys import BlockHash, Namespace
@@ -279,7 +279,8 @@ BENCHES: dict[str, Callable[[StoreBenchConfig, Progress], list[Row]]] = {
     "lookup": bench_lookup,
     "hashing": bench_hashing,
     "index": bench_index_memory,
-    "utilisation": lambda cfg, progress: bench_utilisation(progress),
+    "utilisation": lambda cfg, progress: [*bench_utilisation(progress),
+                                          *bench_disk_overhead(cfg.work_dir, progress)],
 }
 
 
