@@ -199,14 +199,17 @@ class SlabMapping:
         ranges = np.asarray(extents, np.int64).reshape(-1, 2)
         firsts = np.clip(ranges[:, 0] // granule, 0, num_granules)
         ends = np.clip(-(-(ranges[:, 0] + ranges[:, 1]) // granule), 0, num_granules)
-        marks = np.zeros(num_granules + 1, np.int64)
-        np.add.at(marks, firsts, 1)
-        np.add.at(marks, ends, -1)
+        if not len(ranges) or (low := int(firsts.min())) >= (high := int(ends.max())):
+            return
+        # Work over the granules the lease spans, not the whole slab (this runs every copy).
+        marks = np.zeros(high - low + 1, np.int64)
+        np.add.at(marks, firsts - low, 1)
+        np.add.at(marks, ends - low, -1)
         wanted = np.cumsum(marks[:-1]) > 0
-        wanted &= ~self._populated
+        wanted &= ~self._populated[low:high]
         if not wanted.any():
             return
-        edges = np.flatnonzero(np.diff(np.concatenate(([0], wanted.view(np.int8), [0]))))
+        edges = np.flatnonzero(np.diff(np.concatenate(([0], wanted.view(np.int8), [0])))) + low
         try:
             for first, end in zip(edges[::2].tolist(), edges[1::2].tolist(), strict=True):
                 start = first * granule
@@ -215,7 +218,7 @@ class SlabMapping:
         except (OSError, ValueError):
             self._can_populate = False  # an older kernel (EINVAL): first touches fault instead
             return
-        self._populated |= wanted
+        self._populated[low:high] |= wanted
 
     def is_current(self) -> bool:
         """False once the server removed the segment (it stopped, or a restarted server swept
