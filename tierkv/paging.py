@@ -9,13 +9,27 @@ store's state.
 Decisions:
 1. Pages are fixed-size, so there is no external fragmentation: any free pages can serve any
    block, and an allocation fails only when the free page count is too small.
-2. A batch first asks for one run of pages large enough for all its blocks, so that one copy moves
-   the whole batch; it falls back to one run per block, then to scattered pages.
+2. A batch's blocks lie back to back, in block order, over as few free runs as possible, since a
+   copy moves one run: the smallest run that holds the whole batch (best fit, so large runs stay
+   whole for large batches); if none does, the largest runs, whole, until the rest fits one, and
+   the rest from the smallest run that holds it. A block may straddle two runs (its location is
+   then a tuple). Under eviction churn (``tierkv bench store --only utilisation``: three models,
+   batches of 1-32 blocks, 14.3 on average) this cut the copies per batch from median 14 / p90 37
+   (first fit among 64 runs, then one run per block, then scattered pages: about one copy a
+   block) to median 2 / p90 8. Whole blocks only (a block moves to the next run when the rest
+   of this one is too short) gave p90 13 and still left 7-11% of the live blocks straddling, as
+   a lone block often fits no run; straddling leaves 10-15%, fewer than before (14-25%). Without
+   churn a batch fits the one free run and every location stays one int.
 3. Free runs are coalesced with their neighbours on free, in O(1), through start and end maps.
+   They are indexed by length too (the starts of the runs of each length, and the distinct
+   lengths in a sorted list searched with ``bisect``), so a best fit costs a bisection and a
+   free or an allocation a few dict and set operations (plus a list insertion when a length
+   appears or goes), never a walk over the free runs.
 """
 
 from __future__ import annotations
 
+from bisect import bisect_left, insort
 from collections.abc import Iterator, Sequence
 
 Location = int | tuple[int, ...]
@@ -30,8 +44,6 @@ a list of these by ``copy_spans``, the one place spans are made and merged."""
 
 _COUNT_BITS = 32
 _COUNT_MASK = (1 << _COUNT_BITS) - 1
-# First-fit scans at most this many free runs before settling for scattered pages.
-_MAX_SCAN = 64
 
 
 def pack_extent(start_page: int, num_pages: int) -> int:
@@ -126,73 +138,133 @@ class PageAllocator:
     def __init__(self, num_pages: int) -> None:
         self.num_pages = num_pages
         self.num_free_pages = num_pages
-        self._start_to_count: dict[int, int] = {0: num_pages} if num_pages else {}
-        self._end_to_start: dict[int, int] = {num_pages: 0} if num_pages else {}
+        # The free runs, maximal (coalesced): by start and by end (to merge on free), and by
+        # length (to find the best fit): the starts of the runs of each length, and the
+        # distinct lengths in ascending order.
+        self._start_to_count: dict[int, int] = {}
+        self._end_to_start: dict[int, int] = {}
+        self._starts_by_count: dict[int, set[int]] = {}
+        self._counts: list[int] = []
+        if num_pages:
+            self._add_run(0, num_pages)
 
     def try_allocate(self, pages_per_block: Sequence[int]) -> list[Location] | None:
-        """One location per block, or None (nothing allocated) if too few pages are free."""
+        """One location per block, or None (nothing allocated) if too few pages are free.
+
+        The blocks are laid back to back in block order over as few free runs as possible:
+        the smallest run that holds the whole batch; else the largest runs, a block straddling
+        two of them where one ends, and the rest in the smallest run that holds it."""
         total = sum(pages_per_block)
         if total > self.num_free_pages:
             return None
-        run_start = self._take_run(total)
-        if run_start is not None:
+        counts = self._counts
+        index = bisect_left(counts, total)
+        if index < len(counts):
+            start = self._take_run(counts[index], total)
             locations: list[Location] = []
             for count in pages_per_block:
-                locations.append(pack_extent(run_start, count))
-                run_start += count
+                locations.append(start << _COUNT_BITS | count)
+                start += count
             return locations
-        return [self._allocate_one(count) for count in pages_per_block]
+        return self._spread(pages_per_block, total)
 
     def free(self, location: Location) -> None:
         """Return a location's pages; they merge with adjacent free runs."""
-        for start, count in iter_extents(location):
-            self._insert_run(start, count)
-            self.num_free_pages += count
+        if isinstance(location, int):
+            self._insert_run(location >> _COUNT_BITS, location & _COUNT_MASK)
+        else:
+            for extent in location:
+                self._insert_run(extent >> _COUNT_BITS, extent & _COUNT_MASK)
 
-    def _allocate_one(self, count: int) -> Location:
-        start = self._take_run(count)
-        if start is not None:
-            return pack_extent(start, count)
-        # Scattered: take whole runs (and a piece of the last) until the block is covered.
-        extents: list[int] = []
-        needed = count
-        while needed:
-            run_start, run_count = next(iter(self._start_to_count.items()))
-            take = min(needed, run_count)
-            self._remove_run(run_start, run_count)
-            if take < run_count:
-                self._insert_run(run_start + take, run_count - take)
-            extents.append(pack_extent(run_start, take))
-            self.num_free_pages -= take
-            needed -= take
-        return tuple(extents)
+    def _spread(self, pages_per_block: Sequence[int], total: int) -> list[Location]:
+        """``total`` pages over the fewest runs: whole largest runs until the rest fits one,
+        then that rest from the smallest run that holds it; the blocks follow in order."""
+        counts = self._counts
+        pieces: list[tuple[int, int]] = []
+        remaining = total
+        while remaining:
+            index = bisect_left(counts, remaining)
+            take = counts[index] if index < len(counts) else counts[-1]
+            piece = min(take, remaining)
+            pieces.append((self._take_run(take, piece), piece))
+            remaining -= piece
+        locations: list[Location] = []
+        next_piece = iter(pieces)
+        start, left = 0, 0
+        for count in pages_per_block:
+            if count <= left:
+                locations.append(start << _COUNT_BITS | count)
+                start += count
+                left -= count
+                continue
+            extents: list[int] = []
+            needed = count
+            while needed:
+                if not left:
+                    start, left = next(next_piece)
+                take = min(needed, left)
+                extents.append(start << _COUNT_BITS | take)
+                start += take
+                left -= take
+                needed -= take
+            locations.append(extents[0] if len(extents) == 1 else tuple(extents))
+        return locations
 
-    def _take_run(self, count: int) -> int | None:
-        """Carve ``count`` adjacent pages out of the first free run that holds them."""
-        for index, (start, run_count) in enumerate(self._start_to_count.items()):
-            if run_count >= count:
-                self._remove_run(start, run_count)
-                if run_count > count:
-                    self._insert_run(start + count, run_count - count)
-                self.num_free_pages -= count
-                return start
-            if index >= _MAX_SCAN:
-                break
-        return None
-
-    def _remove_run(self, start: int, count: int) -> None:
+    def _take_run(self, run_count: int, count: int) -> int:
+        """Carve ``count`` pages off the front of a free run of ``run_count`` pages; its start."""
+        starts = self._starts_by_count[run_count]
+        start = starts.pop()
+        if not starts:
+            del self._starts_by_count[run_count]
+            del self._counts[bisect_left(self._counts, run_count)]
         del self._start_to_count[start]
-        del self._end_to_start[start + count]
+        del self._end_to_start[start + run_count]
+        if run_count > count:  # the rest's neighbours are both allocated: nothing to merge
+            self._add_run(start + count, run_count - count)
+        self.num_free_pages -= count
+        return start
+
+    def _add_run(self, start: int, count: int) -> None:
+        self._start_to_count[start] = count
+        self._end_to_start[start + count] = start
+        starts = self._starts_by_count.get(count)
+        if starts is None:
+            self._starts_by_count[count] = {start}
+            insort(self._counts, count)
+        else:
+            starts.add(start)
+
+    def _unindex(self, start: int, count: int) -> None:
+        """Drop a run that is leaving the free set from the index by length."""
+        starts = self._starts_by_count[count]
+        if len(starts) == 1:
+            del self._starts_by_count[count]
+            del self._counts[bisect_left(self._counts, count)]
+        else:
+            starts.remove(start)
 
     def _insert_run(self, start: int, count: int) -> None:
+        """Free ``count`` pages from ``start``, merged with the free runs either side."""
+        if not count:
+            return
+        self.num_free_pages += count
         end = start + count
         before_start = self._end_to_start.pop(start, None)
         if before_start is not None:
-            count += self._start_to_count.pop(before_start)
+            before_count = self._start_to_count.pop(before_start)
+            self._unindex(before_start, before_count)
             start = before_start
+            count += before_count
         after_count = self._start_to_count.pop(end, None)
         if after_count is not None:
             del self._end_to_start[end + after_count]
+            self._unindex(end, after_count)
             count += after_count
-        self._start_to_count[start] = count
+        self._start_to_count[start] = count  # (_add_run inlined: this runs for every block)
         self._end_to_start[start + count] = start
+        starts = self._starts_by_count.get(count)
+        if starts is None:
+            self._starts_by_count[count] = {start}
+            insort(self._counts, count)
+        else:
+            starts.add(start)
