@@ -15,12 +15,13 @@ import numpy as np
 import pytest
 import torch
 
-import tierkv.tiers.disk as disk_module
+import tierkv.tiers.disk_reads as disk_module
 from tierkv import DiskTierConfig, HostTierConfig, KVLayout, Namespace, StoreConfig, TieredStore
 from tierkv.checksums import CopyParts
 from tierkv.config import WritePolicy
 from tierkv.errors import StoreClosedError
-from tierkv.tiers.disk import PARALLEL_READ_BYTES, DiskTier, DiskWrite
+from tierkv.tiers.disk import DiskTier, DiskWrite
+from tierkv.tiers.disk_reads import PARALLEL_READ_BYTES
 from tierkv.tiers.records import RecordStatus, encode_record
 from tiny_blocks import blocks, keys, same_bytes
 

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import lmdb
 import pytest
+from disk_records import RawDisk
 from harness import SidecarFactory, stream_client
 
 from tierkv import DiskTierConfig, HostTierConfig, KVLayout, Namespace, StoreConfig, TieredStore
@@ -68,23 +69,40 @@ def test_inspect_reports_every_namespace_and_changes_nothing(
     assert fingerprint(path) == before
 
 
+def test_a_store_written_before_records_were_split_is_read_whole(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Records stored whole, with no heads DB (as stores written before the split hold them),
+    are verified as before: nothing is bad."""
+    path = make_store(tmp_path / "disk")
+    with RawDisk(path) as raw, raw.env.begin(write=True) as txn:
+        records = [(bytes(key), raw.get(txn, bytes(key)))
+                   for key, _ in txn.cursor(db=raw.blocks)]
+        for key, record in records:
+            raw.put_whole(txn, key, record or b"")
+        txn.drop(raw.heads, delete=True)
+    data = inspect_json(path, capsys)
+    assert (data["num_blocks"], data["num_bad_records"]) == (6, 0)
+    assert data["stored_bytes"] == 4 * BLOCK_BYTES + 2 * 1024
+
+
 def damage(path: Path) -> None:
     """Flip, truncate and forge records with LMDB directly (as a failing disk or a foreign
     writer would)."""
-    env = lmdb.open(str(path), max_dbs=4, map_size=1 << 30)
-    blocks_db, namespaces_db, sessions_db = (env.open_db(name) for name in
-                                             (b"blocks", b"namespaces", b"sessions"))
-    a0, a1, a2 = (bytes(ALICE.id) + k for k in keys(3))
-    with env.begin(write=True) as txn:
-        flipped = bytearray(txn.get(a0, db=blocks_db))
+    with RawDisk(path) as raw, raw.env.begin(write=True) as txn:
+        namespaces_db, sessions_db = (raw.env.open_db(name, txn=txn) for name in
+                                      (b"namespaces", b"sessions"))
+        a0, a1, a2 = (bytes(ALICE.id) + k for k in keys(3))
+        flipped = bytearray(raw.get(txn, a0) or b"")
         flipped[-1] ^= 0x40  # a payload bit: the checksum fails
-        txn.put(a0, bytes(flipped), db=blocks_db)
-        txn.put(a1, txn.get(a1, db=blocks_db)[:100], db=blocks_db)  # torn
-        header = bytearray(txn.get(a2, db=blocks_db))
+        raw.put(txn, a0, bytes(flipped))
+        raw.put(txn, a1, (raw.get(txn, a1) or b"")[:100])  # torn
+        header = bytearray(raw.get(txn, a2) or b"")
         header[0] ^= 0xFF  # the magic
-        txn.put(a2, bytes(header), db=blocks_db)
-        txn.put(b"not a block key", b"foreign", db=blocks_db)
-        txn.put(bytes(16) + keys(1)[0], b"x" * 600, db=blocks_db)  # a namespace never stored
+        raw.put(txn, a2, bytes(header))
+        raw.put_whole(txn, b"not a block key", b"foreign")
+        raw.put_whole(txn, bytes(16) + keys(1)[0], b"x" * 600)  # a namespace never stored
+        # A head whose body is lost.
+        txn.put(bytes(ALICE.id) + keys(9)[8], txn.get(a0, db=raw.heads), db=raw.heads)
         descriptor = bytearray(txn.get(bytes(BOB.id), db=namespaces_db))
         descriptor[-2] ^= 0x01  # bob's descriptor: his blocks have no namespace now
         txn.put(bytes(BOB.id), bytes(descriptor), db=namespaces_db)
@@ -92,7 +110,6 @@ def damage(path: Path) -> None:
         session = bytearray(txn.get(session_key, db=sessions_db))
         session[12] ^= 0x01
         txn.put(session_key, bytes(session), db=sessions_db)
-    env.close()
 
 
 def test_bad_records_are_counted_and_listed_never_a_crash(
@@ -108,19 +125,20 @@ def test_bad_records_are_counted_and_listed_never_a_crash(
         ("blocks", "its header does not match (torn, foreign or another layout)"),
         ("blocks", "a key of 15 bytes, not 48"),
         ("blocks", "its namespace's descriptor is lost or unreadable"),
+        ("blocks", "its record's head is there but its body is lost"),
         ("namespaces", "failed its checksum"),
         ("sessions", "failed its checksum"),
     }
     # 3 of alice's blocks, the foreign key, the unknown namespace, bob's 2 blocks, his
-    # descriptor and alice's session.
-    assert data["num_bad_records"] == 9
+    # descriptor, alice's session and the lost body.
+    assert data["num_bad_records"] == 10
     namespaces = data["namespaces"]
     assert isinstance(namespaces, list)
     assert [(n["tenant"], n["num_blocks"], n["num_sessions"]) for n in namespaces] == [
         ("alice", 1, 0), ("bob", 0, 1)]  # bob's session still names his namespace
     assert main(["inspect", "--disk-path", str(path)]) == 3
     text = capsys.readouterr().out
-    assert "9 bad records" in text and "its payload fails its checksum" in text
+    assert "10 bad records" in text and "its payload fails its checksum" in text
 
 
 def test_a_path_that_is_no_store_is_a_clear_error(

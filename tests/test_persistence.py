@@ -17,10 +17,10 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import crash_writer
-import lmdb
 import numpy as np
 import pytest
 import torch
+from disk_records import RawDisk
 
 from tierkv import (
     CapacityError,
@@ -58,12 +58,6 @@ CRASH_WRITER = Path(__file__).with_name("crash_writer.py")
 def raw_key(namespace: Namespace, block_hash: bytes) -> bytes:
     """The 48-byte LMDB key of a block (namespace id + block hash, as in DESIGN.md)."""
     return bytes(namespace.id) + block_hash
-
-
-def open_blocks_db(disk_path: Path) -> tuple[lmdb.Environment, lmdb._Database]:
-    """The store's LMDB environment and its ``blocks`` DB, opened directly (store closed)."""
-    env = lmdb.open(str(disk_path), max_dbs=4, map_size=1 << 30)
-    return env, env.open_db(b"blocks")
 
 
 def flip_payload_in_file(disk_path: Path, payload: bytes, at: int) -> int:
@@ -235,18 +229,16 @@ def test_corrupt_records_are_dropped_counted_and_never_served(
 
     # Rewrite values through LMDB first; flip bytes in the file last, so that no later
     # copy-on-write can bring an intact copy of a flipped page back.
-    env, db = open_blocks_db(disk)
-    with env.begin(write=True, db=db) as txn:
+    with RawDisk(disk) as raw, raw.env.begin(write=True) as txn:
         for i in truncated:
-            value = txn.get(raw_key(namespace, hashes[i]))
+            value = raw.get(txn, raw_key(namespace, hashes[i]))
             assert value is not None and len(value) > BLOCK_BYTES
-            txn.put(raw_key(namespace, hashes[i]), value[:-7])
+            raw.put(txn, raw_key(namespace, hashes[i]), value[:-7])
         for i, at in header_flipped.items():
-            value = bytearray(txn.get(raw_key(namespace, hashes[i])))
+            value = bytearray(raw.get(txn, raw_key(namespace, hashes[i])) or b"")
             assert value[:4] == b"TKV1"
             value[at] ^= 0xFF
-            txn.put(raw_key(namespace, hashes[i]), bytes(value))
-    env.close()
+            raw.put(txn, raw_key(namespace, hashes[i]), bytes(value))
     for i in payload_flipped:
         assert flip_payload_in_file(disk, payload_bytes(data[i]), at=37 + 50 * i) >= 1
     assert flip_payload_in_file(disk, payload_bytes(chain_data[3]), at=BLOCK_BYTES - 1) >= 1
@@ -279,12 +271,11 @@ def test_corrupt_records_are_dropped_counted_and_never_served(
 
     # The bad records were deleted from the disk, not just hidden.
     damaged = payload_flipped + truncated + list(header_flipped)
-    env, db = open_blocks_db(disk)
-    with env.begin(db=db) as txn:
-        left = [i for i in damaged if txn.get(raw_key(namespace, hashes[i])) is not None]
-        assert txn.get(raw_key(namespace, chain[3])) is None
-        assert txn.get(raw_key(namespace, chain[4])) is not None
-    env.close()
+    with RawDisk(disk) as raw, raw.env.begin() as txn:
+        left = [i for i in damaged if raw.get(txn, raw_key(namespace, hashes[i])) is not None]
+        assert raw.get(txn, raw_key(namespace, chain[3])) is None
+        assert raw.get(txn, raw_key(namespace, chain[4])) is not None
+        assert not any(txn.get(raw_key(namespace, hashes[i]), db=raw.heads) for i in damaged)
     assert not left, f"damaged records left on disk: {left}"
 
     # The store keeps working: the damaged keys can be stored again, new ones too.
@@ -330,21 +321,19 @@ def test_record_is_never_served_under_another_layout_or_namespace(
     assert store.put(namespace, hashes, data, write_policy=WRITE_THROUGH) == 4
     store.close(flush=False)
 
-    env, db = open_blocks_db(disk)
-    with env.begin(write=True, db=db) as txn:
-        record = txn.get(raw_key(namespace, hashes[0]))
+    with RawDisk(disk) as raw, raw.env.begin(write=True) as txn:
+        record = raw.get(txn, raw_key(namespace, hashes[0]))
         assert record is not None
         # Verbatim copies: the header still names the original key and layout.
-        txn.put(raw_key(ns_shape, hashes[0]), record)
-        txn.put(raw_key(ns_dtype, hashes[0]), record)
-        txn.put(raw_key(ns_tenant, hashes[0]), record)
+        raw.put(txn, raw_key(ns_shape, hashes[0]), record)
+        raw.put(txn, raw_key(ns_dtype, hashes[0]), record)
+        raw.put(txn, raw_key(ns_tenant, hashes[0]), record)
         # Forged records whose key is right and checksum valid, but whose layout is not.
         payload = data[1].contiguous().view(torch.uint8).reshape(-1).numpy()
         for ns in (ns_shape, ns_dtype):
             forged, _ = encode_record(raw_key(ns, hashes[1]), TINY_LAYOUT.fingerprint, payload)
             assert len(forged) == len(record)
-            txn.put(raw_key(ns, hashes[1]), bytes(forged))
-    env.close()
+            raw.put(txn, raw_key(ns, hashes[1]), bytes(forged))
 
     store = make_store(disk_blocks=32, disk_path=disk)
     served = []
@@ -587,10 +576,8 @@ def test_lmdb_record_layout_matches_design(
     data = blocks(1, seed=51)
     store.put(namespace, [key(0, "fmt")], data, tier=Tier.DISK)
     store.close(flush=False)
-    env, db = open_blocks_db(disk)
-    with env.begin(db=db) as txn:
-        value = txn.get(raw_key(namespace, key(0, "fmt")))
-    env.close()
+    with RawDisk(disk) as raw, raw.env.begin() as txn:
+        value = raw.get(txn, raw_key(namespace, key(0, "fmt")))
     assert value is not None and value[:4] == b"TKV1"
     header_len = int(np.frombuffer(value[4:8], "<u4")[0])
     assert len(value) == 8 + header_len + BLOCK_BYTES

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tierkv.checksums import checksum, digest_value
+from tierkv.checksums import checksum_of_parts, digest_value
 from tierkv.keys import NAMESPACE_ID_BYTES, RAW_BLOCK_KEY_BYTES, Namespace
 from tierkv.store.recovery import parse_descriptor
 from tierkv.store.sessions import UNPARSABLE, parse_session
@@ -117,10 +117,10 @@ def inspect_disk(path: Path, progress: Callable[[int], None] | None = None) -> D
                 by_id[key] = NamespaceReport(parse_descriptor(key, body))
             except (ValueError, KeyError, TypeError) as exc:
                 report.bad("namespaces", key, f"does not parse: {exc}")
-        for key, value in store.records(0):
-            _check_block(report, by_id, key, value)
+        for key, head, block_body in store.block_records():
+            _check_block(report, by_id, key, head, block_body)
             if progress is not None:
-                progress(len(value))
+                progress(len(head or b"") + len(block_body or b""))
         for key, value in store.records(2):
             _check_session(report, by_id, key, value)
     report.namespaces = sorted(by_id.values(), key=lambda n: (
@@ -129,7 +129,10 @@ def inspect_disk(path: Path, progress: Callable[[int], None] | None = None) -> D
 
 
 def _check_block(report: DiskReport, by_id: dict[bytes, NamespaceReport], key: bytes,
-                 value: memoryview) -> None:
+                 head: memoryview | None, body: memoryview | None) -> None:
+    if body is None:
+        report.bad("blocks", key, "its record's head is there but its body is lost")
+        return
     if len(key) != RAW_BLOCK_KEY_BYTES:
         report.bad("blocks", key, f"a key of {len(key)} bytes, not {RAW_BLOCK_KEY_BYTES}")
         return
@@ -138,12 +141,16 @@ def _check_block(report: DiskReport, by_id: dict[bytes, NamespaceReport], key: b
         report.bad("blocks", key, "its namespace's descriptor is lost or unreadable")
         return
     layout = owner.namespace.layout
-    verified = verify_header(value, key, layout.fingerprint, layout.bytes_per_block)
+    if head is None:  # a record stored whole (before records were split)
+        verified = verify_header(body, key, layout.fingerprint, layout.bytes_per_block)
+    else:
+        verified = verify_header(head, key, layout.fingerprint, layout.bytes_per_block, len(body))
     if verified is None:
         report.bad("blocks", key, "its header does not match (torn, foreign or another layout)")
         return
     payload, expected = verified
-    if checksum(payload) != digest_value(expected):
+    parts = [payload] if head is None else [payload, body]
+    if checksum_of_parts(parts) != digest_value(expected):
         report.bad("blocks", key, "its payload fails its checksum")
         return
     owner.num_blocks += 1

@@ -34,13 +34,16 @@ Decisions (each from a failure seen in LMDB users):
    write, and one line per block would bury the first.
 10. A read checks its records' headers, then copies and hashes the payloads (each chunk right
    after it lands) in the same read transaction; from ``PARALLEL_READ_BYTES`` on, helpers of a
-   pool of their own take blocks beside the caller (one core copying and hashing is slower
-   than the kernel's ``read`` copying alone). ``close`` waits for reads in flight to unmap.
+   pool of their own take blocks beside the caller (``tierkv.tiers.disk_reads``). ``close``
+   waits for reads in flight to unmap.
+11. A block record is stored as two values, head and body (``records.split_record``): stored
+   whole, a payload of whole pages took one LMDB page more than its bytes (6% of a 64 KiB
+   block). Both change in the same transaction; a record stored whole (an older store) is
+   still read.
 """
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import logging
 import os
@@ -54,12 +57,12 @@ from dataclasses import dataclass, field
 import lmdb
 import numpy as np
 
-from tierkv.checksums import copy_with_checksum, digest_value
 from tierkv.config import DiskTierConfig, MiB
 from tierkv.errors import ConfigError, DiskFullError, DiskIOError, StoreClosedError, TierKVError
 from tierkv.logs import Throttle, log_event
+from tierkv.tiers.disk_reads import NUM_COPY_HELPERS, read_batch
 from tierkv.tiers.lmdb_env import DAMAGED, DirectoryLock, MapBounds, open_environment
-from tierkv.tiers.records import VERIFY_CHUNK_BYTES, RecordStatus, seal, verify_header
+from tierkv.tiers.records import RecordStatus, seal, split_record
 
 log = logging.getLogger(__name__)
 
@@ -73,9 +76,6 @@ READER_CHECK_INTERVAL_S = 10.0
 # An EIO with less free space than a failed write needs plus this is a full disk (decision 8).
 _FULL_DISK_MARGIN_BYTES = 4 * MiB
 DISK_ERROR_LOG_INTERVAL_S = 10.0
-# Reads of this many payload bytes or more are copied on every core (decision 10).
-PARALLEL_READ_BYTES = 4 * MiB
-_NUM_COPY_HELPERS = max(1, min(3, (os.cpu_count() or 1) - 1))
 
 
 @dataclass(slots=True)
@@ -139,12 +139,12 @@ class DiskTier:
         self.moved_aside_to = opened.moved_aside_to
         """Where an unreadable environment found at open was moved (None: it was readable)."""
         self._page_bytes = int(self._env.stat()["psize"])
-        self._blocks, self._namespaces, self._sessions = opened.dbs
+        self._blocks, self._namespaces, self._sessions, self._heads = opened.dbs
         self._queue: queue.SimpleQueue[DiskWrite | None] = queue.SimpleQueue()
         self._writer = threading.Thread(target=self._write_loop, name="tierkv-disk-writer", daemon=True)
         self._writer.start()
         self.readers = ThreadPoolExecutor(config.num_reader_threads, "tierkv-disk-read")
-        self._copiers = ThreadPoolExecutor(_NUM_COPY_HELPERS, "tierkv-disk-copy")
+        self._copiers = ThreadPoolExecutor(NUM_COPY_HELPERS, "tierkv-disk-copy")
         self._num_reads = 0
         self._reads_idle = threading.Condition()
         self.on_demote: Callable[[list[tuple[bytes, bytes, float]]], object] | None = None
@@ -162,8 +162,9 @@ class DiskTier:
         return len(self._found_blocks or ())
 
     def scan_blocks(self) -> Iterator[tuple[bytes, int]]:
-        """Every block key found at open with its record size, in key order (no payload is
-        read). Given out once: the list is dropped as it is consumed (it can be large)."""
+        """Every block key found at open with its record size, in key order, then any record
+        head whose body is lost, with size -1 (no payload is read). Given out once: the list is
+        dropped as it is consumed (it can be large)."""
         found, self._found_blocks = self._found_blocks or [], None
         yield from found
 
@@ -239,11 +240,13 @@ class DiskTier:
             return
         records: list[tuple[bytes, bytes, float]] = []
         try:
-            with self._env.begin(db=self._blocks, buffers=True) as txn:
+            with self._env.begin(buffers=True) as txn:
                 for key, evicted_s in demotes:
-                    value = txn.get(key)
-                    if value is not None:
-                        records.append((key, bytes(value), evicted_s))
+                    body = txn.get(key, db=self._blocks)
+                    if body is not None:
+                        head = txn.get(key, db=self._heads)
+                        record = bytes(body) if head is None else b"".join((head, body))
+                        records.append((key, record, evicted_s))
             sink(records)
         except Exception as exc:  # demotion is best effort; the deletes must go on
             self._log_error("demote", exc)
@@ -276,7 +279,8 @@ class DiskTier:
             return
         page_bytes = self._page_bytes
         used_pages = 0
-        stats = [txn.stat(db) for db in (self._blocks, self._namespaces, self._sessions)]
+        stats = [txn.stat(db) for db in (self._blocks, self._namespaces, self._sessions,
+                                         self._heads)]
         for stat in (*stats, self._env.stat()):
             used_pages += stat["branch_pages"] + stat["leaf_pages"] + stat["overflow_pages"]
         num_records = sum(len(job.block_puts) + len(job.session_puts) for job in batch)
@@ -293,7 +297,7 @@ class DiskTier:
         """Resolve a job that did not commit. Its deletes are retried alone, a few per
         transaction (a nearly full map still has room for small ones): a delete-only job then
         succeeds; a job with puts still fails (its deletes are idempotent if queued again)."""
-        salvaged = self._salvage_deletes(job.block_deletes, self._blocks)
+        salvaged = self._salvage_deletes(job.block_deletes, self._blocks, self._heads)
         salvaged = self._salvage_deletes(job.session_deletes, self._sessions) and salvaged
         if salvaged and not job.has_puts:
             job.future.set_result(None)
@@ -302,12 +306,13 @@ class DiskTier:
             self._log_error("write", error)
             job.future.set_exception(error)
 
-    def _salvage_deletes(self, keys: Sequence[bytes], db: lmdb._Database) -> bool:
+    def _salvage_deletes(self, keys: Sequence[bytes], *dbs: lmdb._Database) -> bool:
         for start in range(0, len(keys), _SALVAGE_DELETES):
             try:
                 with self._env.begin(write=True) as txn:
                     for key in keys[start : start + _SALVAGE_DELETES]:
-                        txn.delete(key, db=db)
+                        for db in dbs:
+                            txn.delete(key, db=db)
             except (lmdb.Error, OSError) as exc:
                 self._log_error("delete", exc)
                 return False
@@ -319,8 +324,11 @@ class DiskTier:
             for job in batch:
                 for key in job.block_deletes:
                     txn.delete(key, db=self._blocks)
+                    txn.delete(key, db=self._heads)
                 for key, value in job.block_puts:
-                    txn.put(key, value, db=self._blocks)
+                    head, body = split_record(value, self._page_bytes)
+                    txn.put(key, body, db=self._blocks)
+                    txn.put(key, head, db=self._heads)
                 for key in job.namespace_deletes:
                     txn.delete(key, db=self._namespaces)
                 for key, value in job.namespace_puts:
@@ -362,36 +370,14 @@ class DiskTier:
     def _read_batch(
         self, requests: Sequence[tuple[bytes, np.ndarray]], fingerprint: str, payload_bytes: int,
     ) -> list[tuple[RecordStatus, int]]:
-        results = [(RecordStatus.CORRUPT, 0)] * len(requests)
         try:
-            with self._env.begin(db=self._blocks, buffers=True) as txn:
-                found: list[tuple[int, np.ndarray, np.ndarray, bytes]] = []
-                try:
-                    for index, (raw_key, destination) in enumerate(requests):
-                        value = txn.get(raw_key)
-                        if value is None:
-                            results[index] = (RecordStatus.MISSING, 0)
-                            continue
-                        value = memoryview(value)
-                        if not self._bounds.contains(value):  # a damaged length: could SIGBUS
-                            continue
-                        verified = verify_header(value, raw_key, fingerprint, payload_bytes)
-                        if verified is not None:
-                            payload = np.frombuffer(verified[0], np.uint8)
-                            found.append((index, destination, payload, verified[1]))
-                except lmdb.Error as exc:  # the rest stay CORRUPT; the records found are read
-                    self._log_error("read", exc)
-                jobs = [(destination, payload) for _, destination, payload, _ in found]
-                large = sum(payload.nbytes for _, payload in jobs) >= PARALLEL_READ_BYTES
-                # Before the transaction ends: the payloads lie in its snapshot.
-                copied = _Copies(jobs).run(self._copiers, _NUM_COPY_HELPERS if large else 0)
+            with self._env.begin(buffers=True) as txn:
+                return read_batch(txn, (self._blocks, self._heads), self._bounds, requests,
+                                  fingerprint, payload_bytes, self._copiers,
+                                  lambda exc: self._log_error("read", exc))
         except lmdb.Error as exc:
             self._log_error("read", exc)
-            return results
-        for (index, _, _, expected), checksum in zip(found, copied, strict=True):
-            if checksum == digest_value(expected):
-                results[index] = (RecordStatus.OK, checksum)
-        return results
+            return [(RecordStatus.CORRUPT, 0)] * len(requests)
 
     # --- lifecycle ----------------------------------------------------------------------------
 
@@ -461,47 +447,3 @@ class DiskTier:
                 f"device?): {exc}"
             )
         return TierKVError(f"disk write failed: {exc}")
-
-
-
-class _Copies:
-    """The payload copies of one read: the caller and its helpers each take the next block
-    until none is left (decision 10); each block's checksum is of its own copy."""
-
-    def __init__(self, jobs: list[tuple[np.ndarray, np.ndarray]]) -> None:
-        self._jobs = jobs  # (destination, payload)
-        self._values = [0] * len(jobs)
-        self._next, self._left = 0, len(jobs)
-        self._error: BaseException | None = None
-        self._changed = threading.Condition()
-
-    def run(self, pool: ThreadPoolExecutor, num_helpers: int) -> list[int]:
-        """Copy every block, on the caller's thread and ``num_helpers`` of ``pool``'s; the
-        checksum of each. Raises the first error a copy raised, once no copy runs."""
-        helpers: list[Future[None]] = []
-        with contextlib.suppress(RuntimeError):  # shut down: the caller copies them all
-            for _ in range(min(num_helpers, len(self._jobs) - 1)):
-                helpers.append(pool.submit(self._work))
-        self._work()
-        with self._changed:
-            self._changed.wait_for(lambda: not self._left)
-            self._jobs = []  # a helper that starts now finds nothing, and holds no payload
-        for helper in helpers:
-            helper.cancel()
-        if self._error is not None:
-            raise self._error
-        return self._values
-
-    def _work(self) -> None:
-        while True:
-            with self._changed:
-                if self._next >= len(self._jobs):
-                    return
-                index, self._next = self._next, self._next + 1
-            try:
-                self._values[index] = copy_with_checksum([self._jobs[index]], VERIFY_CHUNK_BYTES)
-            except BaseException as exc:  # raised on the caller's thread by run()
-                self._error = exc
-            with self._changed:
-                self._left -= 1
-                self._changed.notify_all()

@@ -63,8 +63,12 @@ log = logging.getLogger(__name__)
 LOCK_FILE_NAME = "tierkv.lock"
 DATA_FILE_NAME = "data.mdb"
 _LMDB_FILE_NAMES = (DATA_FILE_NAME, "lock.mdb")
-DB_NAMES = (b"blocks", b"namespaces", b"sessions")
-"""The named databases of a disk store, in the order ``OpenedEnvironment.dbs`` holds them."""
+DB_NAMES = (b"blocks", b"namespaces", b"sessions", b"heads")
+"""The named databases of a disk store, in the order ``OpenedEnvironment.dbs`` holds them. A
+block record is stored split (``tierkv.tiers.records.split_record``): its body under its key in
+``blocks``, its head under the same key in ``heads``. A ``blocks`` value without a head is a
+record stored whole, as stores written before the split hold them (still read, and verified the
+same way)."""
 # Errors about the environment around the files, not the files: never a reason to move aside.
 _NOT_THE_FILES = (lmdb.ReadonlyError, lmdb.LockError, lmdb.ReadersFullError, lmdb.TlsFullError)
 # Errors of a write that say the files are damaged (a full disk or map says nothing about them).
@@ -132,9 +136,11 @@ class OpenedEnvironment:
     """An open environment, its three DBs, and what the walk at open found."""
 
     env: lmdb.Environment
-    dbs: tuple[lmdb._Database, lmdb._Database, lmdb._Database]  # blocks, namespaces, sessions
+    dbs: tuple[lmdb._Database, ...]  # in the order of DB_NAMES
     bounds: MapBounds
-    blocks: list[tuple[bytes, int]] = field(default_factory=list)  # (key, record size)
+    blocks: list[tuple[bytes, int]] = field(default_factory=list)
+    """(key, record size: head and body) of every block record; -1 for a head whose body is
+    lost (a size no namespace has, so recovery deletes it)."""
     namespaces: dict[bytes, bytes] = field(default_factory=dict)  # unsealed bodies
     sessions: dict[bytes, bytes] = field(default_factory=dict)  # unsealed bodies
     num_unreadable_records: int = 0
@@ -194,7 +200,7 @@ def _open_checked(config: DiskTierConfig) -> OpenedEnvironment:
             raise UnreadableError(f"structure: {exc}") from exc
         try:
             _check_blocks_db_exists(env)
-            dbs = (env.open_db(DB_NAMES[0]), env.open_db(DB_NAMES[1]), env.open_db(DB_NAMES[2]))
+            dbs = tuple(env.open_db(name) for name in DB_NAMES)
             opened = OpenedEnvironment(env, dbs, MapBounds(data_file, None, file_bytes))
             opened.bounds.start = _map_start(env, opened.bounds)
             _walk(opened)
@@ -269,11 +275,17 @@ def _check_blocks_db_exists(env: lmdb.Environment) -> None:
 
 def _walk(opened: OpenedEnvironment) -> None:
     """Read every key and value size (and the small records) once (decision 4)."""
-    blocks_db, namespaces_db, sessions_db = opened.dbs
+    blocks_db, namespaces_db, sessions_db, heads_db = opened.dbs
     with opened.env.begin(buffers=True) as txn:
+        heads = {bytes(key): len(value) for key, value in txn.cursor(db=heads_db)}
+        _check_entries(txn, heads_db, b"heads", len(heads))
+        num_walked = 0
         for key, value in txn.cursor(db=blocks_db):
-            opened.blocks.append((bytes(key), len(value)))
-        _check_entries(txn, blocks_db, b"blocks", len(opened.blocks))
+            num_walked += 1
+            raw_key = bytes(key)
+            opened.blocks.append((raw_key, len(value) + heads.pop(raw_key, 0)))
+        _check_entries(txn, blocks_db, b"blocks", num_walked)
+        opened.blocks.extend((key, -1) for key in sorted(heads))  # heads without a body
         for name, db, found in ((b"namespaces", namespaces_db, opened.namespaces),
                                 (b"sessions", sessions_db, opened.sessions)):
             num_entries = 0

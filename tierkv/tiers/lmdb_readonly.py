@@ -33,6 +33,9 @@ Decisions:
    server's commits recycled meanwhile (a healthy store reported damaged). The check reads the
    meta page of that snapshot's commit; a server that committed twice since the transaction
    began has overwritten it, so the snapshot is taken again (``_SNAPSHOT_TRIES`` times).
+5. A block record is read as its head (``heads`` DB) and body (``blocks``) under one key
+   (``tierkv.tiers.records.split_record``). A store written before the split has no heads DB
+   and holds each record whole under ``blocks``; it is read as such, never refused.
 """
 
 from __future__ import annotations
@@ -118,7 +121,9 @@ class ReadOnlyStore:
             if self._txn.get(DB_NAMES[0]) is None:
                 raise NotAStoreError(f"{self.path}: an LMDB store without a 'blocks' DB "
                                      "(not a tierkv disk store)")
+            # A store written before records were split has no heads DB (decision 5).
             self._dbs = [self._env.open_db(name, txn=self._txn, create=False)
+                         if name != b"heads" or self._txn.get(name) is not None else None
                          for name in DB_NAMES]
         except lmdb.Error as exc:
             self.close()
@@ -155,11 +160,30 @@ class ReadOnlyStore:
             raise NotAStoreError(f"{data_file} is damaged: {exc}") from exc
 
     def records(self, db_index: int) -> Iterator[tuple[bytes, memoryview]]:
-        """Every ``(key, value)`` of one DB (0 blocks, 1 namespaces, 2 sessions), in key order,
-        from the store's one snapshot (decision 4); a value is valid until ``close``."""
+        """Every ``(key, value)`` of one DB (0 blocks, 1 namespaces, 2 sessions, 3 heads), in
+        key order, from the store's one snapshot (decision 4); a value is valid until
+        ``close``."""
         assert self._txn is not None, "the store is closed"
-        for key, value in self._txn.cursor(db=self._dbs[db_index]):
+        db = self._dbs[db_index]
+        if db is None:
+            return
+        for key, value in self._txn.cursor(db=db):
             yield bytes(key), memoryview(value)
+
+    def block_records(self) -> Iterator[tuple[bytes, memoryview | None, memoryview | None]]:
+        """Every block record as ``(key, head, body)`` in key order (decision 5): head None
+        for a record stored whole, then every head whose body is lost, with body None."""
+        assert self._txn is not None, "the store is closed"
+        heads_db = self._dbs[3]
+        heads_seen = 0
+        for key, body in self.records(0):
+            head = None if heads_db is None else self._txn.get(key, db=heads_db)
+            heads_seen += head is not None
+            yield key, None if head is None else memoryview(head), body
+        if heads_db is not None and heads_seen < int(self._txn.stat(heads_db)["entries"]):
+            for key, head in self.records(3):
+                if self._txn.get(key, db=self._dbs[0]) is None:
+                    yield key, head, None
 
     def close(self) -> None:
         """End the snapshot, close the environment and let servers start again (idempotent)."""

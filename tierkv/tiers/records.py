@@ -6,6 +6,12 @@ and the xxh3-64 checksum of the payload. A record is served only if every one of
 what the reader expects; anything else (a torn write, a flipped byte, another layout, another
 key) is a miss.
 
+The DISK tier stores a record as two LMDB values (``split_record``): its *body*, the payload's
+last bytes sized to fill whole LMDB overflow pages, and its *head*, the rest (prefix, header and
+the payload's first bytes), small enough to stay in a leaf page. One value would take a page more
+than its bytes for every payload of whole pages (LMDB starts an overflow value with a 16-byte page
+header): 6% of a 64 KiB block. The record's bytes are the same either way: ``head + body``.
+
 The small records beside the blocks (namespace descriptors, chat sessions) travel in a *sealed*
 envelope: ``b"TKS1"`` | xxh3-64 of ``(key, body)`` (8 bytes) | body. The checksum covers the
 LMDB key too, so a flipped bit in a key cannot move a record under another name. Anything that
@@ -38,6 +44,11 @@ _SEAL_PREFIX = struct.Struct("<4s8s")
 # core): 512 KiB ~ 256 KiB on one thread, and 10-15% faster than it on two; 1 MiB ~ 512 KiB
 # on two, slower on one.
 VERIFY_CHUNK_BYTES = 512 * 1024
+# LMDB's page header (PAGEHDRSZ, 64-bit builds), which starts the first page of an overflow value.
+LMDB_OVERFLOW_HEADER_BYTES = 16
+# A record's head of at most this many bytes stays in a leaf page: LMDB moves a value to overflow
+# pages when its node (8 B + key + value) passes ~2,038 B on 4 KiB pages.
+HEAD_INLINE_MAX_BYTES = 1024
 
 
 class RecordStatus(enum.Enum):
@@ -144,18 +155,48 @@ def block_record_bytes(layout: KVLayout) -> int:
     return record_size(bytes(RAW_BLOCK_KEY_BYTES), layout.fingerprint, layout.bytes_per_block)
 
 
+def split_record(record: bytes | bytearray | memoryview,
+                 page_bytes: int) -> tuple[memoryview, memoryview]:
+    """``(head, body)`` of ``record``, stored as two LMDB values by the DISK tier: ``body`` the
+    record's last bytes, as many as fill whole overflow pages of ``page_bytes`` (LMDB's page
+    size) with the header LMDB puts in front of them, and ``head`` the rest, which always
+    holds the whole record header. When the rest would be too large for a leaf page, ``body``
+    is the whole payload (its last page then partly empty); a record that fits a leaf page
+    whole is all head (``body`` empty)."""
+    view = memoryview(record)
+    if len(view) < _PREFIX.size:
+        raise ValueError("not a record")
+    header_end = _PREFIX.size + _PREFIX.unpack_from(view, 0)[1]
+    payload_bytes = len(view) - header_end
+    fill = (payload_bytes + LMDB_OVERFLOW_HEADER_BYTES) // page_bytes * page_bytes \
+        - LMDB_OVERFLOW_HEADER_BYTES
+    if fill > 0 and len(view) - fill <= HEAD_INLINE_MAX_BYTES:
+        body_bytes = fill
+    elif len(view) <= HEAD_INLINE_MAX_BYTES:
+        body_bytes = 0
+    else:
+        body_bytes = payload_bytes
+    split = len(view) - body_bytes
+    return view[:split], view[split:]
+
+
 def verify_header(
-    value: memoryview, raw_key: bytes, fingerprint: str, payload_bytes: int
+    value: memoryview, raw_key: bytes, fingerprint: str, payload_bytes: int,
+    body_bytes: int = 0,
 ) -> tuple[memoryview, bytes] | None:
     """``(payload, expected checksum)`` of ``value`` if its header matches what the reader
-    expects, else None. The payload itself is not yet verified: see ``checksum``."""
+    expects, else None. The payload itself is not yet verified: see ``checksum``.
+
+    ``body_bytes``: ``value`` is a record's head (``split_record``) and its body of this many
+    bytes follows it; the payload returned is then the part of it in the head (the body is
+    the rest)."""
     if len(value) < _PREFIX.size:
         return None
     magic, header_len = _PREFIX.unpack_from(value, 0)
     if magic != MAGIC or header_len > _MAX_HEADER_BYTES:
         return None
     start = _PREFIX.size + header_len
-    if len(value) != start + payload_bytes:
+    if len(value) < start or len(value) + body_bytes != start + payload_bytes:
         return None
     try:
         header = msgpack.unpackb(value[_PREFIX.size : start])
