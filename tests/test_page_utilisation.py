@@ -2,10 +2,11 @@
 size is a multiple of 4 KiB fills its pages exactly, whatever mix of models one store holds;
 ``stats()`` reports each tier's KV bytes beside the bytes it uses, and no budget is exceeded.
 
-A hypothesis test draws two to four layouts with blocks of 4 KiB to 4 MiB, a HOST budget, and a
-workload of puts (batches of 1-8 blocks of random layouts, evicting when HOST is full), deletes
-and gets; after every step, with no copy in flight, HOST's used bytes are exactly its blocks'
-bytes, never over budget, and ``stored_bytes`` is the sum over the namespaces' blocks.
+A hypothesis test draws two to four layouts with blocks of 4 KiB to 4 MiB, HOST and (emulated)
+GPU budgets, and a workload of puts into either tier (batches of 1-8 blocks of random layouts,
+evicting when the tier is full), deletes and gets; after every step, with no copy in flight,
+each tier's used bytes are exactly its blocks' bytes, never over budget, and the tiers'
+``stored_bytes`` agree with the namespaces' blocks.
 """
 
 from __future__ import annotations
@@ -42,16 +43,17 @@ def _key(step: int, index: int) -> bytes:
 @given(
     sizes=st.lists(_block_bytes, min_size=2, max_size=4),
     host_mib=st.integers(8, 48),
-    ops=st.lists(st.tuples(st.sampled_from(["put", "put", "put", "delete", "get"]),
+    gpu_mib=st.integers(8, 24),
+    ops=st.lists(st.tuples(st.sampled_from(["put", "put", "put", "put_gpu", "delete", "get"]),
                            st.integers(0, 3), st.integers(1, 8)), min_size=1, max_size=30),
 )
 def test_mixed_models_fill_their_pages_and_stay_within_budget(
-    sizes: list[int], host_mib: int, ops: list[tuple[str, int, int]]
+    sizes: list[int], host_mib: int, gpu_mib: int, ops: list[tuple[str, int, int]]
 ) -> None:
     layouts = [_layout_with_block_bytes(size) for size in sizes]
     assert [layout.bytes_per_block for layout in layouts] == sizes
-    config = StoreConfig(host=HostTierConfig(host_mib * MiB), gpu=GpuTierConfig(0),
-                         presence_slots=0)
+    config = StoreConfig(host=HostTierConfig(host_mib * MiB),
+                         gpu=GpuTierConfig(gpu_mib * MiB, device="emulated"), presence_slots=0)
     with TieredStore(config) as store:
         namespaces = [Namespace(f"model-{i}", layout) for i, layout in enumerate(layouts)]
         for namespace in namespaces:
@@ -60,13 +62,13 @@ def test_mixed_models_fill_their_pages_and_stay_within_budget(
         for step, (op, which, count) in enumerate(ops):
             index = which % len(namespaces)
             namespace, layout = namespaces[index], layouts[index]
-            if op == "put":
-                if layout.bytes_per_block * count > host_mib * MiB:
-                    continue  # a batch larger than HOST: refused, not the point here
+            if op in ("put", "put_gpu"):
+                if layout.bytes_per_block * count > min(host_mib, gpu_mib) * MiB:
+                    continue  # a batch larger than the tier: refused, not the point here
                 keys = [_key(step, i) for i in range(count)]
                 blocks = torch.full((count, *layout.block_shape), float(step),
                                     dtype=layout.torch_dtype)
-                store.put(namespace, keys, blocks)
+                store.put(namespace, keys, blocks, tier=Tier.GPU if op == "put_gpu" else Tier.HOST)
                 put_keys[index].extend(keys)
             elif op == "delete" and put_keys[index]:
                 store.delete(namespace, put_keys[index][-count:])
@@ -77,13 +79,16 @@ def test_mixed_models_fill_their_pages_and_stay_within_budget(
 
 
 def _check(store: TieredStore, namespaces: list[Namespace]) -> None:
-    host = store.stats().tiers[Tier.HOST]
+    tiers = store.stats().tiers
     held = sum(s.stored_bytes for s in store.namespace_stats())
-    assert host.used_bytes <= host.capacity_bytes
-    assert host.stored_bytes == held
-    assert host.used_bytes == host.stored_bytes  # 4 KiB multiples: no byte of rounding
-    if host.used_bytes:
-        assert host.utilisation is not None and host.utilisation >= 0.97  # here exactly 1
+    on_host, on_gpu = tiers[Tier.HOST].stored_bytes, tiers[Tier.GPU].stored_bytes
+    assert max(on_host, on_gpu) <= held <= on_host + on_gpu  # each block in one tier or both
+    for tier in (Tier.HOST, Tier.GPU):
+        stats = tiers[tier]
+        assert stats.used_bytes <= stats.capacity_bytes
+        assert stats.used_bytes == stats.stored_bytes  # 4 KiB multiples: no byte of rounding
+        if stats.used_bytes:
+            assert stats.utilisation is not None and stats.utilisation >= 0.97  # here exactly 1
 
 
 @pytest.mark.parametrize(("page_bytes", "expected"), [
