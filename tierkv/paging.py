@@ -260,11 +260,4 @@ class PageAllocator:
             del self._end_to_start[end + after_count]
             self._unindex(end, after_count)
             count += after_count
-        self._start_to_count[start] = count  # (_add_run inlined: this runs for every block)
-        self._end_to_start[start + count] = start
-        starts = self._starts_by_count.get(count)
-        if starts is None:
-            self._starts_by_count[count] = {start}
-            insort(self._counts, count)
-        else:
-            starts.add(start)
+        self._add_run(start, count)
