@@ -32,9 +32,10 @@ from tierkv import (
 )
 from tierkv.tiers.records import block_record_bytes
 
-# Same geometry as tiny_blocks.TINY_LAYOUT (512 bytes a block); kept here so that this script
-# does not import the test suite.
-LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=8, block_size=4)
+# 8 KiB blocks: each record is stored as a head in a leaf page and a body of two overflow pages
+# (tierkv.tiers.records.split_record), so a kill can land between the two values' writes. Kept
+# here so that this script does not import the test suite.
+LAYOUT = KVLayout(num_layers=2, num_kv_heads=4, head_dim=32, block_size=4)
 NAMESPACE = Namespace("test-model", LAYOUT)
 BLOCK_BYTES = LAYOUT.bytes_per_block
 RECORD_BYTES = block_record_bytes(LAYOUT)
