@@ -219,3 +219,26 @@ def test_an_evicted_record_is_demoted_as_the_bytes_written(tmp_path: Path,
             RecordStatus.MISSING
     finally:
         tier.close()
+
+
+def test_the_walk_at_open_pairs_heads_with_bodies_and_lists_lost_bodies(tmp_path: Path) -> None:
+    """Bodies and heads are walked side by side in key order; a head with no body, before,
+    between or after the bodies, is listed with size -1 (recovery deletes it)."""
+    path = tmp_path / "disk"
+    tier = DiskTier(DiskTierConfig(path, 64 << 20))
+    payload = np.zeros(65_536, np.uint8)
+    records = {bytes([b]) * 48: bytes(encode_record(bytes([b]) * 48, "fp", payload)[0])
+               for b in (0x10, 0x20, 0x30)}
+    tier.submit(DiskWrite(block_puts=list(records.items()))).result(30)
+    tier.close()
+    lost = [bytes([b]) * 48 for b in (0x00, 0x25, 0xFF)]
+    with RawDisk(path) as raw, raw.env.begin(write=True) as txn:
+        for key in lost:
+            txn.put(key, b"a head", db=raw.heads)
+    tier = DiskTier(DiskTierConfig(path, 64 << 20))
+    try:
+        found = list(tier.scan_blocks())
+    finally:
+        tier.close()
+    size = len(next(iter(records.values())))
+    assert found == [(key, size) for key in records] + [(key, -1) for key in lost]

@@ -277,15 +277,7 @@ def _walk(opened: OpenedEnvironment) -> None:
     """Read every key and value size (and the small records) once (decision 4)."""
     blocks_db, namespaces_db, sessions_db, heads_db = opened.dbs
     with opened.env.begin(buffers=True) as txn:
-        heads = {bytes(key): len(value) for key, value in txn.cursor(db=heads_db)}
-        _check_entries(txn, heads_db, b"heads", len(heads))
-        num_walked = 0
-        for key, value in txn.cursor(db=blocks_db):
-            num_walked += 1
-            raw_key = bytes(key)
-            opened.blocks.append((raw_key, len(value) + heads.pop(raw_key, 0)))
-        _check_entries(txn, blocks_db, b"blocks", num_walked)
-        opened.blocks.extend((key, -1) for key in sorted(heads))  # heads without a body
+        _walk_blocks(txn, blocks_db, heads_db, opened.blocks)
         for name, db, found in ((b"namespaces", namespaces_db, opened.namespaces),
                                 (b"sessions", sessions_db, opened.sessions)):
             num_entries = 0
@@ -300,6 +292,36 @@ def _walk(opened: OpenedEnvironment) -> None:
                 else:
                     found[raw_key] = body
             _check_entries(txn, db, name, num_entries)
+
+
+def _walk_blocks(txn: lmdb.Transaction, blocks_db: lmdb._Database, heads_db: lmdb._Database,
+                 found: list[tuple[bytes, int]]) -> None:
+    """Append ``(key, record size)`` of every block record to ``found``: the bodies and heads,
+    both in key order, walked side by side (a dict of every head would double what a walk of
+    millions of records holds), then each head without a body, with size -1."""
+    heads = txn.cursor(db=heads_db)
+    has_head = heads.first()
+    orphans: list[bytes] = []
+    num_bodies = num_heads = 0
+    for key, value in txn.cursor(db=blocks_db):
+        num_bodies += 1
+        raw_key, size = bytes(key), len(value)
+        while has_head and bytes(heads.key()) < raw_key:
+            orphans.append(bytes(heads.key()))
+            num_heads += 1
+            has_head = heads.next()
+        if has_head and bytes(heads.key()) == raw_key:
+            size += len(heads.value())
+            num_heads += 1
+            has_head = heads.next()
+        found.append((raw_key, size))
+    while has_head:
+        orphans.append(bytes(heads.key()))
+        num_heads += 1
+        has_head = heads.next()
+    _check_entries(txn, blocks_db, b"blocks", num_bodies)
+    _check_entries(txn, heads_db, b"heads", num_heads)
+    found.extend((key, -1) for key in orphans)
 
 
 def _probe_write(opened: OpenedEnvironment) -> None:
