@@ -31,6 +31,9 @@ class RawDisk:
     def put(self, txn: lmdb.Transaction, key: bytes, record: bytes) -> None:
         """Store ``record`` under ``key`` as the disk tier does (split)."""
         head, body = split_record(record, self.page_bytes)
+        if not len(head):
+            self.put_whole(txn, key, record)
+            return
         txn.put(key, bytes(body), db=self.blocks)
         txn.put(key, bytes(head), db=self.heads)
 

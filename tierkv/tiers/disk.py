@@ -38,8 +38,8 @@ Decisions (each from a failure seen in LMDB users):
    waits for reads in flight to unmap.
 11. A block record is stored as two values, head and body (``records.split_record``): stored
    whole, a payload of whole pages took one LMDB page more than its bytes (6% of a 64 KiB
-   block). Both change in the same transaction; a record stored whole (an older store) is
-   still read.
+   block). Both change in the same transaction. A record that fits a leaf page is stored whole
+   (no head), as every record of a store written before the split is.
 """
 
 from __future__ import annotations
@@ -328,7 +328,10 @@ class DiskTier:
                 for key, value in job.block_puts:
                     head, body = split_record(value, self._page_bytes)
                     txn.put(key, body, db=self._blocks)
-                    txn.put(key, head, db=self._heads)
+                    if len(head):
+                        txn.put(key, head, db=self._heads)
+                    else:  # stored whole: no head, not even one of the key's last record
+                        txn.delete(key, db=self._heads)
                 for key in job.namespace_deletes:
                     txn.delete(key, db=self._namespaces)
                 for key, value in job.namespace_puts:

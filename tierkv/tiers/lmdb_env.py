@@ -47,6 +47,7 @@ import fcntl
 import logging
 import os
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -299,29 +300,36 @@ def _walk_blocks(txn: lmdb.Transaction, blocks_db: lmdb._Database, heads_db: lmd
     """Append ``(key, record size)`` of every block record to ``found``: the bodies and heads,
     both in key order, walked side by side (a dict of every head would double what a walk of
     millions of records holds), then each head without a body, with size -1."""
-    heads = txn.cursor(db=heads_db)
-    has_head = heads.first()
+    heads = iter(txn.cursor(db=heads_db))
     orphans: list[bytes] = []
     num_bodies = num_heads = 0
+    head_key, head_bytes = _next_head(heads)
     for key, value in txn.cursor(db=blocks_db):
         num_bodies += 1
         raw_key, size = bytes(key), len(value)
-        while has_head and bytes(heads.key()) < raw_key:
-            orphans.append(bytes(heads.key()))
+        while head_key is not None and head_key < raw_key:
+            orphans.append(head_key)
             num_heads += 1
-            has_head = heads.next()
-        if has_head and bytes(heads.key()) == raw_key:
-            size += len(heads.value())
+            head_key, head_bytes = _next_head(heads)
+        if head_key == raw_key:
+            size += head_bytes
             num_heads += 1
-            has_head = heads.next()
+            head_key, head_bytes = _next_head(heads)
         found.append((raw_key, size))
-    while has_head:
-        orphans.append(bytes(heads.key()))
+    while head_key is not None:
+        orphans.append(head_key)
         num_heads += 1
-        has_head = heads.next()
+        head_key, head_bytes = _next_head(heads)
     _check_entries(txn, blocks_db, b"blocks", num_bodies)
     _check_entries(txn, heads_db, b"heads", num_heads)
     found.extend((key, -1) for key in orphans)
+
+
+def _next_head(heads: Iterator[tuple[bytes | memoryview, bytes | memoryview]]
+               ) -> tuple[bytes | None, int]:
+    """The next head's key and size (None at the end)."""
+    item = next(heads, None)
+    return (None, 0) if item is None else (bytes(item[0]), len(item[1]))
 
 
 def _probe_write(opened: OpenedEnvironment) -> None:

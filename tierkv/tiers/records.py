@@ -161,8 +161,8 @@ def split_record(record: bytes | bytearray | memoryview,
     record's last bytes, as many as fill whole overflow pages of ``page_bytes`` (LMDB's page
     size) with the header LMDB puts in front of them, and ``head`` the rest, which always
     holds the whole record header. When the rest would be too large for a leaf page, ``body``
-    is the whole payload (its last page then partly empty); a record that fits a leaf page
-    whole is all head (``body`` empty)."""
+    is the whole payload (its last page then partly empty). A record that fits a leaf page is
+    stored whole: ``head`` empty, ``body`` the record (one value, as before the split)."""
     view = memoryview(record)
     if len(view) < _PREFIX.size:
         raise ValueError("not a record")
@@ -173,7 +173,7 @@ def split_record(record: bytes | bytearray | memoryview,
     if fill > 0 and len(view) - fill <= HEAD_INLINE_MAX_BYTES:
         body_bytes = fill
     elif len(view) <= HEAD_INLINE_MAX_BYTES:
-        body_bytes = 0
+        body_bytes = len(view)
     else:
         body_bytes = payload_bytes
     split = len(view) - body_bytes
