@@ -1,7 +1,7 @@
 """``inspect_disk``: what a DISK tier's LMDB store holds, read offline and changing nothing.
 
 Every record is parsed and verified by the store's own code, as a server reading it would:
-block records by ``tierkv.tiers.records.verify_header`` and their payload checksum, namespace
+block records by ``tierkv.tiers.records.verify_record`` and their payload checksum, namespace
 descriptors and sessions by ``try_unseal`` and the parsers of recovery and the session table.
 A record that fails is counted and listed (its DB, key and why), never a crash and never
 guessed at: a block whose namespace descriptor is lost, or does not parse, is bad too (a server
@@ -21,7 +21,7 @@ from tierkv.store.recovery import parse_descriptor
 from tierkv.store.sessions import UNPARSABLE, parse_session
 from tierkv.store.stats import layout_label
 from tierkv.tiers.lmdb_readonly import ReadOnlyStore
-from tierkv.tiers.records import try_unseal, verify_header
+from tierkv.tiers.records import try_unseal, verify_record
 
 MAX_LISTED_BAD_RECORDS = 1000
 """Bad records listed one by one (every one is counted)."""
@@ -141,15 +141,11 @@ def _check_block(report: DiskReport, by_id: dict[bytes, NamespaceReport], key: b
         report.bad("blocks", key, "its namespace's descriptor is lost or unreadable")
         return
     layout = owner.namespace.layout
-    if head is None:  # a record stored whole (before records were split)
-        verified = verify_header(body, key, layout.fingerprint, layout.bytes_per_block)
-    else:
-        verified = verify_header(head, key, layout.fingerprint, layout.bytes_per_block, len(body))
+    verified = verify_record(head, body, key, layout.fingerprint, layout.bytes_per_block)
     if verified is None:
         report.bad("blocks", key, "its header does not match (torn, foreign or another layout)")
         return
-    payload, expected = verified
-    parts = [payload] if head is None else [payload, body]
+    parts, expected = verified
     if checksum_of_parts(parts) != digest_value(expected):
         report.bad("blocks", key, "its payload fails its checksum")
         return

@@ -23,7 +23,7 @@ import numpy as np
 
 from tierkv.checksums import copy_with_checksum, digest_value
 from tierkv.tiers.lmdb_env import MapBounds
-from tierkv.tiers.records import VERIFY_CHUNK_BYTES, RecordStatus, verify_header
+from tierkv.tiers.records import VERIFY_CHUNK_BYTES, RecordStatus, verify_record
 
 # Reads of this many payload bytes or more are copied on every core.
 PARALLEL_READ_BYTES = 4 * 1024 * 1024
@@ -78,25 +78,17 @@ def _payload_parts(
     """The copies that move a record's payload into ``destination`` and its expected
     checksum, or None if its header does not match or a value lies outside the file (a
     damaged length: reading it could SIGBUS)."""
-    if not bounds.contains(body):
+    head_view = None if head is None else memoryview(head)
+    if not bounds.contains(body) or (head_view is not None and not bounds.contains(head_view)):
         return None
-    if head is None:  # stored whole
-        verified = verify_header(body, raw_key, fingerprint, payload_bytes)
-        if verified is None:
-            return None
-        return [(destination, np.frombuffer(verified[0], np.uint8))], verified[1]
-    head = memoryview(head)
-    if not bounds.contains(head):
-        return None
-    verified = verify_header(head, raw_key, fingerprint, payload_bytes, len(body))
+    verified = verify_record(head_view, body, raw_key, fingerprint, payload_bytes)
     if verified is None:
         return None
-    in_head = len(verified[0])
     parts: _Parts = []
-    if in_head:
-        parts.append((destination[:in_head], np.frombuffer(verified[0], np.uint8)))
-    if len(body):
-        parts.append((destination[in_head:], np.frombuffer(body, np.uint8)))
+    offset = 0
+    for part in verified[0]:
+        parts.append((destination[offset : offset + len(part)], np.frombuffer(part, np.uint8)))
+        offset += len(part)
     return parts, verified[1]
 
 

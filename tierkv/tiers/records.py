@@ -215,6 +215,23 @@ def verify_header(
     return value[start:], expected
 
 
+def verify_record(
+    head: memoryview | None, body: memoryview, raw_key: bytes, fingerprint: str,
+    payload_bytes: int,
+) -> tuple[list[memoryview], bytes] | None:
+    """``(payload parts, expected checksum)`` of a block record stored as ``head`` and ``body``
+    (``split_record``; head None: stored whole) if its header matches what the reader expects,
+    else None. The parts are the payload's bytes in order (empty ones left out); they are not
+    yet verified against the checksum."""
+    if head is None:
+        verified = verify_header(body, raw_key, fingerprint, payload_bytes)
+        return None if verified is None else ([verified[0]], verified[1])
+    verified = verify_header(head, raw_key, fingerprint, payload_bytes, len(body))
+    if verified is None:
+        return None
+    return [part for part in (verified[0], body) if len(part)], verified[1]
+
+
 def _seal_digest(key: bytes, body: bytes | memoryview) -> bytes:
     # The key's length goes first, so that (key, body) pairs cannot collide by shifting bytes.
     hasher = xxhash.xxh3_64(struct.pack("<I", len(key)))
