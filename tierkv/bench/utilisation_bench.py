@@ -1,10 +1,11 @@
-"""``tierkv bench store`` utilisation rows (issue 14): how much of what HOST uses is KV.
+"""``tierkv bench store`` utilisation rows (issue 14): how much of what HOST and DISK use is KV.
 
 For each layout of the issue's table, 8 blocks are put into a fresh ``TieredStore`` with the
 default pages and ``stats()`` gives ``stored_bytes / used_bytes``. Then a mix of three of them
 churns through a HOST that evicts (batches of 1-32 blocks of random models), and the rows give
 the utilisation at the end and the copies a batch needs (runs of adjacent slab bytes among the
-extents a read lease hands out: one copy moves one run).
+extents a read lease hands out: one copy moves one run). Last, LMDB's own bytes per KV byte
+on DISK for three block sizes (``bench_disk_overhead``).
 """
 
 from __future__ import annotations
