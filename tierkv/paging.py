@@ -212,11 +212,8 @@ class PageAllocator:
 
     def _take_run(self, run_count: int, count: int) -> int:
         """Carve ``count`` pages off the front of a free run of ``run_count`` pages; its start."""
-        starts = self._starts_by_count[run_count]
-        start = starts.pop()
-        if not starts:
-            del self._starts_by_count[run_count]
-            del self._counts[bisect_left(self._counts, run_count)]
+        start = next(iter(self._starts_by_count[run_count]))
+        self._unindex(start, run_count)
         del self._start_to_count[start]
         del self._end_to_start[start + run_count]
         if run_count > count:  # the rest's neighbours are both allocated: nothing to merge
