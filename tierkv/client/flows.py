@@ -13,6 +13,8 @@ Decisions:
    server restarted (or the bytes were damaged): describe it again, map its new slab, redo.
 3. A read ends at the first damaged block (reported to the server on Release): a miss, never
    its bytes.
+4. Blocks the server holds but HOST cannot lease (its pages all pinned, leased or in use) are
+   read over the stream instead: a full HOST costs a copy through the socket, never a miss.
 """
 
 from __future__ import annotations
@@ -195,9 +197,12 @@ class ClientFlows(base.ClientBase):
                                           self._acquire_request(namespace, hashes[done:]),
                                           timeout_s)
             bad: int | None = None
-            release = pb.LeaseRequest(lease_id=lease.lease_id)
+            # Until the copy is checked the client has kept nothing (a stale mapping raises
+            # before it copies): the server counts hits only for what a client kept.
+            release = pb.LeaseRequest(lease_id=lease.lease_id, num_copied=0)
             try:
                 bad = yield Copy(self._read_lease, slab, lease, namespace, flat, done)
+                release.num_copied = len(lease.blocks) if bad is None else bad
             finally:
                 if bad is not None:
                     release.corrupt_indices.append(bad)
@@ -207,8 +212,15 @@ class ClientFlows(base.ClientBase):
                 return done + bad  # a damaged block ends the run: a miss, never its bytes
             count = len(lease.blocks)
             done += count
-            if count == 0 or count >= lease.num_cached:
-                break  # a miss ends the run (or HOST could lease none: stop, never spin)
+            if count >= lease.num_cached:
+                break  # a miss ends the run
+            if count == 0:
+                # Stored, but HOST could lease none of them (its room pinned, leased or in
+                # use): the stream reads them where they are, without a page of HOST.
+                block_bytes = namespace.layout.bytes_per_block
+                done += yield from self._get_streamed(
+                    namespace, hashes[done:], flat[done * block_bytes :], timeout_s)
+                break
         return done
 
     def _get_streamed(self, namespace: Namespace, hashes: Sequence[bytes], flat: torch.Tensor,

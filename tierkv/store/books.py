@@ -96,6 +96,10 @@ class StoreCore:
         self.presence = presence
         self.engine = CopyEngine()
         self.counters = GlobalCounters()
+        # Entries whose demotion out of their paged tier failed (counted once, in
+        # ``failed_demotions``); ``tierkv.store.moves`` decision 4 says what becomes of them.
+        # An entry leaves it with that tier's copy.
+        self.undemotable: set[Entry] = set()
         self._pending_deletes: list[bytes] = []
         # With a REMOTE tier: where write-through records go once durable (``RemoteLink.offer``),
         # and the records of DISK evictions, which the disk writer reads before deleting them.
@@ -143,6 +147,7 @@ class StoreCore:
         ledger.stored_bytes -= entry.ns.block_bytes
         if isinstance(ledger, PagedLedger):
             ledger.release(node.location)
+            self.undemotable.discard(entry)
             self.changed.notify_all()
         else:
             assert isinstance(ledger, DiskLedger)
@@ -244,17 +249,16 @@ class StoreCore:
             if node is not None and node.linked:
                 self.ledgers[tier].lru.touch(node, priority)
 
-    def count_read_locked(self, entry: Entry | None) -> Tier | None:
-        """Count one block asked for by a read (a get or an acquire): a miss in every tier
-        faster than the one holding its fastest copy (in every tier when none does), a hit in
-        that one, which is returned (None: the block is not stored)."""
-        tier = entry.top_tier() if entry is not None else None
+    def count_read_locked(self, tier: Tier | None, num_blocks: int = 1) -> None:
+        """Count blocks a read (a get or an acquire) gave its caller from ``tier``, where their
+        fastest copy was: a hit there and a miss in every faster tier; ``tier`` None: blocks
+        asked for and not given (not stored, damaged, or no room to serve them), a miss in
+        every tier. Counted once the caller has them, never when they are only planned."""
         for other, ledger in self.ledgers.items():
             if tier is None or other < tier:
-                ledger.counters.misses += 1
+                ledger.counters.misses += num_blocks
         if tier is not None:
-            self.ledgers[tier].counters.hits += 1
-        return tier
+            self.ledgers[tier].counters.hits += num_blocks
 
     def touch_locked(self, entry: Entry) -> None:
         """Mark ``entry`` most recently used in every tier it is in."""

@@ -56,13 +56,14 @@ class LeaseMethods:
         self._fill_remote(state, keys)
         return self._leases.acquire(state, keys, ttl_s, owner, client_id)
 
-    def release(self, lease_id: bytes, owner: str = "", corrupt_indices: Sequence[int] = ()
-                ) -> None:
+    def release(self, lease_id: bytes, owner: str = "", corrupt_indices: Sequence[int] = (),
+                num_copied: int | None = None) -> None:
         """End a read lease (``LeaseNotFoundError`` / ``LeaseStateError`` if it is not live);
         ``corrupt_indices``: leased blocks whose copy failed its checksum (checked again here,
-        deleted if damaged)."""
+        deleted if damaged); ``num_copied``: how many leading blocks the caller kept (None: all
+        before the first corrupt one); only those stay counted as hits."""
         self._check_open()
-        self._leases.release(lease_id, owner, corrupt_indices)
+        self._leases.release(lease_id, owner, corrupt_indices, num_copied)
 
     def allocate(
         self, namespace: Namespace, hashes: Sequence[bytes], ttl_s: float | None = None,

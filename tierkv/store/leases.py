@@ -30,6 +30,11 @@ Decisions:
    of a client that is gone is ended at once. Whatever still slips through (a client the server
    cannot watch) is caught by the checksums: a late write turns a hit into a miss, never into
    another block's wrong bytes.
+6. A read lease counts hits for the blocks it leases, when it is granted (the client copies
+   them out next), in the tier each was found in. A release takes back the hits of the blocks
+   the client did not keep: from the first damaged one on (that one is then counted a miss),
+   or past ``num_copied`` (a client that copied nothing through a stale mapping says 0, and
+   reads them again after its remap). Hits are the blocks clients received.
 """
 
 from __future__ import annotations
@@ -97,6 +102,7 @@ class _Read:
     client_id: str
     deadline_s: float
     entries: list[Entry]
+    tiers: list[Tier]  # where each entry was read from (counted as a hit there)
 
 
 @dataclass(eq=False)
@@ -160,19 +166,21 @@ class Leases:
         # for the rest. Marking more would leave no victims to make room with.
         max_blocks = max(1, host.slab.num_pages // host.pages_for(state.block_bytes))
         planned: list[Entry] = []
+        tiers: list[Tier] = []  # where each planned block's fastest copy was
         num_cached = 0
         with core.lock:
             self._expire_locked()
             core.counters.gets += 1
             for key in keys:
                 entry = state.blocks.get(key)
-                # Counted as a get counts it: the same-host path is most reads.
-                if core.count_read_locked(entry) is None or entry is None:
+                tier = entry.top_tier() if entry is not None else None
+                if entry is None or tier is None:
                     break
                 num_cached += 1
                 if len(planned) < max_blocks:
                     core.mark_busy_locked(entry)
                     planned.append(entry)
+                    tiers.append(tier)
         try:
             self.mover.promote(planned, Tier.HOST)
         except BaseException:
@@ -194,20 +202,42 @@ class Leases:
                 leased.append(entry)
                 blocks.append(self._extents(node.location, entry.ns.block_bytes))
                 checksums.append(host.checksum_of(node.location))
+            self._count_leased_locked(tiers[: len(leased)], num_cached, len(keys))
             lease_id = self._new_id()
-            self._active[lease_id] = _Read(owner, client_id, self._clock() + ttl, leased)
+            self._active[lease_id] = _Read(owner, client_id, self._clock() + ttl, leased,
+                                           tiers[: len(leased)])
         return ReadLease(lease_id, blocks[: len(leased)], num_cached, ttl, checksums)
 
-    def release(self, lease_id: bytes, owner: str, corrupt_indices: Sequence[int] = ()) -> None:
+    def _count_leased_locked(self, tiers: list[Tier], num_cached: int, num_asked: int) -> None:
+        """Count a read lease as a get counts its copy (decision 6): a hit for each leased
+        block, in the tier it was read from, and a miss for the block that ends the cached run,
+        once the lease reaches it. Stored blocks that were not leased are neither: the caller
+        is told ``num_cached`` and reads them again, and that read counts them."""
+        core = self.core
+        for tier in set(tiers):
+            core.count_read_locked(tier, tiers.count(tier))
+        if len(tiers) == num_cached < num_asked:
+            core.count_read_locked(None)
+
+    def release(self, lease_id: bytes, owner: str, corrupt_indices: Sequence[int] = (),
+                num_copied: int | None = None) -> None:
         """End a read lease: its blocks may be evicted again. ``corrupt_indices``: leased blocks
         whose copy failed its checksum at the client; each is checked here (the client's word
-        alone deletes nothing) and deleted if its pages really are damaged."""
+        alone deletes nothing) and deleted if its pages really are damaged. ``num_copied``:
+        how many leading blocks the client kept (None: all before the first corrupt one); the
+        hits of the others are taken back (decision 6)."""
         with self.core.lock:
             lease = self._take_locked(lease_id, owner, "released")
             assert isinstance(lease, _Read)
+            indices = sorted(i for i in set(corrupt_indices) if 0 <= i < len(lease.entries))
+            kept = received_blocks(len(lease.entries), corrupt_indices, num_copied)
+            unused = lease.tiers[kept:]
+            for tier in set(unused):
+                self.core.count_read_locked(tier, -unused.count(tier))
+            if indices and indices[0] == kept:  # the damaged block is the client's miss
+                self.core.count_read_locked(None)
         try:
-            suspects = [lease.entries[i] for i in sorted(set(corrupt_indices))
-                        if 0 <= i < len(lease.entries)]
+            suspects = [lease.entries[i] for i in indices]
             self.mover.intact(suspects, Tier.HOST)  # still busy-marked: the pages stay put
         finally:
             with self.core.lock:
@@ -405,6 +435,14 @@ class Leases:
 
     def _extents(self, location: Location, block_bytes: int) -> BlockExtents:
         return block_extents(location, self.core.paged[Tier.HOST].slab.page_bytes, block_bytes)
+
+
+def received_blocks(num_leased: int, corrupt_indices: Sequence[int],
+                    num_copied: int | None) -> int:
+    """How many leading blocks of a read lease of ``num_leased`` its client kept, by what it
+    said at release: none past the first corrupt one, nor past ``num_copied``."""
+    kept = num_leased if num_copied is None else max(0, min(num_leased, num_copied))
+    return min([kept, *(i for i in corrupt_indices if i >= 0)])
 
 
 def _check_lease_ttl(ttl_s: float | None) -> float:

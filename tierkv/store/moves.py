@@ -11,6 +11,15 @@ Decisions:
    complete; the source stays readable until then.
 3. When the room a reservation needs is held by blocks being read or copied, it waits for them
    (up to ``_RESERVE_WAIT_S``); when it is pinned, it fails at once.
+4. A victim whose demotion failed (every tier below full of pins, a full filesystem, a failing
+   disk) is counted once in ``failed_demotions`` and marked (``StoreCore.undemotable``). A put
+   or a REMOTE fill (new data beats old) drops it, after one more try for a marked one (the
+   disk may have room again); it had no copy below, so it was a ``write_back`` block, never
+   promised to a lower tier. A promotion keeps it (a promotion only makes a second copy of a
+   block, and must not destroy the only copy of another for that) and from then on passes it
+   over as a victim, so that it is not tried, and does not fail, again and again: while the
+   disk is full, reads of DISK blocks that find HOST full of such blocks are served without
+   promotion (the stream path; a same-host client falls back to it).
 """
 
 from __future__ import annotations
@@ -57,16 +66,17 @@ class Mover:
     ) -> list[Location]:
         """Pages in ``tier`` for blocks of ``sizes_bytes``, evicting (and demoting) as needed.
 
-        ``exclude`` are never victims (a put's own chain). With ``wait``, room held by blocks
-        being read or copied is waited for (up to ``_RESERVE_WAIT_S``) and victims that cannot
-        be demoted are dropped (a put: new data beats old). Without it (a promotion, which holds
-        blocks itself and must never destroy any), it fails at once. ``drop`` (default: as
-        ``wait``) says whether victims that cannot be demoted are dropped (a REMOTE fill: it
-        drops, as a put does, without waiting). Raises ``CapacityError`` when there is no room;
-        nothing is then reserved.
+        ``exclude`` are never victims (a put's own chain). With ``wait`` (a put), room held by
+        blocks being read or copied, here and in the tier a victim is demoted to, is waited for
+        (up to ``_RESERVE_WAIT_S``). Without it (a promotion or a REMOTE fill, which hold
+        blocks themselves and could wait for their own), it fails at once. ``drop`` (default:
+        as ``wait``): victims that cannot be demoted are dropped (a put, a REMOTE fill), else
+        kept and passed over from then on (a promotion; decision 4). Raises ``CapacityError``
+        when there is no room; nothing is then reserved.
         """
         ledger = self.core.paged[tier]
         pages_needed = sum(ledger.pages_for(size) for size in sizes_bytes)
+        may_drop = wait if drop is None else drop
         deadline = time.monotonic() + _RESERVE_WAIT_S
         while True:
             with self.core.lock:
@@ -74,13 +84,14 @@ class Mover:
                 if locations is not None:
                     return locations
                 shortfall = pages_needed - ledger.allocator.num_free_pages
-                victims, busy_pages = self._pick_victims_locked(ledger, shortfall, exclude)
+                victims, busy_pages = self._pick_victims_locked(ledger, shortfall, exclude,
+                                                                may_drop)
                 if not victims:
                     if not wait or busy_pages < shortfall or time.monotonic() > deadline:
                         break
                     self.core.changed.wait(_RESERVE_POLL_S)
                     continue
-            if not self._evict(ledger, victims, wait if drop is None else drop):
+            if not self._evict(ledger, victims, wait, may_drop):
                 break
         raise CapacityError(
             f"{tier.label} tier: no room for {len(sizes_bytes)} block(s) "
@@ -89,17 +100,19 @@ class Mover:
         )
 
     def _pick_victims_locked(
-        self, ledger: PagedLedger, pages_needed: int, exclude: frozenset[Entry]
+        self, ledger: PagedLedger, pages_needed: int, exclude: frozenset[Entry], may_drop: bool
     ) -> tuple[list[Entry], int]:
         """Busy-marked victims worth ``pages_needed``, or ``([], pages that are busy now)``:
-        pages held by readers or in-flight copies, which will be evictable later."""
+        pages held by readers or in-flight copies, which will be evictable later. Without
+        ``may_drop``, blocks whose demotion failed are passed over (decision 4)."""
         self.core.expire_pins_locked()
+        undemotable = () if may_drop else self.core.undemotable
         victims: list[Entry] = []
         pages = busy_pages = linked_pages = 0
         for node in ledger.lru.iter_lru():
             num_pages = location_num_pages(node.location)
             linked_pages += num_pages
-            if node.owner in exclude:
+            if node.owner in exclude or node.owner in undemotable:
                 continue
             if node.owner.readers:
                 busy_pages += num_pages
@@ -122,13 +135,16 @@ class Mover:
 
     # --- copies between tiers ----------------------------------------------------------------
 
-    def _evict(self, ledger: PagedLedger, victims: list[Entry], may_drop: bool) -> bool:
-        """Demote or drop busy-marked victims out of ``ledger``'s tier, freeing their pages.
+    def _evict(self, ledger: PagedLedger, victims: list[Entry], wait: bool, may_drop: bool
+               ) -> bool:
+        """Demote or drop busy-marked victims out of ``ledger``'s tier, freeing their pages;
+        False if one kept its pages.
 
         A victim someone started reading after it was picked keeps its pages (freeing them
         under a reader would hand it another block's bytes). A victim that does not fit the next
-        tier down goes to the one below it. A victim whose demotion failed is
-        dropped if ``may_drop``, else kept, and False is returned.
+        tier down goes to the one below it. A victim whose demotion failed is counted (once)
+        and marked, then dropped if ``may_drop``, else kept (decision 4). ``wait``: demotions
+        wait for room below held by copies.
         """
         tier = ledger.tier
         core = self.core
@@ -139,16 +155,16 @@ class Mover:
             # The victims are busy (ours): room below must never wait for them, nor evict them
             # again once they land there.
             ours = frozenset(victims)
-            demoted = self.copy_between(to_demote, tier, lower, wait=may_drop, exclude=ours)
+            demoted = self.copy_between(to_demote, tier, lower, wait=wait, exclude=ours)
             if len(demoted) < len(to_demote):  # all or nothing did not fit: one at a time
                 for entry in to_demote:
                     if entry not in demoted:
-                        demoted |= self.copy_between([entry], tier, lower, wait=may_drop,
+                        demoted |= self.copy_between([entry], tier, lower, wait=wait,
                                                      exclude=ours)
             further = core.tier_below(lower)
             rest = [entry for entry in to_demote if entry not in demoted]
             if rest and further is not None:  # the next tier is full of pins: skip it
-                demoted |= self.copy_between(rest, tier, further, wait=may_drop, exclude=ours)
+                demoted |= self.copy_between(rest, tier, further, wait=wait, exclude=ours)
         if lower is None and core.demote_to_remote is not None and tier is Tier.HOST:
             # No disk: the lowest local tier's evictions go to REMOTE (as DISK's do), and are
             # then dropped here as before.
@@ -157,10 +173,11 @@ class Mover:
         with core.lock:
             for entry in victims:
                 failed = entry in to_demote and entry not in demoted
-                if failed:
+                if failed and entry not in core.undemotable and entry.residency(tier) is not None:
                     core.counters.failed_demotions += 1
+                    core.undemotable.add(entry)
                 if entry.readers > 1 or (failed and not may_drop):
-                    all_freed = all_freed and not failed
+                    all_freed = False  # a reader came after it was picked, or it is kept
                 elif entry.priority != DOOMED and entry.residency(tier) is not None:
                     core.drop_locked(entry, tier)
                     ledger.counters.evictions += 1

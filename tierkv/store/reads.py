@@ -5,6 +5,8 @@ Decisions:
    without it; pages of a block being read are never freed or reused until the copy is done.
 2. It returns the longest leading run that was copied intact: a block whose disk record fails
    its checks ends the run there (and is dropped and counted), it never comes back as data.
+   Hits are counted after the copy, for the blocks returned; the block that ended the run (not
+   stored, or damaged) is one miss.
 3. Blocks served from a lower tier are promoted one tier up in the background
    (``Mover.promote``).
 """
@@ -14,6 +16,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 
 import torch
@@ -47,6 +50,7 @@ class Reader:
         with self.core.busy() as marks:
             plan = self._plan_reads(state, keys, marks)
             num_ok = self._copy_out(plan, state.block_bytes, flat)
+        self.count_served(plan[:num_ok], num_ok < len(keys))
         if self.core.config.promote_on_read:
             self._promote_later(plan[:num_ok])
         return num_ok
@@ -54,14 +58,14 @@ class Reader:
     def _plan_reads(self, state: NamespaceState, keys: list[bytes], marks: BusyMarks
                     ) -> list[Planned]:
         """The leading stored blocks of ``keys`` and the tier each is read from, busy-marked
-        in ``marks``; counts hits and misses and touches the chain tail first."""
+        in ``marks``; touches the chain tail first."""
         core = self.core
         plan: list[Planned] = []
         with core.lock:
             core.counters.gets += 1
             for index, key in enumerate(keys):
                 entry = state.blocks.get(key)
-                tier = core.count_read_locked(entry)
+                tier = entry.top_tier() if entry is not None else None
                 if entry is None or tier is None:
                     break
                 marks.add_locked(entry)
@@ -69,6 +73,18 @@ class Reader:
             for _, entry, _ in reversed(plan):  # tail first: the head ends most recently used
                 core.touch_locked(entry)
         return plan
+
+    def count_served(self, served: Sequence[Planned], missed: bool) -> None:
+        """Count ``served`` as hits in the tiers they were read from and, if ``missed``, the
+        block after them as a miss."""
+        by_tier: dict[Tier, int] = {}
+        for _, _, tier in served:
+            by_tier[tier] = by_tier.get(tier, 0) + 1
+        with self.core.lock:
+            for tier, num_blocks in by_tier.items():
+                self.core.count_read_locked(tier, num_blocks)
+            if missed:
+                self.core.count_read_locked(None)
 
     def _copy_out(self, plan: list[Planned], block_bytes: int, flat: torch.Tensor) -> int:
         core = self.core

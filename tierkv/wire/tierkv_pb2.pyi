@@ -203,14 +203,16 @@ class LeaseResponse(_message.Message):
     def __init__(self, lease_id: _Optional[bytes] = ..., num_blocks: _Optional[int] = ..., blocks: _Optional[_Iterable[_Union[BlockExtents, _Mapping]]] = ..., write_indices: _Optional[_Iterable[int]] = ..., expires_in_s: _Optional[float] = ..., num_cached: _Optional[int] = ..., slab_id: _Optional[bytes] = ..., checksums: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class LeaseRequest(_message.Message):
-    __slots__ = ("lease_id", "checksums", "corrupt_indices")
+    __slots__ = ("lease_id", "checksums", "corrupt_indices", "num_copied")
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     CHECKSUMS_FIELD_NUMBER: _ClassVar[int]
     CORRUPT_INDICES_FIELD_NUMBER: _ClassVar[int]
+    NUM_COPIED_FIELD_NUMBER: _ClassVar[int]
     lease_id: bytes
     checksums: _containers.RepeatedScalarFieldContainer[int]
     corrupt_indices: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, lease_id: _Optional[bytes] = ..., checksums: _Optional[_Iterable[int]] = ..., corrupt_indices: _Optional[_Iterable[int]] = ...) -> None: ...
+    num_copied: int
+    def __init__(self, lease_id: _Optional[bytes] = ..., checksums: _Optional[_Iterable[int]] = ..., corrupt_indices: _Optional[_Iterable[int]] = ..., num_copied: _Optional[int] = ...) -> None: ...
 
 class LeaseDoneResponse(_message.Message):
     __slots__ = ()
