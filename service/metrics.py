@@ -60,8 +60,7 @@ from tierkv.errors import ConfigError, StoreClosedError
 from tierkv.service.calls import CALLER_TENANT
 from tierkv.service.config import ServiceConfig
 from tierkv.service.metrics_http import ScrapeServer
-from tierkv.store import StoreStats, TieredStore
-from tierkv.store.leases import received_blocks
+from tierkv.store import StoreStats, TieredStore, received_blocks
 
 # Upper bounds of the RPC latency buckets: 50 us (a lookup answered on the loop) to 10 s (a
 # large Put over a slow link); +Inf follows.
@@ -218,10 +217,13 @@ class RpcRecorder:
             del pending[next(iter(pending))]
 
     def _count_released(self, request: Any) -> None:
-        granted = self._pending_leases.get(request.lease_id)
+        lease_id = getattr(request, "lease_id", None)  # (a malformed request has none)
+        if not isinstance(lease_id, bytes):
+            return
+        granted = self._pending_leases.get(lease_id)
         if granted is None or granted[0] != CALLER_TENANT.get():  # not this caller's lease
             return
-        del self._pending_leases[request.lease_id]
+        del self._pending_leases[lease_id]
         tenant, model_id, block_size, num_leased = granted
         num_copied = request.num_copied if request.HasField("num_copied") else None
         num_kept = received_blocks(num_leased, request.corrupt_indices, num_copied)

@@ -109,3 +109,20 @@ def test_bench_store_measures_lmdb_overhead_per_record(tmp_path: Path) -> None:
     rows = {row.metric: row.ours for row in bench_disk_overhead(tmp_path, lambda _: None)}
     assert len(rows) == 3 and all(value > 1.0 for value in rows.values()), rows
     assert rows["DISK bytes per KV byte, 2 MiB blocks"] <= 1.03  # one page in 512 more
+
+
+def test_bench_plot_without_matplotlib_is_refused_before_the_bench_runs(tmp_path: Path) -> None:
+    # An install without the plot extra (what scripts/serve makes) ran the whole bench, wrote
+    # its JSON, then ended in a traceback.
+    out = tmp_path / "store.json"
+    script = ("import sys; sys.modules['matplotlib'] = None\n"  # as if it were not installed
+              "from tierkv.cli.main import main\n"
+              f"sys.exit(main(['bench', 'store', '--only', 'index', '--repeats', '1', "
+              f"'--json', {str(out)!r}, '--plot']))")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=120, check=False)
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.strip().splitlines() == [
+        "tierkv bench: --plot needs matplotlib, which is not installed: "
+        "pip install 'tierkv[plot]' (or leave out --plot)"]
+    assert not out.exists()

@@ -290,3 +290,25 @@ def test_a_prefix_of_a_flag_is_refused(argv: list[str], capsys: pytest.CaptureFi
     assert "unrecognized arguments" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         resolve(argv[1:], {})
+
+
+def test_remote_takes_one_url_of_seeds_or_a_list_of_urls() -> None:
+    def endpoints(url: str) -> list[str]:
+        remote = build_config(resolve([*FIXED, "--remote", url], {})).remote
+        assert remote is not None
+        return [endpoint.label for endpoint in remote.endpoints]
+
+    seeds = ["cache-a:7000", "cache-b:7000"]
+    assert endpoints("redis://cache-a:7000,cache-b:7000") == seeds
+    assert endpoints("redis://cache-a:7000,redis://cache-b:7000") == seeds  # as users write it
+    assert endpoints("redis://cache-a:7000, redis://cache-b:7000,cache-c:7001") == [
+        *seeds, "cache-c:7001"]
+    remote = build_config(resolve([*FIXED, "--remote", "rediss://u:p@a:1,rediss://u:p@b:2"],
+                                  {})).remote
+    assert remote is not None and remote.tls and (remote.username, remote.password) == ("u", "p")
+    for bad, why in (("redis://a:1,rediss://b:2", "share the scheme"),
+                     ("redis://u:p@a:1,redis://b:2", "share the scheme and the credentials"),
+                     ("redis://a:1,http://b:2", "no database number"),
+                     ("redis://a:1,redis://b", "not host:port")):
+        with pytest.raises(ConfigError, match=why):
+            build_config(resolve([*FIXED, "--remote", bad], {}))

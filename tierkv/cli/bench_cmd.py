@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import importlib.util
 import json
 import sys
 import tempfile
@@ -105,9 +104,12 @@ def _checked(run: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Nam
     otherwise run for minutes and end in a traceback."""
 
     def checked(args: argparse.Namespace) -> int:
-        if getattr(args, "plot", None) is not None and importlib.util.find_spec("matplotlib") is None:
-            raise ConfigError("--plot needs matplotlib, which is not installed: "
-                              "pip install 'tierkv[plot]' (or leave out --plot)")
+        if getattr(args, "plot", None) is not None:
+            try:
+                import matplotlib  # noqa: F401
+            except ImportError:
+                raise ConfigError("--plot needs matplotlib, which is not installed: "
+                                  "pip install 'tierkv[plot]' (or leave out --plot)") from None
         return run(args)
 
     return checked

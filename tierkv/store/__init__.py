@@ -8,7 +8,7 @@ other user import from this package only, never from its modules. Its errors are
 from tierkv.store.clearing import ClearResult
 from tierkv.store.inspection import BadRecord, DiskReport, NamespaceReport, inspect_disk
 from tierkv.store.lease_writer import LeaseWriter
-from tierkv.store.leases import ReadLease, WriteLease
+from tierkv.store.leases import ReadLease, WriteLease, received_blocks
 from tierkv.store.sessions import SessionInfo
 from tierkv.store.stats import (
     NamespaceStats,
@@ -42,5 +42,6 @@ __all__ = [
     "inspect_disk",
     "layout_label",
     "parse_layout_label",
+    "received_blocks",
     "route_label",
 ]
