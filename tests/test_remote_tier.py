@@ -435,3 +435,42 @@ def test_concurrent_fills_of_one_chain_evict_nothing_with_room_to_spare(
     assert reader.locate(namespace, hashes)[Tier.HOST] == 32, "blocks were evicted for nothing"
     assert stats.tiers[Tier.HOST].evictions == 0
     assert stats.remote is not None and stats.remote.hits == 32
+
+
+def test_a_remote_fill_into_a_host_full_of_pins_is_a_counted_miss_then_a_hit(
+        cluster: RedisCluster, make_store: StoreFactory, tmp_path: Path) -> None:
+    """Issue 23: a read whose REMOTE blocks find no room in HOST (every page pinned) reports a
+    miss and counts one, locally and in REMOTE; no hit is counted for blocks nobody got. Once
+    the pins go, the same read is served, exact, and counted as the hits it returned."""
+    namespace = Namespace("full-host-model", TINY_LAYOUT, tenant="full-host")
+    pinned_ns = Namespace("pinned-model", TINY_LAYOUT, tenant="full-host")
+    hashes, data = keys(6, salt="full-host"), blocks(6, seed=23)
+    writer, reader = writer_and_reader(make_store, tmp_path, cluster.url, host_blocks=8)
+    publish(writer, namespace, hashes, data)
+    reader.register(namespace)
+    reader.register(pinned_ns)
+    walls = keys(8, salt="wall")
+    reader.put(pinned_ns, walls, blocks(8, seed=3))
+    assert reader.pin(pinned_ns, walls) == 8
+
+    def counts() -> tuple[int, int, int, int]:
+        stats = reader.stats()
+        remote = stats.remote
+        assert remote is not None
+        return (sum(t.hits for t in stats.tiers.values()), stats.tiers[Tier.DISK].misses,
+                remote.hits, remote.misses)
+
+    before = counts()
+    assert len(reader.get(namespace, hashes)) == 0
+    lease = reader.acquire(namespace, hashes, slab_id=reader.host_slab_id)
+    reader.release(lease.lease_id)
+    assert lease.blocks == [] and lease.num_cached == 0
+    hits, misses, remote_hits, remote_misses = (a - b for a, b in zip(counts(), before, strict=True))
+    assert (hits, misses, remote_hits) == (0, 2, 0) and remote_misses == 2
+
+    reader.unpin(pinned_ns, walls)
+    before = counts()
+    got = reader.get(namespace, hashes)
+    assert len(got) == 6 and same_bytes(got, data)
+    hits, misses, remote_hits, _ = (a - b for a, b in zip(counts(), before, strict=True))
+    assert (hits, misses, remote_hits) == (6, 0, 6)

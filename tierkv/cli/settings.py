@@ -97,8 +97,8 @@ SETTINGS: tuple[Setting, ...] = (
              choices=tuple(policy.value for policy in WritePolicy)),
     _setting("remote", Kind.STR, "",
              "REMOTE tier shared by every node: redis://[user[:password]@]host:port[,host:port"
-             "...] of a Redis Cluster's nodes (or of one Redis server); rediss:// for TLS "
-             "(empty: none)", metavar="URL"),
+             "...] of a Redis Cluster's nodes (or of one Redis server), or a comma-separated "
+             "list of such URLs; rediss:// for TLS (empty: none)", metavar="URL"),
     _setting("remote_password_file", Kind.STR, "",
              "file holding the REMOTE tier's password (beats one in the URL)", metavar="PATH"),
     _setting("remote_tls_ca", Kind.STR, "",
