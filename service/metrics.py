@@ -76,7 +76,10 @@ OTHER_MODEL = "other"
 # proto3's 0 for Namespace.block_size (KVLayout's default, as tierkv.wire reads it).
 DEFAULT_BLOCK_SIZE = 16
 
-_OK, _CANCELLED, _UNKNOWN, _DEADLINE_EXCEEDED = 0, 1, 2, 4
+_OK, _CANCELLED, _UNKNOWN, _DEADLINE_EXCEEDED, _FAILED_PRECONDITION = 0, 1, 2, 4, 9
+# A Release that counts its lease's tokens: OK, or refused because the lease had expired (the
+# client's copy was checked all the same). Not another caller's Release of the lease.
+_RELEASE_COUNTED = (_OK, _FAILED_PRECONDITION)
 _CODE_NAMES = {code.value[0]: code.name for code in grpc.StatusCode}
 _NUM_CODES = max(_CODE_NAMES) + 1
 # As prometheus_client writes its own histograms' bounds ("5e-05", "0.001", "1.0").
@@ -164,15 +167,16 @@ class RpcRecorder:
             try:
                 response = await handler(request, context)
             except BaseException as exc:
-                stats.observe(time.perf_counter() - start_s, _failure_code(exc, context))
-                if releases:  # an expired lease: what the client copied was still checked
+                code = _failure_code(exc, context)
+                stats.observe(time.perf_counter() - start_s, code)
+                if releases and code in _RELEASE_COUNTED:
                     self._count_released(request)
                 raise
             code = _final_code(context)
             stats.observe(time.perf_counter() - start_s, code)
             if acquires and code == _OK and response is not None and response.num_blocks:
                 self._lease_granted(request, response)
-            elif releases:
+            elif releases and code in _RELEASE_COUNTED:
                 self._count_released(request)
             return response
 

@@ -327,7 +327,7 @@ class TierKVServicer(OperatorCalls, pb_grpc.TierKVServicer):
         try:
             caller = await self._caller(context)
             check_parsed(request)
-            num_bytes, num_blocks, buffer = await self._read(request, caller)
+            num_bytes, num_blocks, more, buffer = await self._read(request, caller)
         except REFUSALS as exc:
             status = status_of_refusal(exc)
         if status is not None:
@@ -336,7 +336,7 @@ class TierKVServicer(OperatorCalls, pb_grpc.TierKVServicer):
         try:
             data = memoryview(buffer or b"")[:num_bytes]
             step = self.config.chunk_bytes
-            yield pb.GetChunk(num_blocks=num_blocks, data=bytes(data[:step]))
+            yield pb.GetChunk(num_blocks=num_blocks, data=bytes(data[:step]), more=more)
             for start in range(step, len(data), step):
                 yield pb.GetChunk(data=bytes(data[start : start + step]))
         finally:
@@ -345,20 +345,21 @@ class TierKVServicer(OperatorCalls, pb_grpc.TierKVServicer):
                 self._buffers.give(buffer)
 
     async def _read(self, request: pb.BlocksRequest, caller: Caller
-                    ) -> tuple[int, int, bytearray | None]:
-        """``(bytes, blocks, buffer)``: the leading stored blocks of the request, read into a
-        buffer of the pool (the caller gives it back; None when nothing was read)."""
+                    ) -> tuple[int, int, bool, bytearray | None]:
+        """``(bytes, blocks, more, buffer)``: the leading stored blocks of the request, read
+        into a buffer of the pool (the caller gives it back; None when nothing was read);
+        ``more``: the stored run goes on past them (cut at ``max_put_bytes``)."""
         namespace, hashes = await self._run(self._read_blocks, request, caller)
         if namespace is None:
-            return 0, 0, None
+            return 0, 0, False, None
         layout = namespace.layout
         # Sized by the cached run, never by the hashes asked for (65,536 hashes of 32 MiB
-        # blocks would be 2 TiB); a run longer than max_put_bytes is cut: a prefix of it is
-        # a valid answer. A run that ends before the hashes do is read with the block after
-        # it, so that the store counts that block's miss (it is read if stored meanwhile).
-        num_cached = await self._run(self.store.lookup, namespace, hashes)
-        max_blocks = max(1, self.config.max_put_bytes // layout.bytes_per_block)
-        num_cached = min(num_cached + 1 if num_cached < len(hashes) else num_cached, max_blocks)
+        # blocks would be 2 TiB); a run longer than max_put_bytes is cut, and the client is
+        # told to ask again for the rest.
+        num_stored = await self._run(self.store.lookup, namespace, hashes)
+        num_cached = min(num_stored, max(1, self.config.max_put_bytes // layout.bytes_per_block))
+        # A run that ends before the hashes do ends in a miss, which the store counts.
+        missed_after = num_cached == num_stored < len(hashes)
         hashes = hashes[:num_cached]
         total_bytes = num_cached * layout.bytes_per_block
         buffer = self._buffers.take(total_bytes)
@@ -366,14 +367,16 @@ class TierKVServicer(OperatorCalls, pb_grpc.TierKVServicer):
             flat = (torch.frombuffer(buffer, dtype=torch.uint8, count=total_bytes) if total_bytes
                     else torch.empty(0, dtype=torch.uint8))
             out = flat.view(layout.torch_dtype).reshape(len(hashes), *layout.block_shape)
-            num_blocks = await self._run(self.store.get_into, namespace, hashes, out)
+            num_blocks = await self._run(self.store.get_into, namespace, hashes, out,
+                                         missed_after=missed_after)
             del out, flat  # the tensor views pin the buffer's export
         except (TierKVError, ValueError):
             # Only then: a cancelled call's copy may still be running in the worker thread, so
             # its buffer must never be handed to another call (it is left to the collector).
             self._buffers.give(buffer)
             raise
-        return num_blocks * layout.bytes_per_block, num_blocks, buffer
+        more = num_blocks == num_cached < num_stored
+        return num_blocks * layout.bytes_per_block, num_blocks, more, buffer
 
     # --- shared-memory data path ----------------------------------------------------------
 

@@ -14,6 +14,7 @@ import contextlib
 import itertools
 import mmap
 import os
+import time
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -26,8 +27,20 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from prometheus_client.parser import text_string_to_metric_families
 
-from tierkv import CapacityError, Client, Namespace, StoreStats, Tier, TieredStore, WritePolicy
-from tiny_blocks import BLOCK_BYTES, TINY_LAYOUT, block_for, key, same_bytes
+from tierkv import (
+    CapacityError,
+    Client,
+    DiskTierConfig,
+    HostTierConfig,
+    Namespace,
+    StoreConfig,
+    StoreStats,
+    Tier,
+    TieredStore,
+    WritePolicy,
+)
+from tierkv.errors import LeaseStateError
+from tiny_blocks import BLOCK_BYTES, PAGE_BYTES, RECORD_BYTES, TINY_LAYOUT, block_for, key, same_bytes
 
 HOST_BLOCKS = 8
 NUM_KEYS = 12
@@ -262,3 +275,114 @@ def tokens_saved(port: int, model_id: str) -> float:
                for sample in family.samples
                if sample.name == "tierkv_prefill_tokens_saved_total"
                and sample.labels.get("model") == model_id)
+
+
+def test_an_expired_lease_is_counted_by_its_late_release_and_once_only(
+    server: BackgroundServer,
+) -> None:
+    store = server.store
+    own = Namespace(f"expired-{next(_models)}", TINY_LAYOUT, tenant="alice")
+    store.register(own)
+    chain = [key(i, own.model_id) for i in range(3)]
+    store.put(own, chain, torch.stack([block_for(i) for i in range(3)]))
+    for num_copied, kept in ((None, 3), (0, 0)):
+        before = store.stats()
+        lease = store.acquire(own, [*chain, key(99, own.model_id)], 0.1, owner="late")
+        assert hits(store.stats()) == hits(before)  # nothing is counted before the release
+        time.sleep(0.2)
+        with pytest.raises(LeaseStateError):
+            store.release(lease.lease_id, owner="late", num_copied=num_copied)
+        with pytest.raises(LeaseStateError):  # a second release counts nothing more
+            store.release(lease.lease_id, owner="late")
+        after = store.stats()
+        assert hits(after) - hits(before) == kept
+        # The lease reached the end of the run: the block after it is one miss, if kept.
+        assert misses_in_every_tier(before, after) == (kept == 3)
+
+
+def test_one_short_read_is_one_miss_whatever_ends_it(server: BackgroundServer) -> None:
+    store = server.store
+    own = Namespace(f"one-miss-{next(_models)}", TINY_LAYOUT, tenant="alice")
+    store.register(own)
+    chain = [key(i, own.model_id) for i in range(4)]
+    store.put(own, chain[:3], torch.stack([block_for(i) for i in range(3)]))
+    # The lease reaches the end of the stored run (3 of 4) and the client finds block 1
+    # damaged: one short read, one miss.
+    before = store.stats()
+    lease = store.acquire(own, chain, 30, owner="reader")
+    store.release(lease.lease_id, owner="reader", corrupt_indices=[1])
+    after = store.stats()
+    assert (hits(after) - hits(before), misses_in_every_tier(before, after)) == (1, 1)
+
+
+def test_a_stream_cut_at_max_put_bytes_is_read_to_the_end_of_the_run(tmp_path: Path) -> None:
+    served = BackgroundServer(tmp_path, host_blocks=8, disk_blocks=64,
+                              tokens={ALICE_TOKEN: "alice"}, max_put_bytes=2 * BLOCK_BYTES)
+    try:
+        store = served.store
+        namespace = Namespace("cut-model", TINY_LAYOUT)
+        chain = [key(i, "cut") for i in range(8)]
+        out = torch.empty((8, *TINY_LAYOUT.block_shape), dtype=TINY_LAYOUT.torch_dtype)
+        with Client(served.unix_target, token=ALICE_TOKEN) as shm, \
+                Client(served.unix_target, token=ALICE_TOKEN, use_shm=False) as stream:
+            for start in range(0, 6, 2):
+                stream.put(namespace, chain[start : start + 2],
+                           torch.stack([block_for(start + i) for i in range(2)]),
+                           write_policy=WritePolicy.WRITE_THROUGH)
+            # HOST full of pins: the same-host client reads over the stream too.
+            other = Namespace("cut-other", TINY_LAYOUT)
+            store.register(other)
+            walls = [key(i, "cut-wall") for i in range(8)]
+            store.put(other, walls, torch.stack([block_for(0)] * 8))
+            store.pin(other, walls)
+            for reader in (stream, shm):
+                store.wait_for_background(10.0)
+                before = store.stats()
+                assert reader.get_into(namespace, chain, out) == 6  # three answers of two
+                after = store.stats()
+                assert all(same_bytes(out[i], block_for(i)) for i in range(6))
+                assert hits(after) - hits(before) == 6
+                assert misses_in_every_tier(before, after) == 1
+    finally:
+        served.close()
+
+
+def test_a_block_whose_demotion_failed_is_passed_over_only_until_it_has_a_disk_copy(
+    tmp_path: Path,
+) -> None:
+    """The disk budget is full of pinned records: HOST's write_back blocks cannot be demoted.
+    A read's promotion passes them over (each fails once, counted once) and the read is not
+    leased; once they have a DISK copy (put again write_through after some pins went),
+    promotions evict them again and the read is leased."""
+    config = StoreConfig(host=HostTierConfig(4 * BLOCK_BYTES, PAGE_BYTES, prefault=False),
+                         disk=DiskTierConfig(tmp_path / "disk", 8 * RECORD_BYTES,
+                                             map_slack_bytes=16 << 20), presence_slots=0)
+    namespace = Namespace("mark-model", TINY_LAYOUT)
+
+    def chain(name: str) -> tuple[list[bytes], torch.Tensor]:
+        offset = {"D": 0, "X": 10, "W": 20}[name]
+        return ([key(i, name) for i in range(4)],
+                torch.stack([block_for(offset + i) for i in range(4)]))
+
+    (d_keys, d_data), (x_keys, x_data), (w_keys, w_data) = chain("D"), chain("X"), chain("W")
+    with TieredStore(config) as store:
+        store.register(namespace)
+        store.put(namespace, d_keys, d_data, write_policy=WritePolicy.WRITE_THROUGH)
+        store.put(namespace, x_keys, x_data, write_policy=WritePolicy.WRITE_THROUGH)
+        store.put(namespace, w_keys, w_data)  # write_back: HOST is W, DISK is D and X
+        store.pin(namespace, d_keys)
+        store.pin(namespace, x_keys)
+        for _ in range(3):
+            lease = store.acquire(namespace, d_keys[:1], owner="r")
+            store.release(lease.lease_id, owner="r")
+            assert lease.blocks == [] and lease.num_cached == 1
+        assert 1 <= store.stats().failed_demotions <= 4  # once per block, not once per read
+        got = store.get(namespace, d_keys)  # served from DISK all the same
+        assert len(got) == 4 and same_bytes(got, d_data)
+        store.unpin(namespace, x_keys)
+        store.put(namespace, w_keys, w_data, write_policy=WritePolicy.WRITE_THROUGH)
+        lease = store.acquire(namespace, d_keys[:1], owner="r")
+        store.release(lease.lease_id, owner="r")
+        assert len(lease.blocks) == 1
+        got = store.get(namespace, w_keys)
+        assert len(got) == 4 and same_bytes(got, w_data)

@@ -80,31 +80,33 @@ class PutStream(Effect):
 
 class GetReceiver:
     """Lands a Get stream's chunks in ``target`` as they come (one slice copy per ~1 MiB
-    chunk); ``finish`` gives the number of blocks, or raises if the stream ended early."""
+    chunk); ``finish`` gives the number of blocks, or raises if the stream ended early.
+    ``more``: the server cut its answer short of the stored run (ask again for the rest)."""
 
-    __slots__ = ("block_bytes", "num_blocks", "received_bytes", "started", "target")
+    __slots__ = ("block_bytes", "more", "num_blocks", "received_bytes", "started", "target")
 
     def __init__(self, target: np.ndarray, block_bytes: int) -> None:
         self.target, self.block_bytes = target, block_bytes
-        self.num_blocks, self.received_bytes, self.started = 0, 0, False
+        self.num_blocks, self.received_bytes, self.started, self.more = 0, 0, False, False
 
     def take(self, chunk: pb.GetChunk) -> None:
         """One more chunk (the first says how many blocks follow)."""
         if not self.started:
-            self.num_blocks, self.started = chunk.num_blocks, True
+            self.num_blocks, self.started, self.more = chunk.num_blocks, True, chunk.more
         size = len(chunk.data)
         self.target[self.received_bytes : self.received_bytes + size] = memoryview(chunk.data)
         self.received_bytes += size
 
-    def finish(self) -> int:
-        """The blocks received, once every byte they announced has arrived."""
+    def finish(self) -> tuple[int, bool]:
+        """The blocks received, once every byte they announced has arrived, and ``more``."""
         if self.received_bytes != self.num_blocks * self.block_bytes:
             raise ServiceUnavailableError("the Get stream ended early")
-        return self.num_blocks
+        return self.num_blocks, self.more
 
 
 class GetStream(Effect):
-    """A Get received into a fresh ``receiver()`` (each attempt starts over): its blocks."""
+    """A Get received into a fresh ``receiver()`` (each attempt starts over): its blocks, and
+    whether the stored run goes on past them (``GetReceiver.more``)."""
 
     __slots__ = ("receiver", "request", "timeout_s")
 
@@ -112,14 +114,14 @@ class GetStream(Effect):
                  receiver: Callable[[], GetReceiver]) -> None:
         self.request, self.timeout_s, self.receiver = request, timeout_s, receiver
 
-    def blocking(self, connection: Connection) -> int:
+    def blocking(self, connection: Connection) -> tuple[int, bool]:
         receiver = self.receiver()
         for chunk in connection.stub.Get(self.request, timeout=self.timeout_s,
                                          metadata=connection.metadata):
             receiver.take(chunk)
         return receiver.finish()
 
-    async def awaited(self, connection: Connection) -> int:
+    async def awaited(self, connection: Connection) -> tuple[int, bool]:
         receiver = self.receiver()
         async for chunk in connection.stub.Get(self.request, timeout=self.timeout_s,
                                                metadata=connection.metadata):

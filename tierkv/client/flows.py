@@ -225,12 +225,21 @@ class ClientFlows(base.ClientBase):
 
     def _get_streamed(self, namespace: Namespace, hashes: Sequence[bytes], flat: torch.Tensor,
                       timeout_s: float | None) -> Flow[int]:
+        """Get streams until the stored run ends (the server cuts one answer at its
+        ``max_put_bytes`` and says ``more``)."""
         target, block_bytes = flat.numpy(), namespace.layout.bytes_per_block
-        num_blocks: int = yield from self._retrying(GetStream(
-            self._blocks_request(namespace, hashes), timeout_s or self.settings.timeout_s,
-            lambda: GetReceiver(target, block_bytes),
-        ))
-        return num_blocks
+        done = 0
+        while done < len(hashes):
+            part = target[done * block_bytes :]
+            got, more = yield from self._retrying(GetStream(
+                self._blocks_request(namespace, hashes[done:]),
+                timeout_s or self.settings.timeout_s,
+                lambda part=part: GetReceiver(part, block_bytes),  # type: ignore[misc]
+            ))
+            done += got
+            if not more or not got:
+                break
+        return done
 
     def _get(self, namespace: Namespace, hashes: Sequence[bytes], device: str | torch.device,
              timeout_s: float | None) -> Flow[torch.Tensor]:

@@ -96,10 +96,11 @@ class StoreCore:
         self.presence = presence
         self.engine = CopyEngine()
         self.counters = GlobalCounters()
-        # Entries whose demotion out of their paged tier failed (counted once, in
-        # ``failed_demotions``); ``tierkv.store.moves`` decision 4 says what becomes of them.
-        # An entry leaves it with that tier's copy.
-        self.undemotable: set[Entry] = set()
+        # Entries whose demotion out of their paged tier failed, and when it last did (counted
+        # once, in ``failed_demotions``); ``tierkv.store.moves`` decision 4 says what becomes of
+        # them. An entry leaves it with that tier's copy, or when it gets a copy below.
+        self.undemotable: dict[Entry, float] = {}
+        self.clock = clock
         self._pending_deletes: list[bytes] = []
         # With a REMOTE tier: where write-through records go once durable (``RemoteLink.offer``),
         # and the records of DISK evictions, which the disk writer reads before deleting them.
@@ -129,6 +130,8 @@ class StoreCore:
             self.paged[Tier.HOST].set_checksum(location, checksum)
         node: Residency[Entry] = Residency(entry, location)
         entry.set_residency(tier, node)
+        if tier is Tier.DISK:
+            self.undemotable.pop(entry, None)  # it has its copy below now
         ledger = self.ledgers[tier]
         ledger.num_blocks += 1
         ledger.stored_bytes += entry.ns.block_bytes
@@ -147,7 +150,7 @@ class StoreCore:
         ledger.stored_bytes -= entry.ns.block_bytes
         if isinstance(ledger, PagedLedger):
             ledger.release(node.location)
-            self.undemotable.discard(entry)
+            self.undemotable.pop(entry, None)
             self.changed.notify_all()
         else:
             assert isinstance(ledger, DiskLedger)

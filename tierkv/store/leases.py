@@ -30,11 +30,14 @@ Decisions:
    of a client that is gone is ended at once. Whatever still slips through (a client the server
    cannot watch) is caught by the checksums: a late write turns a hit into a miss, never into
    another block's wrong bytes.
-6. A read lease counts hits for the blocks it leases, when it is granted (the client copies
-   them out next), in the tier each was found in. A release takes back the hits of the blocks
-   the client did not keep: from the first damaged one on (that one is then counted a miss),
-   or past ``num_copied`` (a client that copied nothing through a stale mapping says 0, and
-   reads them again after its remap). Hits are the blocks clients received.
+6. A read lease is counted at its release, when the client says what it kept: a hit for each
+   leased block it kept, in the tier that block was read from, none past the first damaged
+   one (that one is a miss) nor past ``num_copied`` (a client that copied nothing through a
+   stale mapping says 0, and reads them again after its remap), and a miss for the block
+   after the stored run once the lease reached it. Stored blocks that were not leased are
+   neither: the caller is told ``num_cached`` and reads them again. The release of a lease
+   that expired still counts it (the client's copy was checked against the checksums); a
+   lease never released (its client died) counts nothing.
 """
 
 from __future__ import annotations
@@ -96,13 +99,22 @@ class WriteLease:
     expires_in_s: float
 
 
+@dataclass(frozen=True, slots=True)
+class _ReadCount:
+    """What a read lease's release counts: the tier each leased block was read from, and
+    whether the lease reached the end of the stored run (the block after it is a miss)."""
+
+    tiers: list[Tier]
+    ends_run: bool
+
+
 @dataclass(eq=False)
 class _Read:
     owner: str
     client_id: str
     deadline_s: float
     entries: list[Entry]
-    tiers: list[Tier]  # where each entry was read from (counted as a hit there)
+    count: _ReadCount
 
 
 @dataclass(eq=False)
@@ -141,6 +153,8 @@ class Leases:
         self._clock = clock
         self._active: dict[bytes, _Read | _Write] = {}
         self._finished: OrderedDict[bytes, tuple[str, str]] = OrderedDict()
+        # Read leases that expired, until their release counts them (as many as _finished).
+        self._expired_counts: OrderedDict[bytes, _ReadCount] = OrderedDict()
         self._quarantine: list[_Quarantined] = []
 
     def __len__(self) -> int:
@@ -202,47 +216,50 @@ class Leases:
                 leased.append(entry)
                 blocks.append(self._extents(node.location, entry.ns.block_bytes))
                 checksums.append(host.checksum_of(node.location))
-            self._count_leased_locked(tiers[: len(leased)], num_cached, len(keys))
             lease_id = self._new_id()
+            ends_run = len(leased) == num_cached < len(keys)
             self._active[lease_id] = _Read(owner, client_id, self._clock() + ttl, leased,
-                                           tiers[: len(leased)])
+                                           _ReadCount(tiers[: len(leased)], ends_run))
         return ReadLease(lease_id, blocks[: len(leased)], num_cached, ttl, checksums)
-
-    def _count_leased_locked(self, tiers: list[Tier], num_cached: int, num_asked: int) -> None:
-        """Count a read lease as a get counts its copy (decision 6): a hit for each leased
-        block, in the tier it was read from, and a miss for the block that ends the cached run,
-        once the lease reaches it. Stored blocks that were not leased are neither: the caller
-        is told ``num_cached`` and reads them again, and that read counts them."""
-        core = self.core
-        for tier in set(tiers):
-            core.count_read_locked(tier, tiers.count(tier))
-        if len(tiers) == num_cached < num_asked:
-            core.count_read_locked(None)
 
     def release(self, lease_id: bytes, owner: str, corrupt_indices: Sequence[int] = (),
                 num_copied: int | None = None) -> None:
-        """End a read lease: its blocks may be evicted again. ``corrupt_indices``: leased blocks
-        whose copy failed its checksum at the client; each is checked here (the client's word
-        alone deletes nothing) and deleted if its pages really are damaged. ``num_copied``:
-        how many leading blocks the client kept (None: all before the first corrupt one); the
-        hits of the others are taken back (decision 6)."""
+        """End a read lease: its blocks may be evicted again, and the blocks the client kept
+        are counted (decision 6). ``corrupt_indices``: leased blocks whose copy failed its
+        checksum at the client; each is checked here (the client's word alone deletes
+        nothing) and deleted if its pages really are damaged. ``num_copied``: how many leading
+        blocks the client kept (None: all before the first corrupt one). A lease that expired
+        is still counted by its release, which then raises ``LeaseStateError``."""
         with self.core.lock:
-            lease = self._take_locked(lease_id, owner, "released")
+            try:
+                lease = self._take_locked(lease_id, owner, "released")
+            except LeaseStateError:
+                expired = self._expired_counts.pop(lease_id, None)
+                if expired is not None and self._finished.get(lease_id, ("",))[0] == owner:
+                    self._count_release_locked(expired, corrupt_indices, num_copied)
+                raise
             assert isinstance(lease, _Read)
-            indices = sorted(i for i in set(corrupt_indices) if 0 <= i < len(lease.entries))
-            kept = received_blocks(len(lease.entries), corrupt_indices, num_copied)
-            unused = lease.tiers[kept:]
-            for tier in set(unused):
-                self.core.count_read_locked(tier, -unused.count(tier))
-            if indices and indices[0] == kept:  # the damaged block is the client's miss
-                self.core.count_read_locked(None)
+            self._count_release_locked(lease.count, corrupt_indices, num_copied)
         try:
+            indices = sorted(i for i in set(corrupt_indices) if 0 <= i < len(lease.entries))
             suspects = [lease.entries[i] for i in indices]
             self.mover.intact(suspects, Tier.HOST)  # still busy-marked: the pages stay put
         finally:
             with self.core.lock:
                 for entry in lease.entries:
                     self.core.release_busy_locked(entry)
+
+    def _count_release_locked(self, count: _ReadCount, corrupt_indices: Sequence[int],
+                              num_copied: int | None) -> None:
+        """Count what the client of a released read lease received (decision 6)."""
+        core = self.core
+        kept = received_blocks(len(count.tiers), corrupt_indices, num_copied)
+        served = count.tiers[:kept]
+        for tier in set(served):
+            core.count_read_locked(tier, served.count(tier))
+        damaged = kept < len(count.tiers) and kept in corrupt_indices
+        if damaged or (kept == len(count.tiers) and count.ends_run):
+            core.count_read_locked(None)  # the block that ended the client's read
 
     # --- writes -------------------------------------------------------------------------------
 
@@ -394,6 +411,9 @@ class Leases:
             if isinstance(lease, _Read):
                 for entry in lease.entries:
                     self.core.release_busy_locked(entry)
+                self._expired_counts[lease_id] = lease.count
+                while len(self._expired_counts) > _NUM_REMEMBERED:
+                    self._expired_counts.popitem(last=False)
             elif lease.verify and state_of(lease.client_id) is Liveness.ALIVE:
                 self._quarantine.append(_Quarantined(lease.client_id, now + QUARANTINE_S,
                                                      list(lease.locations.values())))

@@ -16,15 +16,17 @@ Decisions:
    or a REMOTE fill (new data beats old) drops it, after one more try for a marked one (the
    disk may have room again); it had no copy below, so it was a ``write_back`` block, never
    promised to a lower tier. A promotion keeps it (a promotion only makes a second copy of a
-   block, and must not destroy the only copy of another for that) and from then on passes it
-   over as a victim, so that it is not tried, and does not fail, again and again: while the
-   disk is full, reads of DISK blocks that find HOST full of such blocks are served without
-   promotion (the stream path; a same-host client falls back to it).
+   block, and must not destroy the only copy of another for that) and passes it over as a
+   victim for ``UNDEMOTABLE_RETRY_S``, then tries it once more (not counted again), so that
+   it does not fail again at every read: while the disk is full, reads of DISK blocks that
+   find HOST full of such blocks are served without promotion (the stream path; a same-host
+   client falls back to it). A mark goes with the block's copy, or once it has a DISK copy.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Sequence
 
@@ -43,6 +45,9 @@ from tierkv.tiers.records import RecordStatus, encode_record
 log = logging.getLogger(__name__)
 FAILED_WRITE_LOG_INTERVAL_S = 10.0
 
+# How long promotions pass over a block whose demotion failed before they try it again (the
+# disk may have room by then); decision 4.
+UNDEMOTABLE_RETRY_S = 30.0
 # How long a reservation waits for room held by in-flight reads and copies.
 _RESERVE_WAIT_S = 5.0
 _RESERVE_POLL_S = 0.02
@@ -106,13 +111,14 @@ class Mover:
         pages held by readers or in-flight copies, which will be evictable later. Without
         ``may_drop``, blocks whose demotion failed are passed over (decision 4)."""
         self.core.expire_pins_locked()
-        undemotable = () if may_drop else self.core.undemotable
+        undemotable = {} if may_drop else self.core.undemotable
+        retry_before_s = self.core.clock() - UNDEMOTABLE_RETRY_S
         victims: list[Entry] = []
         pages = busy_pages = linked_pages = 0
         for node in ledger.lru.iter_lru():
             num_pages = location_num_pages(node.location)
             linked_pages += num_pages
-            if node.owner in exclude or node.owner in undemotable:
+            if node.owner in exclude or undemotable.get(node.owner, -math.inf) > retry_before_s:
                 continue
             if node.owner.readers:
                 busy_pages += num_pages
@@ -173,9 +179,10 @@ class Mover:
         with core.lock:
             for entry in victims:
                 failed = entry in to_demote and entry not in demoted
-                if failed and entry not in core.undemotable and entry.residency(tier) is not None:
-                    core.counters.failed_demotions += 1
-                    core.undemotable.add(entry)
+                if failed and entry.residency(tier) is not None:
+                    if entry not in core.undemotable:
+                        core.counters.failed_demotions += 1
+                    core.undemotable[entry] = core.clock()
                 if entry.readers > 1 or (failed and not may_drop):
                     all_freed = False  # a reader came after it was picked, or it is kept
                 elif entry.priority != DOOMED and entry.residency(tier) is not None:

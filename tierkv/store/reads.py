@@ -44,13 +44,14 @@ class Reader:
         self._background: set[Future[int]] = set()
         self._background_lock = threading.Lock()
 
-    def get_into(self, state: NamespaceState, keys: list[bytes], out: torch.Tensor) -> int:
+    def get_into(self, state: NamespaceState, keys: list[bytes], out: torch.Tensor,
+                 missed_after: bool = False) -> int:
         """See ``TieredStore.get_into``."""
         flat = check_out(state.namespace.layout, out, len(keys))
         with self.core.busy() as marks:
             plan = self._plan_reads(state, keys, marks)
             num_ok = self._copy_out(plan, state.block_bytes, flat)
-        self.count_served(plan[:num_ok], num_ok < len(keys))
+        self.count_served(plan[:num_ok], missed_after or num_ok < len(keys))
         if self.core.config.promote_on_read:
             self._promote_later(plan[:num_ok])
         return num_ok

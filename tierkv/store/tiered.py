@@ -278,16 +278,20 @@ class TieredStore(AsyncMethods, LeaseMethods, SessionMethods):
         check_lookup_hashes(hashes, num_gpu + num_host + num_disk)
         return {Tier.GPU: num_gpu, Tier.HOST: num_host, Tier.DISK: num_disk}
 
-    def get_into(self, namespace: Namespace, hashes: Sequence[bytes], out: torch.Tensor) -> int:
+    def get_into(self, namespace: Namespace, hashes: Sequence[bytes], out: torch.Tensor, *,
+                 missed_after: bool = False) -> int:
         """Copy the leading stored blocks of ``hashes`` into ``out[:k]``; returns ``k``.
 
         ``out`` is ``[>= n, *block_shape]`` of the layout's dtype, on the CPU or a CUDA device,
-        contiguous; reuse it across calls for speed. Rows past ``k`` are unspecified.
+        contiguous; reuse it across calls for speed. Rows past ``k`` are unspecified. A hit is
+        counted for each block returned, a miss for the block that ended the run;
+        ``missed_after``: the caller cut ``hashes`` where the stored run of its own, longer
+        request ended, so that one miss is counted even when every block is returned.
         """
         state = self._state(namespace)
         keys = check_hashes(hashes)
         self._fill_remote(state, keys)
-        return self._reader.get_into(state, keys, out)
+        return self._reader.get_into(state, keys, out, missed_after)
 
     def get(
         self, namespace: Namespace, hashes: Sequence[bytes], device: str | torch.device = "cpu"

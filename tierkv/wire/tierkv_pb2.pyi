@@ -133,12 +133,14 @@ class PutChunk(_message.Message):
     def __init__(self, header: _Optional[_Union[PutHeader, _Mapping]] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class GetChunk(_message.Message):
-    __slots__ = ("num_blocks", "data")
+    __slots__ = ("num_blocks", "data", "more")
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
+    MORE_FIELD_NUMBER: _ClassVar[int]
     num_blocks: int
     data: bytes
-    def __init__(self, num_blocks: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
+    more: bool
+    def __init__(self, num_blocks: _Optional[int] = ..., data: _Optional[bytes] = ..., more: _Optional[bool] = ...) -> None: ...
 
 class Extent(_message.Message):
     __slots__ = ("offset", "length")
