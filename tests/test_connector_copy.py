@@ -18,7 +18,7 @@ import pytest
 import torch
 from harness import BackgroundServer
 
-from tierkv import Client, KVLayout, Namespace
+from tierkv import Client, ConfigError, KVLayout, Namespace
 from tierkv.bench.report import fresh_hashes
 from tierkv.integrations.vllm.scheduler import BlockOp, StepMetadata
 from tierkv.integrations.vllm.settings import BlockGeometry, ConnectorSettings
@@ -377,3 +377,44 @@ def test_a_step_whose_saves_exceed_the_queue_bound_keeps_each_requests_leading_b
     finally:
         gated.gate.set()
         worker.close()
+
+
+@pytest.mark.parametrize("head_dim", [64, 3])  # pages of 16-byte rows, and pages of no row view
+def test_an_fp8_cache_in_uint8_pages_saves_and_loads_its_bytes(
+    server: BackgroundServer, head_dim: int,
+) -> None:
+    """vLLM keeps an fp8 cache in uint8 tensors (``kv_cache_dtype="fp8"``): the worker takes
+    them as they are and moves their bytes, every one of the 256 values included (NaN and
+    infinity encodings of e4m3 and e5m2 among them), never converted to or from float8."""
+    layout = KVLayout(num_layers=2, num_kv_heads=2, head_dim=head_dim, block_size=16,
+                      dtype="fp8")
+    names = tuple(f"model.layers.{i}.self_attn.attn" for i in range(layout.num_layers))
+    geometry = BlockGeometry(names, layout.block_size, layout.block_size, layout, torch.uint8)
+    namespace = Namespace("vllm:fp8-copy-test", layout)
+    shape = (NUM_VLLM_BLOCKS, layout.num_kv_heads, layout.block_size, 2 * layout.head_dim)
+    generator = torch.Generator().manual_seed(8)
+    source = {name: torch.randint(0, 256, shape, dtype=torch.uint8, generator=generator)
+              for name in names}
+    dest = {name: torch.full(shape, 0x5A, dtype=torch.uint8) for name in names}
+    hashes, ids = fresh_hashes(5), [4, 19, 0, 1, 7]
+    source[names[0]].view(-1)[:256] = torch.arange(256, dtype=torch.uint8)  # in blocks 0, 1
+    saver, loader = new_worker(server.unix_target, geometry), new_worker(server.unix_target,
+                                                                          geometry)
+    try:
+        saver.register(source)
+        saver.save(saves(("a", hashes, ids), namespace=namespace))
+        assert saver.flush(30.0) and saver.counters.blocks_saved == 5
+        loader.register(dest)
+        assert load_step(loader, loads(("b", hashes, [1, 2, 3, 5, 6]), namespace=namespace)) == set()
+        for name in names:
+            assert torch.equal(dest[name][[1, 2, 3, 5, 6]], source[name][ids])
+        assert bool((dest[names[1]][[0, 4, 8]] == 0x5A).all())  # untouched blocks
+        other = new_worker(server.unix_target, geometry)
+        try:
+            with pytest.raises(ConfigError, match="uint8"):  # pages not of the told dtype
+                other.register({name: t.view(torch.int8) for name, t in source.items()})
+        finally:
+            other.close()
+    finally:
+        saver.close()
+        loader.close()

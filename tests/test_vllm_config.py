@@ -26,6 +26,7 @@ from tierkv.integrations.vllm.settings import (
     geometry_of,
     namespace_of,
 )
+from tierkv.layout import DType
 
 LAYERS = tuple(f"model.layers.{i}.self_attn.attn" for i in (0, 1))
 
@@ -161,3 +162,17 @@ def test_caches_it_cannot_read_are_refused() -> None:
                                        dtype=torch.bfloat16))])
     with pytest.raises(ConfigError):
         geometry_of(engine_config_stub(), mla)
+
+
+def test_an_fp8_cache_is_stored_as_its_bytes_in_a_namespace_of_its_own(model: Path) -> None:
+    # vLLM keeps an fp8 cache in uint8 tensors: the connector moves those bytes as they are,
+    # one byte an element, and names the cache dtype so that e4m3 and e5m2 never meet.
+    fp8 = engine_config(model, kv_cache_dtype="fp8")
+    geometry = geometry_of(fp8, cache_config(torch.uint8))
+    assert geometry.layout.dtype is DType.FP8 and geometry.cache_dtype == torch.uint8
+    assert geometry.layout.bytes_per_block == 2 * 2 * 32 * 2 * 64  # 1 B an element
+    names = {namespace_of(engine_config(model, kv_cache_dtype=d), cache_config(torch.uint8),
+                          geometry, 0).model_id for d in ("fp8", "fp8_e4m3", "fp8_e5m2")}
+    assert len(names | {namespace(model).model_id}) == 4
+    with pytest.raises(ConfigError, match="uint8"):  # uint8 pages of a cache that is not fp8
+        geometry_of(engine_config(model), cache_config(torch.uint8))

@@ -60,6 +60,8 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
     kwargs: dict[str, Any] = {}
     if spec.get("num_gpu_blocks"):
         kwargs["num_gpu_blocks_override"] = int(spec["num_gpu_blocks"])
+    if spec.get("kv_cache_dtype"):
+        kwargs["kv_cache_dtype"] = str(spec["kv_cache_dtype"])
     llm = LLM(
         model=spec["model"], skip_tokenizer_init=True, enforce_eager=True,
         dtype=spec.get("dtype", "bfloat16"), max_model_len=int(spec.get("max_model_len", 4096)),

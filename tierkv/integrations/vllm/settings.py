@@ -18,6 +18,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
+import torch
+
 from tierkv.config import Priority, WritePolicy
 from tierkv.errors import ConfigError
 from tierkv.keys import Namespace
@@ -125,12 +127,20 @@ def _positive(extra: dict[str, Any], key: str, default: float) -> float:
 class BlockGeometry:
     """vLLM's KV cache as the connector sees it: the attention layers in block order, tokens
     per block, and the tierkv layout of one block (every layer's ``[H, N, C]`` page, in layer
-    order; C packs K and V as vLLM's backend does)."""
+    order; C packs K and V as vLLM's backend does). ``page_dtype``: the element type vLLM's
+    cache tensors hold (``torch.uint8`` for an fp8 cache, whose bytes move as they are);
+    None: the layout's."""
 
     layer_names: tuple[str, ...]
     block_size: int
     hash_block_size: int
     layout: KVLayout
+    page_dtype: torch.dtype | None = None
+
+    @property
+    def cache_dtype(self) -> torch.dtype:
+        """The element type of vLLM's cache tensors (and of the connector's staging)."""
+        return self.page_dtype or self.layout.torch_dtype
 
 
 def geometry_of(vllm_config: Any, kv_cache_config: Any) -> BlockGeometry:
@@ -146,10 +156,8 @@ def geometry_of(vllm_config: Any, kv_cache_config: Any) -> BlockGeometry:
     if type(spec).__name__ != "FullAttentionSpec" or spec.head_size_v != spec.head_size:
         raise ConfigError(f"TierKVConnector: unsupported KV cache spec {type(spec).__name__} "
                           "(full attention with K and V of one head size only)")
-    try:
-        dtype = DType.parse(spec.dtype)
-    except ConfigError as exc:
-        raise ConfigError(f"TierKVConnector: KV cache dtype {spec.dtype}: {exc}") from None
+    dtype, page_dtype = cache_dtype_of(
+        spec.dtype, str(getattr(vllm_config.cache_config, "cache_dtype", "auto")))
     names = tuple(sorted(groups[0].layer_names, key=_layer_order))
     layout = KVLayout(num_layers=len(names), num_kv_heads=int(spec.num_kv_heads),
                       head_dim=int(spec.head_size), block_size=int(spec.block_size), dtype=dtype)
@@ -160,7 +168,25 @@ def geometry_of(vllm_config: Any, kv_cache_config: Any) -> BlockGeometry:
             f"TierKVConnector: block size {layout.block_size} is not a multiple of the hash "
             f"block size {hash_block_size}"
         )
-    return BlockGeometry(names, layout.block_size, hash_block_size, layout)
+    return BlockGeometry(names, layout.block_size, hash_block_size, layout,
+                         page_dtype if page_dtype != layout.torch_dtype else None)
+
+
+def cache_dtype_of(page_dtype: torch.dtype, cache_dtype: str) -> tuple[DType, torch.dtype]:
+    """The KV dtype of a cache whose tensors hold ``page_dtype`` under vLLM's ``cache_dtype``
+    setting, and the tensors' dtype. vLLM keeps an fp8 cache (``fp8``, ``fp8_e4m3``,
+    ``fp8_e5m2``) in ``uint8`` tensors: its bytes are stored as they are, one byte an element;
+    the setting itself is in the namespace, so e4m3 and e5m2 pages never meet. Its scales are
+    the checkpoint's (vLLM 0.32 computes none at run time), named with the model like every
+    weight."""
+    if cache_dtype.startswith("fp8") and page_dtype in (torch.uint8, torch.float8_e4m3fn,
+                                                         torch.float8_e5m2):
+        return DType.FP8, page_dtype
+    try:
+        return DType.parse(page_dtype), page_dtype
+    except ConfigError as exc:
+        raise ConfigError(f"TierKVConnector: KV cache dtype {page_dtype} (cache_dtype "
+                          f"{cache_dtype!r}): {exc}") from None
 
 
 def _layer_order(name: str) -> tuple[int, str]:

@@ -134,10 +134,11 @@ class WorkerSide:
             raise ConfigError(f"TierKVConnector: vLLM registered no cache for layers {missing}")
         layers = [kv_caches[name] for name in self.geometry.layer_names]
         for name, tensor in zip(self.geometry.layer_names, layers, strict=True):
-            if tensor.dim() != 4 or tuple(tensor.shape[1:]) != want or tensor.dtype != layout.torch_dtype:
+            dtype = self.geometry.cache_dtype
+            if tensor.dim() != 4 or tuple(tensor.shape[1:]) != want or tensor.dtype != dtype:
                 raise ConfigError(
                     f"TierKVConnector: layer {name} has a cache of {tuple(tensor.shape)} "
-                    f"{tensor.dtype}; expected [blocks, *{want}] {layout.torch_dtype}"
+                    f"{tensor.dtype}; expected [blocks, *{want}] {dtype}"
                 )
         if len({t.data_ptr() for t in layers}) != len(layers):
             raise ConfigError("TierKVConnector: layers that share one cache are not supported")
@@ -171,7 +172,14 @@ class WorkerSide:
         shape = (num_blocks, layout.num_layers, layout.num_kv_heads, layout.block_size,
                  2 * layout.head_dim)
         pinned = self._stream is not None  # so that copies to and from the GPU are async
-        return torch.empty(shape, dtype=layout.torch_dtype, pin_memory=pinned)
+        return torch.empty(shape, dtype=self.geometry.cache_dtype, pin_memory=pinned)
+
+    def _blocks_of(self, staging: torch.Tensor, namespace: Namespace, num_blocks: int
+                   ) -> torch.Tensor:
+        """``staging``'s first ``num_blocks`` as the store's blocks: the same bytes, viewed in
+        the layout's dtype (an fp8 cache's ``uint8`` pages as ``float8``, never converted)."""
+        layout = namespace.layout
+        return staging.view(layout.torch_dtype).view((num_blocks, *layout.block_shape))
 
     def _adopt(self, meta: StepMetadata) -> Namespace | None:
         if meta.namespace is not None:
@@ -234,7 +242,7 @@ class WorkerSide:
         if self._down_until <= now < deadline:
             try:
                 count = client.get_into(namespace, list(op.hashes),
-                                        staging.view((len(op.hashes), *namespace.layout.block_shape)),
+                                        self._blocks_of(staging, namespace, len(op.hashes)),
                                         timeout_s=deadline - now)
             except Exception as exc:  # whatever it is, the blocks are reported, never raised
                 self._down_until = time.monotonic() + max(1.0, self.settings.lookup_timeout_s * 4)
@@ -367,7 +375,7 @@ class WorkerSide:
             try:
                 self._save_client.put(
                     namespace, list(hashes),
-                    staging.view((len(hashes), *namespace.layout.block_shape)),
+                    self._blocks_of(staging, namespace, len(hashes)),
                     priority=self.settings.priority, write_policy=self.settings.write_policy,
                 )
                 saved = True
