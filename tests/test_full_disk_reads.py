@@ -20,6 +20,9 @@ from harness import ALICE_TOKEN, BackgroundServer, free_port
 from prometheus_client.parser import text_string_to_metric_families
 
 from tierkv import CapacityError, Client, KVLayout, Namespace, WritePolicy
+from tierkv.integrations.vllm.scheduler import BlockOp, StepMetadata
+from tierkv.integrations.vllm.settings import BlockGeometry, ConnectorSettings
+from tierkv.integrations.vllm.worker import WorkerSide
 from tiny_blocks import keys, same_bytes
 
 # 16 KiB blocks, as in the report.
@@ -118,5 +121,31 @@ def test_every_acknowledged_block_is_read_back_while_the_disk_is_full(small_tmpf
         # One failure per block at most: a block whose demotion failed is passed over by the
         # promotions of later reads (it grew by ~the sweep's size each sweep before).
         assert failed_after_sweep[-1] <= num_write_back, failed_after_sweep
+        check_connector_loads(server, hashes, data)
     finally:
         server.close()
+
+
+def check_connector_loads(server: BackgroundServer, hashes: list[bytes], data: torch.Tensor) -> None:
+    """The vLLM connector's worker loads DISK blocks into an engine's pages through the same
+    full HOST: every block arrives, exact, none is a load error."""
+    names = tuple(f"model.layers.{i}.self_attn.attn" for i in range(LAYOUT.num_layers))
+    geometry = BlockGeometry(names, LAYOUT.block_size, LAYOUT.block_size, LAYOUT)
+    shape = (BATCH, LAYOUT.num_kv_heads, LAYOUT.block_size, 2 * LAYOUT.head_dim)
+    caches = {name: torch.zeros(shape, dtype=LAYOUT.torch_dtype) for name in names}
+    worker = WorkerSide(ConnectorSettings(address=server.unix_target, token=ALICE_TOKEN),
+                        geometry, tp_rank=0)
+    try:
+        worker.register(caches)
+        chunk = hashes[-BATCH:]  # the oldest write_through blocks are on DISK only by now
+        ids = list(range(BATCH))[::-1]
+        worker.start_load(StepMetadata(NAMESPACE, loads=[BlockOp("r", tuple(chunk), tuple(ids))]))
+        for name in names:
+            worker.wait_for_layer(name)
+        assert worker.take_load_errors() == set()
+    finally:
+        worker.close()
+    for i, block_id in enumerate(ids):  # a tierkv block is every layer's page, in layer order
+        loaded = torch.cat([caches[name][block_id].reshape(-1) for name in names])
+        expected = data[len(hashes) - BATCH + i].reshape(-1)
+        assert torch.equal(loaded.view(torch.int16), expected.view(torch.int16)), i
