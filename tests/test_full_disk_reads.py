@@ -4,7 +4,8 @@ clients received.
 
 The scenario as a user hit it, on a real tmpfs: ``write_through`` puts until the filesystem is
 full, then ``write_back`` puts that overflow HOST (their demotions fail: the disk is full), then
-every acknowledged block is read back through a real server.
+every acknowledged block is read back through a real server: by same-host clients (shared
+memory), by stream clients, and by the vLLM connector's worker, into an engine's pages.
 """
 
 from __future__ import annotations
