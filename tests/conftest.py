@@ -5,6 +5,7 @@ Nothing imports this module by name (every folder's ``conftest.py`` is a module 
 
 from __future__ import annotations
 
+import subprocess
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -64,6 +65,27 @@ def make_store(tmp_path: Path) -> Iterator[StoreFactory]:
     yield build
     for store in stores:
         store.close(flush=False)
+
+
+@pytest.fixture
+def tmpfs(tmp_path: Path) -> Iterator[Callable[[int], Path]]:
+    """``tmpfs(size_mib)``: a real tmpfs of that size mounted for the test (CI runs as root),
+    a filesystem that fills up; unmounted at the end."""
+    mounts: list[Path] = []
+
+    def mount(size_mib: int) -> Path:
+        mount_point = tmp_path / f"tmpfs-{len(mounts)}"
+        mount_point.mkdir()
+        done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size_mib}m", "tmpfs",
+                               str(mount_point)], capture_output=True, text=True, check=False)
+        # No skip: a disk-full test that quietly does not run is a test that cannot fail.
+        assert done.returncode == 0, f"mounting a tmpfs failed (run as root): {done.stderr}"
+        mounts.append(mount_point)
+        return mount_point
+
+    yield mount
+    for mount_point in mounts:
+        subprocess.run(["umount", "-l", str(mount_point)], check=False)
 
 
 @pytest.fixture

@@ -10,15 +10,12 @@ memory), by stream clients, and by the vLLM connector's worker, into an engine's
 
 from __future__ import annotations
 
-import subprocess
-import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
-from harness import ALICE_TOKEN, BackgroundServer, free_port
-from prometheus_client.parser import text_string_to_metric_families
+from harness import ALICE_TOKEN, BackgroundServer, free_port, tokens_saved
 
 from tierkv import CapacityError, Client, KVLayout, Namespace, WritePolicy
 from tierkv.integrations.vllm.scheduler import BlockOp, StepMetadata
@@ -35,19 +32,8 @@ BATCH = 64
 
 
 @pytest.fixture
-def small_tmpfs(tmp_path: Path) -> Iterator[Path]:
-    """A small tmpfs mounted for the test (CI runs as root)."""
-    mount_point = tmp_path / "tmpfs"
-    mount_point.mkdir()
-    done = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", f"size={TMPFS_MIB}m", "tmpfs", str(mount_point)],
-        capture_output=True, text=True, check=False)
-    # No skip: a disk-full test that quietly does not run is a test that cannot fail.
-    assert done.returncode == 0, f"mounting a tmpfs failed (run as root): {done.stderr}"
-    try:
-        yield mount_point
-    finally:
-        subprocess.run(["umount", "-l", str(mount_point)], check=False)
+def small_tmpfs(tmpfs: Callable[[int], Path]) -> Path:
+    return tmpfs(TMPFS_MIB)
 
 
 def data_for(num_blocks: int, seed: int) -> torch.Tensor:
@@ -89,16 +75,6 @@ def read_all(client: Client, hashes: list[bytes], data: torch.Tensor) -> int:
     return num_got
 
 
-def tokens_saved(port: int) -> float:
-    """``tierkv_prefill_tokens_saved_total`` of alice's model, scraped from ``port``."""
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
-        text = response.read().decode("utf-8")
-    return sum(sample.value for family in text_string_to_metric_families(text)
-               for sample in family.samples
-               if sample.name == "tierkv_prefill_tokens_saved_total"
-               and sample.labels.get("model") == NAMESPACE.model_id)
-
-
 def test_every_acknowledged_block_is_read_back_while_the_disk_is_full(small_tmpfs: Path) -> None:
     server = BackgroundServer(small_tmpfs, host_bytes=HOST_BYTES, disk_bytes=1 << 30,
                               page_bytes=4096, tokens={ALICE_TOKEN: "alice"},
@@ -112,10 +88,10 @@ def test_every_acknowledged_block_is_read_back_while_the_disk_is_full(small_tmpf
         for use_shm in (None, None, False, False):  # shared memory twice, the stream twice
             with Client(server.unix_target, token=ALICE_TOKEN, use_shm=use_shm) as reader:
                 hits_before = sum(t.hits for t in reader.stats().tiers.values())
-                tokens_before = tokens_saved(port)
+                tokens_before = tokens_saved(port, NAMESPACE.model_id)
                 assert read_all(reader, hashes, data) == len(hashes), f"use_shm={use_shm}"
                 hits = sum(t.hits for t in reader.stats().tiers.values()) - hits_before
-                tokens = tokens_saved(port)
+                tokens = tokens_saved(port, NAMESPACE.model_id)
             assert hits == len(hashes), f"use_shm={use_shm}: {hits} hits counted"
             assert tokens - tokens_before == len(hashes) * LAYOUT.block_size
             failed_after_sweep.append(server.store.stats().failed_demotions)

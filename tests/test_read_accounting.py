@@ -15,17 +15,15 @@ import itertools
 import mmap
 import os
 import time
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-from harness import ALICE_TOKEN, BOB_TOKEN, BackgroundServer, free_port
+from harness import ALICE_TOKEN, BOB_TOKEN, BackgroundServer, free_port, tokens_saved
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from prometheus_client.parser import text_string_to_metric_families
 
 from tierkv import (
     CapacityError,
@@ -265,16 +263,6 @@ def test_prefill_tokens_of_a_lease_count_the_blocks_its_release_says_were_kept(
             assert tokens_saved(port, namespace.model_id) == expected + 4 * TINY_LAYOUT.block_size
     finally:
         served.close()
-
-
-def tokens_saved(port: int, model_id: str) -> float:
-    """``tierkv_prefill_tokens_saved_total`` of ``model_id``, scraped from ``port``."""
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
-        text = response.read().decode("utf-8")
-    return sum(sample.value for family in text_string_to_metric_families(text)
-               for sample in family.samples
-               if sample.name == "tierkv_prefill_tokens_saved_total"
-               and sample.labels.get("model") == model_id)
 
 
 def test_an_expired_lease_is_counted_by_its_late_release_and_once_only(

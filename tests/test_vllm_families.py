@@ -9,11 +9,10 @@ only with AVX-512 or AMX: on a CPU without them the test says so and skips."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from harness import SidecarPool
+from harness import SidecarFactory
 from vllm_engines import ALPHA, TOKENS, loadable_tokens, prompt_set, run_engine, spec
 
 from tierkv import Client
@@ -21,6 +20,8 @@ from tierkv.bench.models import TINY, build_llama
 from tierkv.layout import DType
 
 pytestmark = pytest.mark.slow
+
+P = prompt_set(7)
 
 
 def _cpu_runs_fp8_caches() -> bool:
@@ -32,37 +33,24 @@ def _cpu_runs_fp8_caches() -> bool:
     return any(flag in flags.split() for flag in ("avx512f", "amx_tile"))
 
 
-P = prompt_set(7)
-
-
-@pytest.fixture(scope="module")
-def workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tmp_path_factory.mktemp("vllm-families")
-
-
-@pytest.fixture(scope="module")
-def pool(workdir: Path) -> Iterator[SidecarPool]:
-    (workdir / "tokens").write_text(TOKENS)
-    sidecars = SidecarPool(workdir)
-    yield sidecars
-    sidecars.close()
-
-
 @pytest.mark.skipif(not _cpu_runs_fp8_caches(), reason="vLLM's CPU backend runs an fp8 KV cache "
                     "only on x86 with AVX-512 or AMX, which this CPU lacks ('FP8 KV cache on "
                     "CPU requires x86 with AVX-512 or AMX'); the worker's fp8 copies are tested "
                     "in test_connector_copy.py")
-def test_an_fp8_cache_is_stored_and_loaded_as_its_bytes(workdir: Path, pool: SidecarPool) -> None:
-    model = build_llama(workdir / "tiny-llama", TINY)
-    sidecar = pool.start("--host-bytes", "256MiB", "--disk-bytes", "1GiB", "--tokens-file",
-                         str(workdir / "tokens"), "--write-policy", "write_through",
-                         disk_path=workdir / "disk-fp8")
+def test_an_fp8_cache_is_stored_and_loaded_as_its_bytes(
+    tmp_path: Path, sidecar_factory: SidecarFactory,
+) -> None:
+    (tmp_path / "tokens").write_text(TOKENS)
+    model = build_llama(tmp_path / "tiny-llama", TINY)
+    sidecar = sidecar_factory("--host-bytes", "256MiB", "--disk-bytes", "1GiB", "--tokens-file",
+                              str(tmp_path / "tokens"), "--write-policy", "write_through",
+                              disk_path=tmp_path / "disk-fp8")
     fp8 = {"kv_cache_dtype": "fp8"}
-    reference = run_engine(workdir, "fp8-reference", spec(model, None, [P], connector=None, **fp8))
-    a = run_engine(workdir, "fp8-a", spec(model, sidecar.unix_target,
-                                          [{"prompts": P, "flush": True}], **fp8))
+    reference = run_engine(tmp_path, "fp8-reference", spec(model, None, [P], connector=None, **fp8))
+    a = run_engine(tmp_path, "fp8-a", spec(model, sidecar.unix_target,
+                                           [{"prompts": P, "flush": True}], **fp8))
     assert a.tokens[0] == reference.tokens[0]
-    b = run_engine(workdir, "fp8-b", spec(model, sidecar.unix_target, [P], **fp8))
+    b = run_engine(tmp_path, "fp8-b", spec(model, sidecar.unix_target, [P], **fp8))
     assert b.num_cached_tokens[0] == [loadable_tokens(p) for p in P]
     assert b.tokens[0] == reference.tokens[0]
     with Client(sidecar.unix_target, token=ALPHA) as client:

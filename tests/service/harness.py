@@ -25,6 +25,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import urllib.request
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -318,6 +319,19 @@ def shm_client(sidecar: Sidecar, **settings: Any) -> Client:
     return client
 
 
+
+
+def tokens_saved(port: int, model_id: str) -> float:
+    """``tierkv_prefill_tokens_saved_total`` of ``model_id`` (every tenant's), scraped from a
+    real server's metrics endpoint on ``port``."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
+        text = response.read().decode("utf-8")
+    return sum(sample.value for family in text_string_to_metric_families(text)
+               for sample in family.samples
+               if sample.name == "tierkv_prefill_tokens_saved_total"
+               and sample.labels.get("model") == model_id)
 
 
 def free_port() -> int:
