@@ -193,14 +193,22 @@ def check_read(name: str, shm: Client, stream: Client, store: TieredStore, names
 # --- what a Release says the client kept ---------------------------------------------------
 
 
+def stored_chain(server: BackgroundServer, name: str, num_blocks: int, num_keys: int | None = None
+                 ) -> tuple[TieredStore, Namespace, list[bytes]]:
+    """A fresh namespace of alice's (as the server names it) holding ``num_blocks`` blocks of
+    a chain of ``num_keys`` (default: as many) keys."""
+    store = server.store
+    own = Namespace(f"{name}-{next(_models)}", TINY_LAYOUT, tenant="alice")
+    store.register(own)
+    chain = [key(i, own.model_id) for i in range(num_keys or num_blocks)]
+    store.put(own, chain[:num_blocks], torch.stack([block_for(i) for i in range(num_blocks)]))
+    return store, own, chain
+
+
 def test_a_release_takes_back_the_hits_of_the_blocks_the_client_did_not_keep(
     server: BackgroundServer,
 ) -> None:
-    store = server.store
-    own = Namespace(f"release-{next(_models)}", TINY_LAYOUT, tenant="alice")
-    store.register(own)
-    chain = [key(i, own.model_id) for i in range(4)]
-    store.put(own, chain, torch.stack([block_for(i) for i in range(4)]))
+    store, own, chain = stored_chain(server, "release", 4)
     for corrupt, num_copied, kept, missed in (((), None, 4, 0), ((), 0, 0, 0), ((2,), None, 2, 1),
                                               ((), 3, 3, 0), ((1,), 3, 1, 1)):
         before = store.stats()
@@ -268,11 +276,7 @@ def test_prefill_tokens_of_a_lease_count_the_blocks_its_release_says_were_kept(
 def test_an_expired_lease_is_counted_by_its_late_release_and_once_only(
     server: BackgroundServer,
 ) -> None:
-    store = server.store
-    own = Namespace(f"expired-{next(_models)}", TINY_LAYOUT, tenant="alice")
-    store.register(own)
-    chain = [key(i, own.model_id) for i in range(3)]
-    store.put(own, chain, torch.stack([block_for(i) for i in range(3)]))
+    store, own, chain = stored_chain(server, "expired", 3)
     for num_copied, kept in ((None, 3), (0, 0)):
         before = store.stats()
         lease = store.acquire(own, [*chain, key(99, own.model_id)], 0.1, owner="late")
@@ -289,11 +293,7 @@ def test_an_expired_lease_is_counted_by_its_late_release_and_once_only(
 
 
 def test_one_short_read_is_one_miss_whatever_ends_it(server: BackgroundServer) -> None:
-    store = server.store
-    own = Namespace(f"one-miss-{next(_models)}", TINY_LAYOUT, tenant="alice")
-    store.register(own)
-    chain = [key(i, own.model_id) for i in range(4)]
-    store.put(own, chain[:3], torch.stack([block_for(i) for i in range(3)]))
+    store, own, chain = stored_chain(server, "one-miss", 3, 4)
     # The lease reaches the end of the stored run (3 of 4) and the client finds block 1
     # damaged: one short read, one miss.
     before = store.stats()
