@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib.util
 import json
 import sys
 import tempfile
@@ -104,15 +105,20 @@ def _checked(run: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Nam
     otherwise run for minutes and end in a traceback."""
 
     def checked(args: argparse.Namespace) -> int:
-        if getattr(args, "plot", None) is not None:
-            try:
-                import matplotlib  # noqa: F401
-            except ImportError:
-                raise ConfigError("--plot needs matplotlib, which is not installed: "
-                                  "pip install 'tierkv[plot]' (or leave out --plot)") from None
+        if getattr(args, "plot", None) is not None and not _installed("matplotlib"):
+            raise ConfigError("--plot needs matplotlib, which is not installed: "
+                              "pip install 'tierkv[plot]' (or leave out --plot)")
         return run(args)
 
     return checked
+
+
+def _installed(module: str) -> bool:
+    """Whether ``module`` can be imported (looked up, not imported)."""
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):
+        return False
 
 
 def _lengths(text: str) -> tuple[int, ...]:
