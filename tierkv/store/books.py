@@ -263,6 +263,14 @@ class StoreCore:
         if tier is not None:
             self.ledgers[tier].counters.hits += num_blocks
 
+    def count_served_locked(self, tiers: Sequence[Tier], missed: bool) -> None:
+        """``count_read_locked`` for blocks a reader received, each from the tier in
+        ``tiers``, and, if ``missed``, the one miss that ended its read."""
+        for tier in set(tiers):
+            self.count_read_locked(tier, tiers.count(tier))
+        if missed:
+            self.count_read_locked(None)
+
     def touch_locked(self, entry: Entry) -> None:
         """Mark ``entry`` most recently used in every tier it is in."""
         for tier in Tier:

@@ -252,14 +252,11 @@ class Leases:
     def _count_release_locked(self, count: _ReadCount, corrupt_indices: Sequence[int],
                               num_copied: int | None) -> None:
         """Count what the client of a released read lease received (decision 6)."""
-        core = self.core
         kept = received_blocks(len(count.tiers), corrupt_indices, num_copied)
-        served = count.tiers[:kept]
-        for tier in set(served):
-            core.count_read_locked(tier, served.count(tier))
         damaged = kept < len(count.tiers) and kept in corrupt_indices
-        if damaged or (kept == len(count.tiers) and count.ends_run):
-            core.count_read_locked(None)  # the block that ended the client's read
+        # The miss: the block that ended the client's read.
+        self.core.count_served_locked(count.tiers[:kept], damaged or (
+            kept == len(count.tiers) and count.ends_run))
 
     # --- writes -------------------------------------------------------------------------------
 

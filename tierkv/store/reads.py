@@ -78,14 +78,8 @@ class Reader:
     def count_served(self, served: Sequence[Planned], missed: bool) -> None:
         """Count ``served`` as hits in the tiers they were read from and, if ``missed``, the
         block after them as a miss."""
-        by_tier: dict[Tier, int] = {}
-        for _, _, tier in served:
-            by_tier[tier] = by_tier.get(tier, 0) + 1
         with self.core.lock:
-            for tier, num_blocks in by_tier.items():
-                self.core.count_read_locked(tier, num_blocks)
-            if missed:
-                self.core.count_read_locked(None)
+            self.core.count_served_locked([tier for _, _, tier in served], missed)
 
     def _copy_out(self, plan: list[Planned], block_bytes: int, flat: torch.Tensor) -> int:
         core = self.core
