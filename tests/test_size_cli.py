@@ -86,6 +86,7 @@ def test_llama3_8b_json_and_defaults(size: Runner) -> None:
         "num_layers": 32,
         "num_kv_heads": 8,
         "head_dim": 128,
+        "head_dim_v": 128,
         "block_size": 16,
         "dtype": "fp16",
         "fingerprint": PRESETS["llama-3-8b"].layout().fingerprint,
@@ -284,3 +285,16 @@ def test_console_script_in_a_subprocess() -> None:
     report = json.loads(proc.stdout)
     assert report["bytes_per_token"] == 131_072
     assert report["bytes_per_request"] == GIB
+
+
+def test_an_mla_latent_is_one_head_without_v(size: Runner) -> None:
+    """DeepSeek-V3 as vLLM caches it: one latent of 576 (512 + 64 rope) per token and layer."""
+    report = size_json(size, "--model", "deepseek-v3", "--dtype", "bf16", "--seq-len", "1000")
+    assert (report["num_kv_heads"], report["head_dim"], report["head_dim_v"]) == (1, 576, 0)
+    assert report["bytes_per_token"] == 61 * 576 * 2
+    assert report["bytes_per_request"] == 61 * 576 * 2 * 1000
+    custom = size_json(size, "--layers", "4", "--kv-heads", "2", "--head-dim", "192",
+                       "--head-dim-v", "128")
+    assert custom["bytes_per_token"] == 4 * 2 * (192 + 128) * 2
+    code, _, err = size("--model", "llama-3-8b", "--head-dim-v", "-1")
+    assert code != 0 and "--head-dim-v" in err

@@ -1,9 +1,11 @@
 """The shape of one block of KV cache, and the KV-size formula.
 
-KV bytes per token = 2 (K and V) x num_layers x num_kv_heads x head_dim x bytes per element.
-A block holds ``block_size`` tokens; its canonical tensor is
-``[num_layers, 2, block_size, num_kv_heads, head_dim]``, contiguous (int4 packs two values per
-byte, so its last dimension is ``head_dim // 2`` of uint8).
+KV bytes per token = num_layers x num_kv_heads x (K head dim + V head dim) x bytes per element
+(2 x ... x head_dim when K and V have one head size). A block holds ``block_size`` tokens; its
+canonical tensor is ``[num_layers, 2, block_size, num_kv_heads, head_dim]`` when K and V have
+one head size, else ``[num_layers, block_size, num_kv_heads, head_dim + head_dim_v]`` (K then
+V of each head; an MLA latent is one "head" of ``head_dim`` with ``head_dim_v=0``). Contiguous;
+int4 packs two values per byte, halving the last dimension.
 """
 
 from __future__ import annotations
@@ -98,6 +100,9 @@ class KVLayout:
     Contract: every block stored under a layout is a contiguous tensor of ``block_shape`` and
     ``dtype.torch_dtype``, exactly ``bytes_per_block`` bytes long. ``fingerprint`` changes
     whenever any field changes, so records written under another layout never load as this one.
+    ``head_dim_v``: the V head size when it is not ``head_dim`` (None: the same; 0: no V, one
+    latent per token, as MLA caches hold). Layouts with one head size keep the fingerprint
+    they had before ``head_dim_v`` existed.
     """
 
     num_layers: int
@@ -106,6 +111,7 @@ class KVLayout:
     block_size: int = 16
     # A string ("bf16") or torch dtype is accepted too and normalised to a DType.
     dtype: DType = DType.FP16
+    head_dim_v: int | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "dtype", DType.parse(self.dtype))
@@ -113,13 +119,32 @@ class KVLayout:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ConfigError(f"KVLayout.{name} must be a positive integer, got {value!r}")
-        if self.dtype is DType.INT4 and self.head_dim % 2:
-            raise ConfigError(f"KVLayout.head_dim must be even for int4, got {self.head_dim}")
+        value_dim = self.head_dim_v
+        if value_dim is not None and (not isinstance(value_dim, int)
+                                      or isinstance(value_dim, bool) or value_dim < 0):
+            raise ConfigError(f"KVLayout.head_dim_v must be None or an integer >= 0, "
+                              f"got {value_dim!r}")
+        if value_dim == self.head_dim:
+            object.__setattr__(self, "head_dim_v", None)  # one form for one layout
+        if self.dtype is DType.INT4 and (self.head_dim % 2 or self.value_head_dim % 2):
+            raise ConfigError(f"KVLayout.head_dim must be even for int4, got {self.head_dim}"
+                              f" (V: {self.value_head_dim})")
+
+    @property
+    def value_head_dim(self) -> int:
+        """V's head size: ``head_dim_v``, or ``head_dim`` when it is None (0: no V)."""
+        return self.head_dim if self.head_dim_v is None else self.head_dim_v
+
+    @property
+    def is_split(self) -> bool:
+        """Whether K and V have one head size (the ``[L, 2, N, H, D]`` block)."""
+        return self.head_dim_v is None
 
     @property
     def bytes_per_token(self) -> int:
-        """2 x layers x kv heads x head dim x element size, in bytes."""
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.dtype.num_bits // 8
+        """Layers x kv heads x (K + V head dims) x element size, in bytes."""
+        dims = self.head_dim + self.value_head_dim
+        return self.num_layers * self.num_kv_heads * dims * self.dtype.num_bits // 8
 
     @property
     def bytes_per_block(self) -> int:
@@ -127,10 +152,15 @@ class KVLayout:
         return self.bytes_per_token * self.block_size
 
     @property
-    def block_shape(self) -> tuple[int, int, int, int, int]:
-        """``(num_layers, 2, block_size, num_kv_heads, head_dim)``; int4 halves the last."""
-        last = self.head_dim // self.dtype.elements_per_storage
-        return (self.num_layers, 2, self.block_size, self.num_kv_heads, last)
+    def block_shape(self) -> tuple[int, ...]:
+        """``(num_layers, 2, block_size, num_kv_heads, head_dim)``, else (K and V of two head
+        sizes, or a latent) ``(num_layers, block_size, num_kv_heads, head_dim + head_dim_v)``;
+        int4 halves the last."""
+        per = self.dtype.elements_per_storage
+        if self.is_split:
+            return (self.num_layers, 2, self.block_size, self.num_kv_heads, self.head_dim // per)
+        last = (self.head_dim + self.value_head_dim) // per
+        return (self.num_layers, self.block_size, self.num_kv_heads, last)
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -144,6 +174,8 @@ class KVLayout:
             f"tierkv-layout-v1:{self.num_layers}:{self.num_kv_heads}:{self.head_dim}:"
             f"{self.block_size}:{self.dtype.value}"
         )
+        if self.head_dim_v is not None:
+            text += f":v{self.head_dim_v}"
         return hashlib.sha256(text.encode()).hexdigest()[:16]
 
     def bytes_for(self, num_tokens: int, batch_size: int = 1) -> int:
@@ -161,8 +193,10 @@ class KVLayout:
         """Build the layout of one TP shard from a transformers ``PretrainedConfig`` (or a dict).
 
         Uses ``num_key_value_heads`` (falling back to ``num_attention_heads``: MHA), and
-        ``head_dim`` (falling back to ``hidden_size // num_attention_heads``). ``dtype`` defaults
-        to the config's ``torch_dtype``/``dtype``, else fp16. KV heads are split over ``tp_size``.
+        ``head_dim`` (falling back to ``hidden_size // num_attention_heads``); DeepSeek's
+        ``qk_nope_head_dim + qk_rope_head_dim`` and ``v_head_dim`` where the config has them.
+        ``dtype`` defaults to the config's ``torch_dtype``/``dtype``, else fp16. KV heads are
+        split over ``tp_size``.
         """
         if not isinstance(tp_size, int) or tp_size < 1:
             raise ConfigError(f"tp_size must be a positive integer, got {tp_size!r}")
@@ -184,11 +218,18 @@ class KVLayout:
                     f"num_attention_heads (got {hidden_size} and {num_heads})"
                 )
             head_dim = hidden_size // num_heads
+        head_dim_v = None
+        if get("qk_rope_head_dim") and get("v_head_dim"):
+            # DeepSeek V2/V3 in transformers: each head caches K of the nope and rope parts and
+            # a V of its own size (decompressed from the latent, as transformers computes it).
+            head_dim = int(get("qk_nope_head_dim") or 0) + int(get("qk_rope_head_dim"))
+            head_dim_v = int(get("v_head_dim"))
         if num_kv_heads % tp_size:
             raise ConfigError(f"tp_size: {tp_size} does not divide {num_kv_heads} KV heads")
         if dtype is None:
             dtype = get("torch_dtype") or get("dtype") or DType.FP16
-        return cls(num_layers, num_kv_heads // tp_size, head_dim, block_size, DType.parse(dtype))
+        return cls(num_layers, num_kv_heads // tp_size, head_dim, block_size, DType.parse(dtype),
+                   head_dim_v)
 
 
 def _getter(config: Any) -> Any:
@@ -205,10 +246,12 @@ class ModelPreset:
     num_layers: int
     num_kv_heads: int
     head_dim: int
+    head_dim_v: int | None = None  # see KVLayout (0: an MLA latent of head_dim per token)
 
     def layout(self, dtype: DType = DType.FP16, block_size: int = 16) -> KVLayout:
         """This model's layout in ``dtype``."""
-        return KVLayout(self.num_layers, self.num_kv_heads, self.head_dim, block_size, dtype)
+        return KVLayout(self.num_layers, self.num_kv_heads, self.head_dim, block_size, dtype,
+                        self.head_dim_v)
 
 
 PRESETS: dict[str, ModelPreset] = {
@@ -220,5 +263,8 @@ PRESETS: dict[str, ModelPreset] = {
         ModelPreset("Mistral-7B", 32, 8, 128),
         ModelPreset("Qwen2.5-7B", 28, 4, 128),
         ModelPreset("Qwen2.5-72B", 80, 8, 128),
+        # MLA as vLLM caches it: one latent (kv_lora_rank 512 + rope 64) per token and layer.
+        ModelPreset("DeepSeek-V3", 61, 1, 576, 0),
+        ModelPreset("DeepSeek-V2-Lite", 27, 1, 576, 0),
     )
 }

@@ -1,6 +1,7 @@
 """``tierkv size``: how many bytes of KV cache a model needs, and how many tokens fit.
 
-KV bytes = 2 x num_layers x num_kv_heads x head_dim x bytes per element x seq_len x batch; the
+KV bytes = num_layers x num_kv_heads x (head_dim + V head dim) x bytes per element x seq_len x
+batch (V's head dim is head_dim unless ``--head-dim-v`` says otherwise; 0 for an MLA latent); the
 arithmetic is :class:`tierkv.layout.KVLayout`'s. With ``--memory``, the blocks that fit are
 counted as the HOST and GPU tiers count them (``tierkv.paging.blocks_that_fit``): a slab of
 ``--page-bytes`` pages (the server's default unless given), each block taking whole pages.
@@ -26,13 +27,17 @@ def register(subparsers: Any) -> None:
         help="compute KV-cache sizes for a model",
         description="Compute KV-cache bytes per token, block, request and batch, and how many "
         "tokens fit in a memory budget. "
-        "KV bytes = 2 x layers x kv_heads x head_dim x bytes/element x seq_len x batch.",
+        "KV bytes = layers x kv_heads x (head_dim + head_dim_v) x bytes/element x seq_len x "
+        "batch; head_dim_v is head_dim unless given (0: an MLA latent, one 'head').",
     )
     parser.add_argument("--model", help="a preset (case-insensitive; see --list-models)")
     parser.add_argument("--list-models", action="store_true", help="list the presets and exit")
     parser.add_argument("--layers", type=int, help="number of layers (overrides the preset)")
     parser.add_argument("--kv-heads", type=int, help="number of KV heads (overrides the preset)")
     parser.add_argument("--head-dim", type=int, help="head dimension (overrides the preset)")
+    parser.add_argument("--head-dim-v", type=int,
+                        help="V's head dimension where it differs from K's (0: no V, an MLA "
+                        "latent of --head-dim per token; overrides the preset)")
     parser.add_argument(
         "--dtype",
         default=DType.FP16.value,
@@ -78,12 +83,19 @@ def size_report(args: argparse.Namespace) -> dict[str, Any]:
         if value is None:
             raise ConfigError(f"--{flag.replace('_', '-')} is required without --model")
         geometry[field] = value
-    layout = KVLayout(**geometry, block_size=args.block_size, dtype=DType.parse(args.dtype))
+    head_dim_v = args.head_dim_v
+    if head_dim_v is None and preset is not None:
+        head_dim_v = preset.head_dim_v
+    if head_dim_v is not None and head_dim_v < 0:
+        raise ConfigError(f"--head-dim-v must be 0 or more, got {head_dim_v}")
+    layout = KVLayout(**geometry, block_size=args.block_size, dtype=DType.parse(args.dtype),
+                      head_dim_v=head_dim_v)
     report: dict[str, Any] = {
         "model": preset.name if preset else None,
         "num_layers": layout.num_layers,
         "num_kv_heads": layout.num_kv_heads,
         "head_dim": layout.head_dim,
+        "head_dim_v": layout.value_head_dim,
         "block_size": layout.block_size,
         "dtype": layout.dtype.value,
         "fingerprint": layout.fingerprint,
@@ -129,17 +141,19 @@ def _print_models(json_output: bool) -> None:
                 "num_layers": p.num_layers,
                 "num_kv_heads": p.num_kv_heads,
                 "head_dim": p.head_dim,
+                "head_dim_v": p.layout().value_head_dim,
                 "fp16_bytes_per_token": p.layout().bytes_per_token,
             }
             for p in presets
         ]
         print(json.dumps(rows, indent=2))
         return
-    print(f"{'model':<14} {'layers':>6} {'kv_heads':>8} {'head_dim':>8} {'fp16 B/token':>13}")
+    print(f"{'model':<16} {'layers':>6} {'kv_heads':>8} {'head_dim':>8} {'V dim':>6} "
+          f"{'fp16 B/token':>13}")
     for p in presets:
         print(
-            f"{p.name:<14} {p.num_layers:>6} {p.num_kv_heads:>8} {p.head_dim:>8} "
-            f"{p.layout().bytes_per_token:>13,}"
+            f"{p.name:<16} {p.num_layers:>6} {p.num_kv_heads:>8} {p.head_dim:>8} "
+            f"{p.layout().value_head_dim:>6} {p.layout().bytes_per_token:>13,}"
         )
 
 
@@ -151,7 +165,9 @@ def _format_report(r: dict[str, Any]) -> str:
     lines = [
         f"model:             {r['model'] or '(custom)'}",
         f"layout:            {r['num_layers']} layers x {r['num_kv_heads']} KV heads x "
-        f"head_dim {r['head_dim']}, {r['dtype']}, block_size {r['block_size']}",
+        f"head_dim {r['head_dim']}"
+        + (f" (V {r['head_dim_v']})" if r["head_dim_v"] != r["head_dim"] else "")
+        + f", {r['dtype']}, block_size {r['block_size']}",
         f"per token:         {_bytes(r['bytes_per_token'])}",
         f"per block:         {_bytes(r['bytes_per_block'])}  [{r['block_size']:,} tokens]",
         f"per request:       {_bytes(r['bytes_per_request'])}  [{r['seq_len']:,} tokens]",

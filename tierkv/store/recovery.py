@@ -50,6 +50,8 @@ def namespace_descriptor(namespace: Namespace) -> bytes:
                        layout.block_size, layout.dtype.value],
             "tp": [namespace.tp_rank, namespace.tp_size],
             "tenant": namespace.tenant,
+            # Only where K and V differ: descriptors of other layouts are as they were.
+            **({} if layout.head_dim_v is None else {"head_dim_v": layout.head_dim_v}),
         }
     )
     return packed
@@ -59,7 +61,8 @@ def namespace_from_descriptor(data: bytes) -> Namespace:
     """Inverse of ``namespace_descriptor``."""
     fields = msgpack.unpackb(data)
     num_layers, num_kv_heads, head_dim, block_size, dtype = fields["layout"]
-    layout = KVLayout(num_layers, num_kv_heads, head_dim, block_size, dtype)
+    layout = KVLayout(num_layers, num_kv_heads, head_dim, block_size, dtype,
+                      fields.get("head_dim_v"))
     tp_rank, tp_size = fields["tp"]
     return Namespace(fields["model_id"], layout, tp_rank, tp_size, fields["tenant"])
 

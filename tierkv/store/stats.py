@@ -146,8 +146,10 @@ class NamespaceStats:
 
 def layout_label(layout: KVLayout) -> str:
     """A layout in one short word for tables: ``"32x8x128/16/fp16"`` (layers x KV heads x
-    head dim / block size / dtype)."""
-    return (f"{layout.num_layers}x{layout.num_kv_heads}x{layout.head_dim}/"
+    head dim / block size / dtype); ``"27x1x576+0/64/bf16"`` where V's head size differs from
+    K's (here none: an MLA latent)."""
+    value = "" if layout.head_dim_v is None else f"+{layout.head_dim_v}"
+    return (f"{layout.num_layers}x{layout.num_kv_heads}x{layout.head_dim}{value}/"
             f"{layout.block_size}/{layout.dtype.value}")
 
 
@@ -157,13 +159,15 @@ def parse_layout_label(text: str) -> KVLayout:
     dims, _, rest = text.partition("/")
     block_size, _, dtype = rest.partition("/")
     parts = dims.split("x")
-    if len(parts) != 3 or not all(p.isdigit() for p in (*parts, block_size)) or not dtype:
+    head, plus, value = parts[-1].partition("+") if parts else ("", "", "")
+    numbers = (*parts[:-1], head, block_size, *((value,) if plus else ()))
+    if len(parts) != 3 or not all(p.isdigit() for p in numbers) or not dtype:
         raise InvalidArgumentError(
-            f"layout {text!r}: expected LAYERSxKV_HEADSxHEAD_DIM/BLOCK_SIZE/DTYPE, e.g. "
-            "32x8x128/16/fp16"
+            f"layout {text!r}: expected LAYERSxKV_HEADSxHEAD_DIM[+V_HEAD_DIM]/BLOCK_SIZE/DTYPE, "
+            "e.g. 32x8x128/16/fp16"
         )
-    num_layers, num_kv_heads, head_dim = (int(p) for p in parts)
-    return KVLayout(num_layers, num_kv_heads, head_dim, int(block_size), DType.parse(dtype))
+    return KVLayout(int(parts[0]), int(parts[1]), int(head), int(block_size), DType.parse(dtype),
+                    int(value) if plus else None)
 
 
 def snapshot(core: StoreCore, leases: Sized, num_sessions: int,

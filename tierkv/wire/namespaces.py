@@ -35,8 +35,12 @@ def namespace_from(spec: pb.Namespace, tenant: str) -> Namespace:
     for name, value, limit in limits:
         if not 1 <= value <= limit:
             raise InvalidArgumentError(f"namespace.{name} must be in [1, {limit}], got {value}")
+    head_dim_v = spec.head_dim_v if spec.HasField("head_dim_v") else None
+    if head_dim_v is not None and head_dim_v > _MAX_HEAD_DIM:
+        raise InvalidArgumentError(
+            f"namespace.head_dim_v must be in [0, {_MAX_HEAD_DIM}], got {head_dim_v}")
     layout = KVLayout(spec.num_layers, spec.num_kv_heads, spec.head_dim, block_size,
-                      DType.parse(spec.dtype or _DEFAULT_DTYPE))
+                      DType.parse(spec.dtype or _DEFAULT_DTYPE), head_dim_v)
     return Namespace(spec.model_id, layout, spec.tp_rank, spec.tp_size or _DEFAULT_TP_SIZE,
                      tenant)
 
@@ -48,5 +52,5 @@ def namespace_to(namespace: Namespace) -> pb.Namespace:
         model_id=namespace.model_id, num_layers=layout.num_layers,
         num_kv_heads=layout.num_kv_heads, head_dim=layout.head_dim,
         block_size=layout.block_size, dtype=layout.dtype.value,
-        tp_rank=namespace.tp_rank, tp_size=namespace.tp_size,
+        tp_rank=namespace.tp_rank, tp_size=namespace.tp_size, head_dim_v=layout.head_dim_v,
     )

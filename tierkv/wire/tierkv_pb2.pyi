@@ -41,7 +41,7 @@ PRIORITY_HIGH: Priority
 PRIORITY_SESSION: Priority
 
 class Namespace(_message.Message):
-    __slots__ = ("model_id", "num_layers", "num_kv_heads", "head_dim", "block_size", "dtype", "tp_rank", "tp_size")
+    __slots__ = ("model_id", "num_layers", "num_kv_heads", "head_dim", "block_size", "dtype", "tp_rank", "tp_size", "head_dim_v")
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
     NUM_KV_HEADS_FIELD_NUMBER: _ClassVar[int]
@@ -50,6 +50,7 @@ class Namespace(_message.Message):
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     TP_RANK_FIELD_NUMBER: _ClassVar[int]
     TP_SIZE_FIELD_NUMBER: _ClassVar[int]
+    HEAD_DIM_V_FIELD_NUMBER: _ClassVar[int]
     model_id: str
     num_layers: int
     num_kv_heads: int
@@ -58,7 +59,8 @@ class Namespace(_message.Message):
     dtype: str
     tp_rank: int
     tp_size: int
-    def __init__(self, model_id: _Optional[str] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., block_size: _Optional[int] = ..., dtype: _Optional[str] = ..., tp_rank: _Optional[int] = ..., tp_size: _Optional[int] = ...) -> None: ...
+    head_dim_v: int
+    def __init__(self, model_id: _Optional[str] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., block_size: _Optional[int] = ..., dtype: _Optional[str] = ..., tp_rank: _Optional[int] = ..., tp_size: _Optional[int] = ..., head_dim_v: _Optional[int] = ...) -> None: ...
 
 class BlocksRequest(_message.Message):
     __slots__ = ("namespace", "hashes")
