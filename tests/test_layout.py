@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 import torch
 
-from tierkv.errors import ConfigError
+from tierkv.errors import ConfigError, InvalidArgumentError
 from tierkv.layout import PRESETS, DType, KVLayout
 
 GIB = 1024**3
@@ -230,3 +232,84 @@ def test_from_hf_config_splits_kv_heads_over_tp() -> None:
 def test_from_hf_config_missing_fields() -> None:
     with pytest.raises(ConfigError, match="num_hidden_layers"):
         KVLayout.from_hf_config({"num_attention_heads": 32, "hidden_size": 4096})
+
+
+# --- K and V of two head sizes, and MLA latents ------------------------------------------------
+
+
+def test_a_latent_layout_is_one_head_without_v() -> None:
+    latent = KVLayout(num_layers=61, num_kv_heads=1, head_dim=576, block_size=64,
+                      dtype="bf16", head_dim_v=0)
+    assert latent.value_head_dim == 0 and not latent.is_split
+    assert latent.bytes_per_token == 61 * 576 * 2
+    assert latent.block_shape == (61, 64, 1, 576)
+    assert latent.bytes_per_block == 61 * 64 * 576 * 2
+    skewed = KVLayout(4, 8, 192, 16, DType.BF16, head_dim_v=128)  # DeepSeek in transformers
+    assert skewed.bytes_per_token == 4 * 8 * (192 + 128) * 2
+    assert skewed.block_shape == (4, 16, 8, 320)
+
+
+def test_head_dim_v_equal_to_head_dim_is_the_split_layout_and_its_fingerprint() -> None:
+    split = KVLayout(32, 8, 128)
+    assert KVLayout(32, 8, 128, head_dim_v=128) == split
+    assert KVLayout(32, 8, 128, head_dim_v=128).fingerprint == split.fingerprint
+    others = {KVLayout(32, 8, 128, head_dim_v=v).fingerprint for v in (0, 64, 96)}
+    assert len(others | {split.fingerprint}) == 4
+
+
+@pytest.mark.parametrize("value", [-1, 1.5, True, "64"])
+def test_head_dim_v_must_be_a_count(value: object) -> None:
+    with pytest.raises(ConfigError, match="head_dim_v"):
+        KVLayout(2, 2, 64, head_dim_v=value)  # type: ignore[arg-type]
+
+
+def test_layouts_with_a_v_head_size_cross_every_boundary_unchanged() -> None:
+    """The wire, a stored namespace descriptor and a layout label all keep ``head_dim_v``."""
+    from tierkv.keys import Namespace
+    from tierkv.store import layout_label, parse_layout_label
+    from tierkv.store.recovery import namespace_descriptor, namespace_from_descriptor
+    from tierkv.wire.namespaces import namespace_from, namespace_to
+
+    for layout in (KVLayout(2, 1, 576, 16, DType.BF16, 0), KVLayout(2, 4, 192, 16, "fp16", 128),
+                   KVLayout(2, 4, 64)):
+        namespace = Namespace("m", layout, tenant="t")
+        assert namespace_from(namespace_to(namespace), "t") == namespace
+        assert namespace_from_descriptor(namespace_descriptor(namespace)) == namespace
+        assert parse_layout_label(layout_label(layout)) == layout
+    assert layout_label(KVLayout(2, 1, 576, 16, DType.BF16, 0)) == "2x1x576+0/16/bf16"
+    with pytest.raises(InvalidArgumentError, match="V_HEAD_DIM"):
+        parse_layout_label("2x1x576+/16/bf16")
+
+
+def test_latent_blocks_round_trip_through_a_sidecar_and_its_restart(
+    sidecar_factory: Any, tmp_path: Path,
+) -> None:
+    """An MLA latent and a K/V of two head sizes: stored, read back bit-exact over the Unix
+    socket and TCP, and again from DISK after a SIGKILL and a restart (the stored namespace
+    descriptor keeps ``head_dim_v``)."""
+    from tierkv import Client
+    from tierkv.keys import Namespace
+
+    layouts = (KVLayout(2, 1, 576, 16, DType.BF16, 0), KVLayout(2, 2, 96, 16, DType.BF16, 64))
+    flags = ("--host-bytes", "64MiB", "--disk-bytes", "256MiB", "--write-policy",
+             "write_through")
+    sidecar = sidecar_factory(*flags, disk_path=tmp_path / "disk")
+    stored = []
+    for index, layout in enumerate(layouts):
+        namespace = Namespace(f"latent-{index}", layout)
+        hashes = [bytes([index, k]) * 16 for k in range(5)]
+        data = torch.randint(-(2**15), 2**15, (5, *layout.block_shape), dtype=torch.int16)
+        blocks = data.view(layout.torch_dtype)
+        with Client(sidecar.unix_target) as client:
+            assert client.put(namespace, hashes, blocks) == 5
+        stored.append((namespace, hashes, data))
+    for attempt in ("before", "after"):
+        if attempt == "after":
+            sidecar.kill()
+            sidecar = sidecar_factory(*flags, disk_path=tmp_path / "disk")
+        for target in (sidecar.unix_target, sidecar.tcp_target):
+            with Client(target) as client:
+                for namespace, hashes, data in stored:
+                    got = client.get(namespace, hashes)
+                    assert tuple(got.shape) == (5, *namespace.layout.block_shape), attempt
+                    assert torch.equal(got.view(torch.int16), data), attempt
