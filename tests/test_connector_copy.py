@@ -20,8 +20,9 @@ from harness import BackgroundServer
 
 from tierkv import Client, ConfigError, KVLayout, Namespace
 from tierkv.bench.report import fresh_hashes
+from tierkv.integrations.vllm.geometry import BlockGeometry
 from tierkv.integrations.vllm.scheduler import BlockOp, StepMetadata
-from tierkv.integrations.vllm.settings import BlockGeometry, ConnectorSettings
+from tierkv.integrations.vllm.settings import ConnectorSettings
 from tierkv.integrations.vllm.worker import IDLE_SAVE_BUFFERS, WorkerSide
 
 NUM_VLLM_BLOCKS = 24
@@ -102,15 +103,15 @@ def put_blocks(target: str, namespace: Namespace, hashes: list[bytes],
 
 def saves(*ops: tuple[str, list[bytes], list[int]], namespace: Namespace = NAMESPACE
           ) -> StepMetadata:
-    return StepMetadata(namespace, saves=[BlockOp(r, tuple(h), tuple(i)) for r, h, i in ops])
+    return StepMetadata((namespace,), saves=[BlockOp(r, tuple(h), tuple(i)) for r, h, i in ops])
 
 
 def loads(*ops: tuple[str, list[bytes], list[int]], namespace: Namespace = NAMESPACE,
           asynchronous: bool = False) -> StepMetadata:
     planned = [BlockOp(r, tuple(h), tuple(i)) for r, h, i in ops]
     if asynchronous:
-        return StepMetadata(namespace, async_loads=planned)
-    return StepMetadata(namespace, loads=planned)
+        return StepMetadata((namespace,), async_loads=planned)
+    return StepMetadata((namespace,), loads=planned)
 
 
 def load_step(worker: WorkerSide, step: StepMetadata) -> set[int]:
@@ -347,7 +348,7 @@ def test_saves_queued_behind_a_slow_put_each_store_their_own_bytes(
         assert worker.counters.blocks_dropped == 0
         for hashes, blocks in expected:
             assert torch.equal(bits(stored(target, NAMESPACE, hashes)), bits(blocks))
-        assert len(worker._save_buffers) <= IDLE_SAVE_BUFFERS
+        assert len(worker._groups[0].save_buffers) <= IDLE_SAVE_BUFFERS
     finally:
         gated.gate.set()
         worker.close()

@@ -18,8 +18,9 @@ import torch
 from harness import ALICE_TOKEN, BackgroundServer, free_port, tokens_saved
 
 from tierkv import CapacityError, Client, KVLayout, Namespace, WritePolicy
+from tierkv.integrations.vllm.geometry import BlockGeometry
 from tierkv.integrations.vllm.scheduler import BlockOp, StepMetadata
-from tierkv.integrations.vllm.settings import BlockGeometry, ConnectorSettings
+from tierkv.integrations.vllm.settings import ConnectorSettings
 from tierkv.integrations.vllm.worker import WorkerSide
 from tiny_blocks import keys, same_bytes
 
@@ -116,7 +117,7 @@ def check_connector_loads(server: BackgroundServer, hashes: list[bytes], data: t
         worker.register(caches)
         chunk = hashes[-BATCH:]  # the oldest write_through blocks are on DISK only by now
         ids = list(range(BATCH))[::-1]
-        worker.start_load(StepMetadata(NAMESPACE, loads=[BlockOp("r", tuple(chunk), tuple(ids))]))
+        worker.start_load(StepMetadata((NAMESPACE,), loads=[BlockOp("r", tuple(chunk), tuple(ids))]))
         for name in names:
             worker.wait_for_layer(name)
         assert worker.take_load_errors() == set()

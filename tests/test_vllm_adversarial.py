@@ -40,7 +40,8 @@ from vllm.v1.outputs import KVConnectorOutput
 from tierkv import Client, Namespace, block_hashes
 from tierkv.client import base as client_base
 from tierkv.integrations.vllm.connector import TierKVConnector
-from tierkv.integrations.vllm.settings import geometry_of, namespace_of
+from tierkv.integrations.vllm.geometry import geometry_of
+from tierkv.integrations.vllm.settings import namespace_of
 from tierkv.integrations.vllm.worker import WorkerSide
 
 
@@ -175,11 +176,11 @@ def test_blocks_computed_on_top_of_a_failed_load_are_not_saved(server: Backgroun
         # Evicted (or the sidecar restarted) between the lookup and the load.
         with Client(target) as client:
             client.delete(engine.namespace, hashes[1:3])
-        blocks = SimpleNamespace(get_block_ids=lambda: ([0, 1, 2, 3, 4, 5],))
+        blocks = SimpleNamespace(get_block_ids=lambda: ([1, 2, 3, 4, 5, 6],))  # 0: vLLM's null
         engine.scheduler.update_state_after_alloc(req, blocks, num_tokens)
         # The step loads blocks 0-2 and computes the rest of the prompt (blocks 3, 4 and a tail).
-        out = engine.run(step(new=[("r", [0, 1, 2, 3, 4, 5], 3 * BLOCK, 2 * BLOCK + 3)]))
-        assert out.invalid_block_ids == {1, 2}  # reported: vLLM recomputes blocks 1 and up
+        out = engine.run(step(new=[("r", [1, 2, 3, 4, 5, 6], 3 * BLOCK, 2 * BLOCK + 3)]))
+        assert out.invalid_block_ids == {2, 3}  # reported: vLLM recomputes blocks 1 and up
         assert engine.flush()
         # Blocks 3 and 4 were computed over the failed blocks 1-2: they must not be stored.
         assert holds(target, engine.namespace, hashes[3:4]) == 0
@@ -206,9 +207,9 @@ def test_blocks_one_tp_rank_failed_to_load_are_saved_again_once_recomputed(
         put_blocks(target, engine.namespace, prompt, 3)
         put_blocks(target, rank1, prompt, 1)  # rank 1 lost blocks 1 and 2
         first = request("A", prompt)
-        assert engine.admit(first, [0, 1, 2, 3])[0] == 3 * BLOCK
-        out = engine.run(step(new=[("A", [0, 1, 2, 3], 3 * BLOCK, 5)]))
-        assert out.invalid_block_ids == {1, 2}
+        assert engine.admit(first, [1, 2, 3, 4])[0] == 3 * BLOCK
+        out = engine.run(step(new=[("A", [1, 2, 3, 4], 3 * BLOCK, 5)]))
+        assert out.invalid_block_ids == {2, 3}
         # vLLM: num_computed_tokens back to the first failed block; the next step recomputes.
         engine.run(step(cached=[("A", None, BLOCK, 2 * BLOCK + 5)]))
         assert engine.flush()
@@ -260,8 +261,8 @@ def hung_engine(sidecar_factory: SidecarFactory, load_mode: str = "sync"
     # Warm: a request with no hit computes and saves its blocks (both clients have described
     # the server and mapped its slab), then the sidecar hangs.
     warm = request("warm", tokens(3 * BLOCK + 5, seed=22))
-    assert engine.admit(warm, [0, 1, 2, 3]) == (0, False)
-    engine.run(step(new=[("warm", [0, 1, 2, 3], 0, 3 * BLOCK + 5)]))
+    assert engine.admit(warm, [1, 2, 3, 4]) == (0, False)
+    engine.run(step(new=[("warm", [1, 2, 3, 4], 0, 3 * BLOCK + 5)]))
     assert engine.flush()
     assert sidecar.process is not None
     os.kill(sidecar.process.pid, signal.SIGSTOP)
@@ -352,8 +353,8 @@ def test_a_request_aborted_while_its_async_load_runs_is_not_reported_twice(
         prompt = tokens(4 * BLOCK + 3, seed=61)
         req = request("R", prompt)
         # Prefilled in one step: blocks 0-3 are saved.
-        assert engine.admit(req, [0, 1, 2, 3, 4]) == (0, False)
-        engine.run(step(new=[("R", [0, 1, 2, 3, 4], 0, 4 * BLOCK + 3)]))
+        assert engine.admit(req, [1, 2, 3, 4, 10]) == (0, False)
+        engine.run(step(new=[("R", [1, 2, 3, 4, 10], 0, 4 * BLOCK + 3)]))
         assert engine.flush()
         # Preempted (vLLM frees its blocks, num_computed_tokens = 0), then resumed: its own
         # prefix is in the sidecar now, loaded asynchronously while it waits.

@@ -15,17 +15,16 @@ from vllm.v1.kv_cache_interface import (
     FullAttentionSpec,
     KVCacheConfig,
     KVCacheGroupSpec,
+    MambaSpec,
     MLAAttentionSpec,
+    SlidingWindowSpec,
 )
 
 from tierkv import ConfigError, Priority, WritePolicy
 from tierkv.bench.models import TINY, build_llama
 from tierkv.hashing import none_hash
-from tierkv.integrations.vllm.settings import (
-    ConnectorSettings,
-    geometry_of,
-    namespace_of,
-)
+from tierkv.integrations.vllm.geometry import geometry_of
+from tierkv.integrations.vllm.settings import ConnectorSettings, namespace_of, namespaces_of
 from tierkv.layout import DType
 
 LAYERS = tuple(f"model.layers.{i}.self_attn.attn" for i in (0, 1))
@@ -138,7 +137,7 @@ def test_the_namespace_names_the_hash_scheme_tierkv_computes_by_default(model: P
 def test_layers_are_in_model_order() -> None:
     names = tuple(f"model.layers.{i}.self_attn.attn" for i in (10, 2, 1, 0, 9))
     vllm_config = engine_config_stub()
-    geometry = geometry_of(vllm_config, cache_config(layers=names))
+    (geometry,) = geometry_of(vllm_config, cache_config(layers=names)).groups
     assert [int(n.split(".")[2]) for n in geometry.layer_names] == [0, 1, 2, 9, 10]
 
 
@@ -152,23 +151,70 @@ def engine_config_stub() -> Any:
     return Config()
 
 
-def test_caches_it_cannot_read_are_refused() -> None:
-    two_groups = cache_config()
-    two_groups.kv_cache_groups.append(two_groups.kv_cache_groups[0])
-    with pytest.raises(ConfigError, match="one KV cache group"):
-        geometry_of(engine_config_stub(), two_groups)
-    mla = KVCacheConfig(num_blocks=8, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(
-        list(LAYERS), MLAAttentionSpec(block_size=32, num_kv_heads=1, head_size=576,
-                                       dtype=torch.bfloat16))])
-    with pytest.raises(ConfigError):
-        geometry_of(engine_config_stub(), mla)
+def groups_config(*groups: tuple[tuple[str, ...], Any]) -> Any:
+    return KVCacheConfig(num_blocks=64, kv_cache_tensors=[], kv_cache_groups=[
+        KVCacheGroupSpec(list(names), spec) for names, spec in groups])
+
+
+SLIDING = tuple(f"model.layers.{i}.self_attn.attn" for i in (0, 1, 2, 4))
+GLOBAL = ("model.layers.3.self_attn.attn",)
+
+
+def test_each_group_is_a_namespace_with_the_window_its_hits_need(model: Path) -> None:
+    """Gemma-3-like: sliding-window layers and a global one, two groups of their own."""
+    window = SlidingWindowSpec(block_size=32, num_kv_heads=2, head_size=64,
+                               dtype=torch.bfloat16, sliding_window=100)
+    full = FullAttentionSpec(block_size=32, num_kv_heads=2, head_size=64, dtype=torch.bfloat16)
+    kv = groups_config((GLOBAL, full), (SLIDING, window))
+    vllm_config = engine_config(model)
+    geometry = geometry_of(vllm_config, kv)
+    assert geometry.serves and not geometry.is_plain and geometry.block_size == 32
+    first, second = geometry.groups
+    assert (first.kind, first.layout.num_layers, second.kind, second.window_tokens) == (
+        "full", 1, "sliding", 100)
+    # A hit of 320 tokens needs tokens 221..319 of the window: blocks 6 to 9.
+    assert second.first_needed_block(320) == 6 and first.first_needed_block(320) == 0
+    assert second.first_needed_block(64) == 0  # shorter than the window: all of it
+    namespaces = namespaces_of(vllm_config, kv, geometry, 0)
+    assert namespaces[0].model_id.endswith("|group=0:full")
+    assert namespaces[1].model_id.endswith("|group=1:sliding:100")
+    # One full-attention group names none: the namespace every stored block already has.
+    plain = namespace_of(vllm_config, cache_config(), geometry_of(vllm_config, cache_config()), 0)
+    assert "group=" not in plain.model_id
+    assert plain.model_id == namespaces[0].model_id.removesuffix("|group=0:full")
+
+
+def test_an_mla_latent_is_one_page_per_layer_stored_once_for_every_rank(model: Path) -> None:
+    mla = MLAAttentionSpec(block_size=32, num_kv_heads=1, head_size=576, dtype=torch.bfloat16)
+    kv = groups_config((LAYERS, mla))
+    vllm_config = engine_config(model, tensor_parallel_size=1)
+    geometry = geometry_of(vllm_config, kv)
+    (group,) = geometry.groups
+    assert group.replicated and group.layout.head_dim_v == 0
+    assert group.layout.bytes_per_block == 2 * 32 * 576 * 2  # layers x tokens x latent x 2 B
+    assert group.layout.block_shape == (2, 32, 1, 576)
+    rank0 = namespace_of(vllm_config, kv, group, 0, plain=False)
+    assert namespace_of(vllm_config, kv, group, 3, plain=False) == rank0
+    assert (rank0.tp_rank, rank0.tp_size) == (0, 1)
+
+
+def test_groups_whose_state_is_not_kv_blocks_turn_hits_off(model: Path) -> None:
+    """A hybrid state-space model: the engine starts, the connector says once which group it
+    does not cache, and serves nothing (a hit must restore every group)."""
+    full = FullAttentionSpec(block_size=32, num_kv_heads=2, head_size=64, dtype=torch.bfloat16)
+    mamba = MambaSpec(block_size=32, shapes=((4, 8),), dtypes=(torch.float32,))
+    geometry = geometry_of(engine_config(model), groups_config(
+        (GLOBAL, full), (("model.layers.0.mixer",), mamba)))
+    assert not geometry.serves
+    assert geometry.uncached == ("KV cache group 1 (MambaSpec, 1 layers from "
+                                 "model.layers.0.mixer)",)
 
 
 def test_an_fp8_cache_is_stored_as_its_bytes_in_a_namespace_of_its_own(model: Path) -> None:
     # vLLM keeps an fp8 cache in uint8 tensors: the connector moves those bytes as they are,
     # one byte an element, and names the cache dtype so that e4m3 and e5m2 never meet.
     fp8 = engine_config(model, kv_cache_dtype="fp8")
-    geometry = geometry_of(fp8, cache_config(torch.uint8))
+    (geometry,) = geometry_of(fp8, cache_config(torch.uint8)).groups
     assert geometry.layout.dtype is DType.FP8 and geometry.cache_dtype == torch.uint8
     assert geometry.layout.bytes_per_block == 2 * 2 * 32 * 2 * 64  # 1 B an element
     names = {namespace_of(engine_config(model, kv_cache_dtype=d), cache_config(torch.uint8),

@@ -17,8 +17,9 @@ import torch
 from harness import BackgroundServer, SidecarFactory
 
 from tierkv import Client, ConfigError, KVLayout, Namespace, block_hashes
+from tierkv.integrations.vllm.geometry import BlockGeometry
 from tierkv.integrations.vllm.scheduler import SchedulerSide
-from tierkv.integrations.vllm.settings import BlockGeometry, ConnectorSettings
+from tierkv.integrations.vllm.settings import ConnectorSettings
 from tierkv.integrations.vllm.worker import WorkerSide
 
 BLOCK = 32
@@ -94,8 +95,8 @@ def test_offers_whole_stored_blocks_beyond_what_vllm_has_never_the_last_token(
         assert side.num_matched_tokens(request("c", tokens(200, seed=9)), 0) == 0
         # The block it cannot load is held all the same: it is not saved again.
         exact = request("b", prompt[: 5 * BLOCK])
-        side.after_alloc(exact, [0, 1, 2, 3, 4], 4 * BLOCK)
-        ids = [0, 1, 2, 3, 4]
+        side.after_alloc(exact, ([1, 2, 3, 4, 5],), 4 * BLOCK)
+        ids = [1, 2, 3, 4, 5]
         steps = [side.build(step(new=[("b", ids, 4 * BLOCK, BLOCK)]))]
         steps += [side.build(step(cached=[("b", None, 5 * BLOCK + i, 1)])) for i in range(3)]
         assert [len(s.loads) for s in steps] == [1, 0, 0, 0]
@@ -114,9 +115,9 @@ def test_plans_loads_then_saves_only_what_the_sidecar_lacks(server: BackgroundSe
         req = request("r", prompt)
         # vLLM has block 0 itself; the sidecar has blocks 0-2: two are loaded.
         assert side.num_matched_tokens(req, BLOCK) == 2 * BLOCK
-        side.after_alloc(req, [10, 11, 12, 13], 2 * BLOCK)
+        side.after_alloc(req, ([10, 11, 12, 13],), 2 * BLOCK)
         first = side.build(step(new=[("r", [10, 11, 12, 13], 3 * BLOCK, BLOCK)]))
-        assert first.namespace == NAMESPACE
+        assert first.namespaces == (NAMESPACE,)
         assert [(op.hashes, op.block_ids) for op in first.loads] == [(tuple(hashes[1:3]), (11, 12))]
         # What a step computes over a load is saved once the load is known good on every rank:
         # two steps later (vLLM plans the next step before it hears of this one).
@@ -124,7 +125,7 @@ def test_plans_loads_then_saves_only_what_the_sidecar_lacks(server: BackgroundSe
         second = side.build(step(cached=[("r", [14, 15, 16, 17], 4 * BLOCK, 3 * BLOCK + 5)]))
         assert not second.loads and not second.saves
         third = side.build(step(cached=[("r", None, 7 * BLOCK + 5, 1)]))
-        assert not third.loads and third.namespace == NAMESPACE  # sent with every op
+        assert not third.loads and third.namespaces == (NAMESPACE,)  # sent with every op
         assert [(op.hashes, op.block_ids) for op in third.saves] == [
             (tuple(hashes[3:7]), (13, 14, 15, 16))
         ]
@@ -185,7 +186,7 @@ def caches(device: str = "cpu", fill: bool = True) -> dict[str, torch.Tensor]:
 def meta(loads: list[Any] = (), saves: list[Any] = ()) -> Any:  # type: ignore[assignment]
     from tierkv.integrations.vllm.scheduler import StepMetadata
 
-    return StepMetadata(namespace=NAMESPACE, loads=list(loads), saves=list(saves))
+    return StepMetadata(namespaces=(NAMESPACE,), loads=list(loads), saves=list(saves))
 
 
 def op(req_id: str, hashes: list[bytes], block_ids: list[int]) -> Any:
@@ -307,7 +308,7 @@ def test_async_loads_are_planned_while_the_request_waits_and_reported_when_done(
         worker.register(target_caches := caches(fill=False))
         req = request("r", prompt)
         assert side.num_matched_tokens(req, 0) == 3 * BLOCK and side.loads_async
-        side.after_alloc(req, [4, 5, 6, 7, 8], 3 * BLOCK)
+        side.after_alloc(req, ([4, 5, 6, 7, 8],), 3 * BLOCK)
         waiting = side.build(step())  # the request waits: it is not scheduled this step
         assert not waiting.loads and [o.block_ids for o in waiting.async_loads] == [(4, 5, 6)]
         worker.start_load(waiting)
@@ -319,7 +320,7 @@ def test_async_loads_are_planned_while_the_request_waits_and_reported_when_done(
             want = blocks.view(3, 2, -1)[:, layer_index]
             assert torch.equal(got.reshape(3, -1), want.reshape(3, -1))
         # Scheduled once loaded: nothing is loaded again; the blocks it computes are saved.
-        side.after_alloc(req, [4, 5, 6, 7, 8], 0)
+        side.after_alloc(req, ([4, 5, 6, 7, 8],), 0)
         later = side.build(step(new=[("r", [4, 5, 6, 7, 8], 3 * BLOCK, BLOCK + 3)]))
         assert not later.loads and not later.async_loads
         assert [o.block_ids for o in later.saves] == [(7,)]

@@ -45,8 +45,9 @@ from tierkv.bench.report import GB, Row, fresh_hashes
 from tierkv.bench.servers import tierkv_server
 from tierkv.client import Client
 from tierkv.config import MiB
+from tierkv.integrations.vllm.geometry import BlockGeometry
 from tierkv.integrations.vllm.scheduler import BlockOp, StepMetadata
-from tierkv.integrations.vllm.settings import BlockGeometry, ConnectorSettings
+from tierkv.integrations.vllm.settings import ConnectorSettings
 from tierkv.integrations.vllm.worker import WorkerSide
 from tierkv.keys import Namespace
 from tierkv.layout import DType, KVLayout
@@ -166,7 +167,7 @@ class _Bench:
             self.client.delete(self.namespace, self.last_saved)
         hashes = fresh_hashes(self.cfg.num_blocks)
         self.last_saved = hashes
-        step = StepMetadata(self.namespace, saves=[BlockOp("r", tuple(hashes),
+        step = StepMetadata((self.namespace,), saves=[BlockOp("r", tuple(hashes),
                                                             tuple(self.save_ids))])
         start = time.perf_counter()
         self.saver.save(step)
@@ -199,7 +200,7 @@ class _Bench:
         return time.perf_counter() - start
 
     def load(self) -> float:
-        step = StepMetadata(self.namespace, loads=[BlockOp("q", tuple(self.load_hashes),
+        step = StepMetadata((self.namespace,), loads=[BlockOp("q", tuple(self.load_hashes),
                                                             tuple(self.load_ids))])
         start = time.perf_counter()
         self.loader.start_load(step)

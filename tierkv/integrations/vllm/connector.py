@@ -24,10 +24,12 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    SupportsHMA,
 )
 
+from tierkv.integrations.vllm.geometry import geometry_of
 from tierkv.integrations.vllm.scheduler import SchedulerSide, StepMetadata
-from tierkv.integrations.vllm.settings import ConnectorSettings, geometry_of, namespace_of
+from tierkv.integrations.vllm.settings import ConnectorSettings, namespaces_of
 from tierkv.integrations.vllm.worker import WorkerSide
 
 if TYPE_CHECKING:
@@ -46,9 +48,10 @@ class TierKVMetadata(KVConnectorMetadata, StepMetadata):  # type: ignore[misc]
     """One step's loads and saves, as vLLM carries them to the workers."""
 
 
-class TierKVConnector(KVConnectorBase_V1):  # type: ignore[misc]
+class TierKVConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
     """Keeps vLLM's prefix KV in a tierkv sidecar, so that a fresh engine skips the prefill of
-    every prefix the sidecar holds."""
+    every prefix the sidecar holds. Serves vLLM's hybrid allocator (``SupportsHMA``): every
+    KV cache group is a namespace of its own, with its own block ids."""
 
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
                  kv_cache_config: KVCacheConfig) -> None:
@@ -63,8 +66,8 @@ class TierKVConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
-            namespace = namespace_of(vllm_config, kv_cache_config, self.geometry, tp_rank=0)
-            self._scheduler = SchedulerSide(self.settings, self.geometry, namespace)
+            namespaces = namespaces_of(vllm_config, kv_cache_config, self.geometry, tp_rank=0)
+            self._scheduler = SchedulerSide(self.settings, self.geometry, namespaces)
         else:
             self._worker = WorkerSide(self.settings, self.geometry, _tp_rank())
 
@@ -84,13 +87,13 @@ class TierKVConnector(KVConnectorBase_V1):  # type: ignore[misc]
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
                                  num_external_tokens: int) -> None:
         assert self._scheduler is not None
-        self._scheduler.after_alloc(request, list(blocks.get_block_ids()[0]), num_external_tokens)
+        self._scheduler.after_alloc(request, blocks.get_block_ids(), num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         assert self._scheduler is not None
         step = self._scheduler.build(scheduler_output)
         meta = TierKVMetadata()
-        meta.namespace, meta.loads, meta.saves = step.namespace, step.loads, step.saves
+        meta.namespaces, meta.loads, meta.saves = step.namespaces, step.loads, step.saves
         meta.async_loads = step.async_loads
         return meta
 
@@ -104,6 +107,11 @@ class TierKVConnector(KVConnectorBase_V1):  # type: ignore[misc]
         assert self._scheduler is not None
         self._scheduler.finished(request)
         return False, None
+
+    def request_finished_all_groups(self, request: Request, block_ids: tuple[list[int], ...]
+                                    ) -> tuple[bool, dict[str, Any] | None]:
+        """The hybrid allocator's ``request_finished``: never holds the blocks either."""
+        return self.request_finished(request, [])
 
     @classmethod
     def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
@@ -157,6 +165,12 @@ class TierKVConnector(KVConnectorBase_V1):  # type: ignore[misc]
         dropped); True when none is left. For tests and orderly handovers between engines."""
         assert self._worker is not None
         return self._worker.flush(timeout_s)
+
+    def worker_counters(self) -> dict[str, int]:
+        """What this worker moved (blocks and bytes loaded, saved, failed, dropped)."""
+        assert self._worker is not None
+        counters = self._worker.counters
+        return {name: int(getattr(counters, name)) for name in counters.__slots__}
 
     def shutdown(self) -> None:
         if self._worker is not None:

@@ -65,7 +65,8 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
     llm = LLM(
         model=spec["model"], skip_tokenizer_init=True, enforce_eager=True,
         dtype=spec.get("dtype", "bfloat16"), max_model_len=int(spec.get("max_model_len", 4096)),
-        enable_prefix_caching=True, kv_transfer_config=_transfer_config(spec),
+        enable_prefix_caching=bool(spec.get("prefix_caching", True)),
+        kv_transfer_config=_transfer_config(spec),
         max_num_batched_tokens=int(spec.get("max_num_batched_tokens", 8192)),
         max_num_seqs=int(spec.get("max_num_seqs", 16)), seed=0, disable_log_stats=False,
         block_size=int(spec.get("block_size", 128)), **kwargs,
@@ -99,6 +100,8 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
         if round_spec.get("signal"):
             Path(round_spec["signal"]).touch()
     result["counters"] = _counters(llm)
+    if spec.get("connector") == "tierkv":
+        result["worker_counters"] = llm.collective_rpc(_worker_counters, timeout=60.0)
     return result
 
 
@@ -107,6 +110,13 @@ def _flush_saves(worker: Any) -> bool:
     from vllm.distributed.kv_transfer import get_kv_transfer_group
 
     return bool(get_kv_transfer_group().flush_saves(60.0))
+
+
+def _worker_counters(worker: Any) -> dict[str, int]:
+    """Run in each worker: what its connector moved."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    return dict(get_kv_transfer_group().worker_counters())
 
 
 def _wait_for(path: Path) -> None:

@@ -5,7 +5,10 @@ Contracts (vLLM v1's connector API):
 
 * ``num_matched_tokens`` looks up ``request.block_hashes`` (vLLM's own hashes, never
   recomputed) and offers whole blocks beyond what vLLM already computed, never the whole prompt
-  (at least one token is left to compute). It answers from the sidecar's shared-memory presence
+  (at least one token is left to compute). With several KV cache groups (vLLM's hybrid
+  allocator) the hit is the longest prefix for which every group holds what it needs: all
+  blocks for full attention, the window before the hit for a sliding window; loads and saves
+  skip vLLM's null block (a position out of a window). It answers from the sidecar's shared-memory presence
   table when it can, else with one Lookup; a sidecar that is down or slow makes it answer 0
   within ``lookup_timeout_s``, and it is not asked again for a while (a breaker).
 * Loads are synchronous by default (in the step that schedules the request; see the README for
@@ -24,11 +27,13 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from tierkv.client import Client
-from tierkv.integrations.vllm.settings import BlockGeometry, ConnectorSettings
+from tierkv.integrations.vllm.geometry import FULL, NULL_BLOCK_ID, BlockGeometry, EngineGeometry
+from tierkv.integrations.vllm.settings import ConnectorSettings
 from tierkv.keys import Namespace
 
 log = logging.getLogger("tierkv.integrations.vllm")
@@ -37,24 +42,27 @@ log = logging.getLogger("tierkv.integrations.vllm")
 # scheduling the next step is planned before the load step's output arrives, the one after it is
 # not. By then ``on_output`` has heard of any block that failed to load, on any TP rank.
 SAVE_DELAY_STEPS = 2
+_MAX_CUTS = 8  # rounds of cutting a hybrid hit to what every group holds (each: one lookup)
 
 
 @dataclass(frozen=True, slots=True)
 class BlockOp:
-    """Load or save ``hashes`` from/into vLLM's blocks ``block_ids`` (same length) for request
-    ``req_id``."""
+    """Load or save ``hashes`` from/into vLLM's blocks ``block_ids`` (same length) of group
+    ``group`` (an index into the engine geometry's groups) for request ``req_id``."""
 
     req_id: str
     hashes: tuple[bytes, ...]
     block_ids: tuple[int, ...]
+    group: int = 0
 
 
 @dataclass(slots=True)
 class StepMetadata:
     """What the scheduler tells the workers for one step (pickled to them by vLLM). Subclasses
-    vLLM's ``KVConnectorMetadata`` in the connector module; kept plain here."""
+    vLLM's ``KVConnectorMetadata`` in the connector module; kept plain here. ``namespaces``:
+    one per group, sent with the first step and with every step that moves blocks."""
 
-    namespace: Namespace | None = None
+    namespaces: tuple[Namespace, ...] | None = None
     loads: list[BlockOp] = field(default_factory=list)  # in this step's forward pass
     async_loads: list[BlockOp] = field(default_factory=list)  # between steps (load_mode async)
     saves: list[BlockOp] = field(default_factory=list)
@@ -62,45 +70,59 @@ class StepMetadata:
 
 @dataclass(slots=True)
 class _Request:
-    """What the scheduler keeps of one live request."""
+    """What the scheduler keeps of one live request (per group: vLLM's block ids, and the
+    leading blocks the sidecar holds, or that are being saved, or that can never be)."""
 
     request: Any  # vLLM's Request: its block_hashes grow as tokens come
     num_prompt_tokens: int
-    block_ids: list[int] = field(default_factory=list)
-    stored_blocks: int = 0  # leading prompt blocks the sidecar holds or that are being saved
-    pending_load: BlockOp | None = None
+    block_ids: list[list[int]]
+    stored_blocks: list[int]
+    pending_loads: list[BlockOp] = field(default_factory=list)
     load_step: int | None = None  # the step its last synchronous load was in
 
 
 class SchedulerSide:
     """The connector's scheduler-side state; one per engine."""
 
-    def __init__(self, settings: ConnectorSettings, geometry: BlockGeometry,
-                 namespace: Namespace) -> None:
+    def __init__(self, settings: ConnectorSettings, geometry: EngineGeometry | BlockGeometry,
+                 namespaces: Sequence[Namespace] | Namespace) -> None:
         self.settings = settings
-        self.geometry = geometry
-        self.namespace = namespace
+        self.geometry = EngineGeometry.of(geometry)
+        self.namespaces = ((namespaces,) if isinstance(namespaces, Namespace)
+                           else tuple(namespaces))
+        if len(self.namespaces) != len(self.geometry.groups):
+            raise ValueError("one namespace per KV cache group")
         self._client = Client(settings.address, token=settings.token,
                                    timeout_s=settings.lookup_timeout_s, retries=0)
         self._requests: dict[str, _Request] = {}
-        # req_id -> (blocks vLLM had computed, leading prompt blocks the sidecar holds)
-        self._matched: dict[str, tuple[int, int]] = {}
+        # req_id -> (tokens vLLM had computed, tokens of the hit, each group's held blocks)
+        self._matched: dict[str, tuple[int, int, list[int]]] = {}
         self._down_until = 0.0
         self._namespace_sent = False
         self._num_steps = 0
         self.num_lookup_errors = 0
+        for line in self.geometry.uncached:
+            log.warning("tierkv: %s holds state the connector does not cache: no hits and no "
+                        "saves for this model", line)
+
+    @property
+    def namespace(self) -> Namespace:
+        """The first group's namespace (the only one of a model with one group)."""
+        return self.namespaces[0]
 
     # --- lookups ----------------------------------------------------------------------------
 
-    def _hashes(self, request: Any, end: int, start: int = 0) -> tuple[bytes, ...]:
-        """vLLM's hashes of blocks ``start`` to ``end`` (at the connector's block size)."""
-        ratio = self.geometry.block_size // self.geometry.hash_block_size
+    def _hashes(self, request: Any, end: int, start: int = 0, group: int = 0
+                ) -> tuple[bytes, ...]:
+        """vLLM's hashes of blocks ``start`` to ``end`` of ``group`` (at its block size)."""
+        ratio = self.geometry.groups[group].block_size // self.geometry.hash_block_size
         hashes = request.block_hashes
         return tuple(bytes(hashes[(k + 1) * ratio - 1]) for k in range(start, end))
 
-    def _num_hashed_blocks(self, request: Any, num_tokens: int) -> int:
-        ratio = self.geometry.block_size // self.geometry.hash_block_size
-        return min(num_tokens // self.geometry.block_size, len(request.block_hashes) // ratio)
+    def _num_hashed_blocks(self, request: Any, num_tokens: int, group: int = 0) -> int:
+        block_size = self.geometry.groups[group].block_size
+        ratio = block_size // self.geometry.hash_block_size
+        return min(num_tokens // block_size, len(request.block_hashes) // ratio)
 
     @property
     def loads_async(self) -> bool:
@@ -108,26 +130,59 @@ class SchedulerSide:
         return self.settings.load_mode == "async"
 
     def num_matched_tokens(self, request: Any, num_computed_tokens: int) -> int:
-        """Tokens beyond ``num_computed_tokens`` that can be loaded (whole blocks, never the
-        last token of the request)."""
-        block_size = self.geometry.block_size
+        """Tokens beyond ``num_computed_tokens`` that can be loaded: the longest prefix, a
+        multiple of the engine's block size, for which every group holds what a hit needs
+        (``geometry``'s module doc), never the last token of the request."""
+        if not self.geometry.serves:
+            return 0
+        unit = self.geometry.block_size
+        groups = self.geometry.groups
         # At least one token is left to compute: vLLM needs one to produce the next token.
-        limit = self._num_hashed_blocks(request, request.num_tokens - 1)
-        start = num_computed_tokens // block_size
-        # Every full block is looked up, the last one too: what the sidecar holds is not saved
-        # again, even the block that cannot be loaded.
-        held = self._num_hashed_blocks(request, request.num_tokens)
-        held = self._lookup(request, held) if held > 0 else 0
-        self._matched[request.request_id] = (start, held)
-        return max(0, min(held, limit) - start) * block_size
+        hashed = min(self._num_hashed_blocks(request, request.num_tokens - 1, g) * b.block_size
+                     for g, b in enumerate(groups))
+        length = min(request.num_tokens - 1, hashed) // unit * unit
+        # Full groups: every full block is looked up, the last one too, so that what the
+        # sidecar holds is not saved again, even the block that cannot be loaded.
+        held = [0] * len(groups)
+        for g, group in enumerate(groups):
+            if group.kind == FULL:
+                wanted = self._num_hashed_blocks(request, request.num_tokens, g)
+                held[g] = self._lookup(request, g, 0, wanted) if wanted > 0 else 0
+                length = min(length, held[g] * group.block_size // unit * unit)
+        # The other groups cut it to what they hold, until no group cuts it further (vLLM's
+        # fixed point): each cut is to just before a block that is not held.
+        for _ in range(_MAX_CUTS):
+            cut = False
+            for g, group in enumerate(groups):
+                if group.kind == FULL or length <= num_computed_tokens:
+                    continue
+                first, end = group.first_needed_block(length), length // group.block_size
+                if end <= first:
+                    continue
+                count = self._lookup(request, g, first, end - first)
+                if count < end - first:
+                    length = (first + count) * group.block_size // unit * unit
+                    cut = True
+            if not cut:
+                break
+        else:
+            length = 0
+        length = max(num_computed_tokens, length)
+        for g, group in enumerate(groups):
+            if group.kind != FULL:
+                held[g] = length // group.block_size
+        self._matched[request.request_id] = (num_computed_tokens, length, held)
+        return max(0, int(length) - num_computed_tokens)
 
-    def _lookup(self, request: Any, num_blocks: int) -> int:
+    def _lookup(self, request: Any, group: int, start: int, num_blocks: int) -> int:
+        """How many of ``group``'s blocks ``start`` to ``start + num_blocks`` the sidecar holds,
+        leading ones (0 when it fails)."""
         now = time.monotonic()
         if now < self._down_until:
             return 0
         try:
-            return min(num_blocks, self._client.lookup(self.namespace,
-                                                       self._hashes(request, num_blocks)))
+            hashes = self._hashes(request, start + num_blocks, start, group)
+            return min(num_blocks, self._client.lookup(self.namespaces[group], hashes))
         except Exception as exc:  # any failure is a miss: the scheduler must go on
             self.num_lookup_errors += 1
             self._down_until = now + max(1.0, 4 * self.settings.lookup_timeout_s)
@@ -137,33 +192,51 @@ class SchedulerSide:
 
     # --- allocation and steps ---------------------------------------------------------------
 
-    def after_alloc(self, request: Any, block_ids: list[int], num_external_tokens: int) -> None:
-        """vLLM allocated ``block_ids`` (all of the request's blocks) and will load
+    def _group_ids(self, block_ids: Sequence[Sequence[int]]) -> list[list[int]]:
+        """vLLM's block ids of every group (``kv_cache_groups`` order) as ours."""
+        return [list(block_ids[g.group_index]) if g.group_index < len(block_ids) else []
+                for g in self.geometry.groups]
+
+    def after_alloc(self, request: Any, block_ids: Sequence[Sequence[int]],
+                    num_external_tokens: int) -> None:
+        """vLLM allocated ``block_ids`` (all of the request's blocks, per group) and will load
         ``num_external_tokens`` from the connector after its locally computed ones."""
         req_id = request.request_id
+        groups = self.geometry.groups
+        ids = self._group_ids(block_ids)
         state = self._requests.get(req_id)
         if state is None:
-            state = self._requests[req_id] = _Request(request, int(request.num_prompt_tokens))
+            state = self._requests[req_id] = _Request(
+                request, int(request.num_prompt_tokens), ids, [0] * len(groups))
         state.request = request
-        state.block_ids = list(block_ids)
-        local, hit = self._matched.get(req_id, (0, 0))
-        state.stored_blocks = max(state.stored_blocks, hit)
-        state.pending_load = None
-        if num_external_tokens > 0:
-            # vLLM loads external tokens right after its own (block-aligned) computed ones;
-            # request.num_computed_tokens is not updated yet when it calls this.
-            start = local
-            end = start + num_external_tokens // self.geometry.block_size
-            state.pending_load = BlockOp(req_id, self._hashes(request, end, start),
-                                         tuple(block_ids[start:end]))
+        state.block_ids = ids
+        local, _, held = self._matched.get(req_id, (0, 0, [0] * len(groups)))
+        state.stored_blocks = [max(a, b) for a, b in zip(state.stored_blocks, held, strict=True)]
+        state.pending_loads = []
+        if num_external_tokens <= 0:
+            return
+        # vLLM loads external tokens right after its own computed ones (a multiple of the
+        # engine's block size); request.num_computed_tokens is not updated yet.
+        end_tokens = local + num_external_tokens
+        for g, group in enumerate(groups):
+            start = max(local // group.block_size, group.first_needed_block(end_tokens))
+            end = end_tokens // group.block_size
+            positions = [k for k in range(start, min(end, len(ids[g])))
+                         if ids[g][k] != NULL_BLOCK_ID]
+            if positions:
+                hashes = self._hashes(request, end, 0, g)
+                state.pending_loads.append(BlockOp(req_id, tuple(hashes[k] for k in positions),
+                                                   tuple(ids[g][k] for k in positions), g))
 
     def build(self, output: Any) -> StepMetadata:
         """The metadata of one scheduled step (vLLM's ``SchedulerOutput``)."""
         meta = StepMetadata()
+        current = getattr(output, "kv_connector_block_state", None)
         for new in output.scheduled_new_reqs:
             state = self._requests.get(new.req_id)
             if state is not None:
-                state.block_ids = list(new.block_ids[0])
+                state.block_ids = self._group_ids(new.block_ids)
+                self._refresh(state, current)
                 self._step(meta, state, new.num_computed_tokens
                            + output.num_scheduled_tokens.get(new.req_id, 0))
         cached = output.scheduled_cached_reqs
@@ -173,49 +246,70 @@ class SchedulerSide:
                 continue
             new_ids = cached.new_block_ids[i]
             if req_id in cached.resumed_req_ids:
-                state.block_ids = list(new_ids[0]) if new_ids is not None else []
+                state.block_ids = (self._group_ids(new_ids) if new_ids is not None
+                                   else [[] for _ in self.geometry.groups])
             elif new_ids is not None:
-                state.block_ids.extend(new_ids[0])
+                for ids, more in zip(state.block_ids, self._group_ids(new_ids), strict=True):
+                    ids.extend(more)
+            self._refresh(state, current)
             self._step(meta, state, cached.num_computed_tokens[i]
                        + output.num_scheduled_tokens.get(req_id, 0))
         if self.loads_async:
             # Requests that wait for their blocks are not scheduled: their loads go out now.
             for state in self._requests.values():
-                if state.pending_load is not None:
-                    meta.async_loads.append(state.pending_load)
-                    state.pending_load = None
+                meta.async_loads += state.pending_loads
+                state.pending_loads = []
         if not self._namespace_sent or meta.loads or meta.async_loads or meta.saves:
-            meta.namespace = self.namespace
+            meta.namespaces = self.namespaces
             self._namespace_sent = True
         self._num_steps += 1
         return meta
 
+    def _refresh(self, state: _Request, current: Any) -> None:
+        """vLLM's current table of the request, where it tells it: a window's blocks that
+        left it are the null block there (freed: they may hold another request's KV now)."""
+        ids = current.get_block_ids(state.request.request_id) if current is not None else None
+        if ids is not None:
+            state.block_ids = self._group_ids(ids)
+
     def _step(self, meta: StepMetadata, state: _Request, computed_after: int) -> None:
-        if state.pending_load is not None and not self.loads_async:
-            meta.loads.append(state.pending_load)
-            state.pending_load = None
+        if state.pending_loads and not self.loads_async:
+            meta.loads += state.pending_loads
+            state.pending_loads = []
             state.load_step = self._num_steps
         if state.load_step is not None and self._num_steps - state.load_step < SAVE_DELAY_STEPS:
             return  # KV computed over a load is saved once the load is known good everywhere
         computed_prompt = min(computed_after, state.num_prompt_tokens)
-        end = min(self._num_hashed_blocks(state.request, computed_prompt), len(state.block_ids))
-        start = state.stored_blocks
-        if end > start:
-            meta.saves.append(BlockOp(state.request.request_id,
-                                      self._hashes(state.request, end, start),
-                                      tuple(state.block_ids[start:end])))
-            state.stored_blocks = end
+        for g in range(len(self.geometry.groups)):
+            ids = state.block_ids[g]
+            end = min(self._num_hashed_blocks(state.request, computed_prompt, g), len(ids))
+            start = state.stored_blocks[g]
+            if end <= start:
+                continue
+            # The null block stands for a block out of a window: nothing to save there.
+            positions = [k for k in range(start, end) if ids[k] != NULL_BLOCK_ID]
+            state.stored_blocks[g] = end
+            if positions:
+                hashes = self._hashes(state.request, end, 0, g)
+                meta.saves.append(BlockOp(state.request.request_id,
+                                          tuple(hashes[k] for k in positions),
+                                          tuple(ids[k] for k in positions), g))
 
     def on_output(self, invalid_block_ids: set[int]) -> None:
         """vLLM's report of the blocks whose load failed (on any TP rank): vLLM recomputes them,
-        and they (and all after them) are saved again once it has; offers stop for a while."""
+        and they (and all after them, in every group) are saved again once it has; offers stop
+        for a while."""
         if not invalid_block_ids:
             return
+        groups = self.geometry.groups
         for state in self._requests.values():
-            for index, block_id in enumerate(state.block_ids):
-                if block_id in invalid_block_ids:
-                    state.stored_blocks = min(state.stored_blocks, index)
-                    break
+            failed = [k * groups[g].block_size for g, ids in enumerate(state.block_ids)
+                      for k, block_id in enumerate(ids) if block_id in invalid_block_ids]
+            if failed:
+                token = min(failed)
+                state.stored_blocks = [min(stored, token // group.block_size)
+                                       for stored, group in zip(state.stored_blocks, groups,
+                                                                strict=True)]
         now = time.monotonic()
         self._down_until = max(self._down_until, now + max(1.0, 4 * self.settings.lookup_timeout_s))
         log.warning("tierkv: %d blocks failed to load; no hits offered for %.1f s",

@@ -18,12 +18,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
-import torch
-
 from tierkv.config import Priority, WritePolicy
 from tierkv.errors import ConfigError
+from tierkv.integrations.vllm.geometry import BlockGeometry, EngineGeometry
 from tierkv.keys import Namespace
-from tierkv.layout import DType, KVLayout
 from tierkv.wire.limits import DEFAULT_TARGET
 
 _KEYS = frozenset({
@@ -123,81 +121,25 @@ def _positive(extra: dict[str, Any], key: str, default: float) -> float:
     return float(value)
 
 
-@dataclass(frozen=True, slots=True)
-class BlockGeometry:
-    """vLLM's KV cache as the connector sees it: the attention layers in block order, tokens
-    per block, and the tierkv layout of one block (every layer's ``[H, N, C]`` page, in layer
-    order; C packs K and V as vLLM's backend does). ``page_dtype``: the element type vLLM's
-    cache tensors hold (``torch.uint8`` for an fp8 cache, whose bytes move as they are);
-    None: the layout's."""
-
-    layer_names: tuple[str, ...]
-    block_size: int
-    hash_block_size: int
-    layout: KVLayout
-    page_dtype: torch.dtype | None = None
-
-    @property
-    def cache_dtype(self) -> torch.dtype:
-        """The element type of vLLM's cache tensors (and of the connector's staging)."""
-        return self.page_dtype or self.layout.torch_dtype
+def namespaces_of(vllm_config: Any, kv_cache_config: Any, geometry: EngineGeometry,
+                  tp_rank: int) -> tuple[Namespace, ...]:
+    """The namespace of each group's blocks (``geometry.groups`` order) for TP rank
+    ``tp_rank``."""
+    return tuple(namespace_of(vllm_config, kv_cache_config, group, tp_rank,
+                              plain=geometry.is_plain) for group in geometry.groups)
 
 
-def geometry_of(vllm_config: Any, kv_cache_config: Any) -> BlockGeometry:
-    """The block geometry of a vLLM engine with one full-attention KV cache group (hybrid
-    models, MLA and quantized caches with scales are refused: their pages are not K/V of
-    ``[H, N, 2 x head_size]``)."""
-    groups = list(kv_cache_config.kv_cache_groups)
-    if len(groups) != 1:
-        raise ConfigError(f"TierKVConnector: needs one KV cache group, the model has {len(groups)}")
-    spec = groups[0].kv_cache_spec
-    # Exactly full attention: MLA pages hold a latent, not K/V per head; sliding-window and
-    # chunked specs free blocks that a prefix would need.
-    if type(spec).__name__ != "FullAttentionSpec" or spec.head_size_v != spec.head_size:
-        raise ConfigError(f"TierKVConnector: unsupported KV cache spec {type(spec).__name__} "
-                          "(full attention with K and V of one head size only)")
-    dtype, page_dtype = cache_dtype_of(
-        spec.dtype, str(getattr(vllm_config.cache_config, "cache_dtype", "auto")))
-    names = tuple(sorted(groups[0].layer_names, key=_layer_order))
-    layout = KVLayout(num_layers=len(names), num_kv_heads=int(spec.num_kv_heads),
-                      head_dim=int(spec.head_size), block_size=int(spec.block_size), dtype=dtype)
-    hash_block_size = int(getattr(kv_cache_config, "hash_block_size", None)
-                          or vllm_config.cache_config.block_size)
-    if layout.block_size % hash_block_size:
-        raise ConfigError(
-            f"TierKVConnector: block size {layout.block_size} is not a multiple of the hash "
-            f"block size {hash_block_size}"
-        )
-    return BlockGeometry(names, layout.block_size, hash_block_size, layout,
-                         page_dtype if page_dtype != layout.torch_dtype else None)
-
-
-def cache_dtype_of(page_dtype: torch.dtype, cache_dtype: str) -> tuple[DType, torch.dtype]:
-    """The KV dtype of a cache whose tensors hold ``page_dtype`` under vLLM's ``cache_dtype``
-    setting, and the tensors' dtype. vLLM keeps an fp8 cache (``fp8``, ``fp8_e4m3``,
-    ``fp8_e5m2``) in ``uint8`` tensors: its bytes are stored as they are, one byte an element;
-    the setting itself is in the namespace, so e4m3 and e5m2 pages never meet. Its scales are
-    the checkpoint's (vLLM 0.32 computes none at run time), named with the model like every
-    weight."""
-    if cache_dtype.startswith("fp8") and page_dtype in (torch.uint8, torch.float8_e4m3fn,
-                                                         torch.float8_e5m2):
-        return DType.FP8, page_dtype
-    try:
-        return DType.parse(page_dtype), page_dtype
-    except ConfigError as exc:
-        raise ConfigError(f"TierKVConnector: KV cache dtype {page_dtype} (cache_dtype "
-                          f"{cache_dtype!r}): {exc}") from None
-
-
-def _layer_order(name: str) -> tuple[int, str]:
-    """Layers in model order (``model.layers.10`` after ``model.layers.9``), by name after."""
-    numbers = [int(part) for part in name.split(".") if part.isdigit()]
-    return (numbers[0] if numbers else -1, name)
-
-
-def namespace_of(vllm_config: Any, kv_cache_config: Any, geometry: BlockGeometry,
-                 tp_rank: int) -> Namespace:
-    """The namespace of this engine's blocks for TP rank ``tp_rank`` (see the module doc)."""
+def namespace_of(vllm_config: Any, kv_cache_config: Any,
+                 geometry: BlockGeometry | EngineGeometry, tp_rank: int, *,
+                 plain: bool | None = None) -> Namespace:
+    """The namespace of one group's blocks (an engine's: its first group's) for TP rank
+    ``tp_rank`` (see the module doc). Unless the engine is ``plain`` (one full-attention group,
+    whose namespace is what it was before groups), it names the group: its index, kind and
+    window. A replicated group (MLA) is rank 0's on every rank: stored once, loaded by all."""
+    if isinstance(geometry, EngineGeometry):
+        plain = geometry.is_plain if plain is None else plain
+        geometry = geometry.groups[0]
+    plain = True if plain is None else plain
     model = vllm_config.model_config
     cache = vllm_config.cache_config
     config_digest = hashlib.sha256(
@@ -215,8 +157,11 @@ def namespace_of(vllm_config: Any, kv_cache_config: Any, geometry: BlockGeometry
         f"weights={weights}",
         f"cache={kv_layout}/{device}/{cache.cache_dtype}",
         f"hash={algorithm}:{none_hash_of(algorithm).hex()[:16]}",
+        *(() if plain else (f"group={geometry.group_index}:{geometry.label}",)),
     ))
     tp_size = int(vllm_config.parallel_config.tensor_parallel_size)
+    if geometry.replicated:
+        tp_rank, tp_size = 0, 1
     return Namespace(model_id, geometry.layout, tp_rank=tp_rank, tp_size=tp_size)
 
 

@@ -35,14 +35,15 @@ import queue
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from tierkv.client import Client
 from tierkv.errors import ConfigError
+from tierkv.integrations.vllm.geometry import BlockGeometry, EngineGeometry
 from tierkv.integrations.vllm.scheduler import BlockOp, StepMetadata
-from tierkv.integrations.vllm.settings import BlockGeometry, ConnectorSettings
+from tierkv.integrations.vllm.settings import ConnectorSettings
 from tierkv.keys import Namespace
 
 log = logging.getLogger("tierkv.integrations.vllm")
@@ -59,6 +60,8 @@ class WorkerCounters:
     blocks_failed: int = 0
     blocks_saved: int = 0
     blocks_dropped: int = 0
+    bytes_loaded: int = 0
+    bytes_saved: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,20 +73,43 @@ class _Load:
 
 @dataclass(frozen=True, slots=True)
 class _Save:
-    """One step's saves (of all its requests, in order): ``hashes`` and their blocks."""
+    """One step's saves of one group (of all its requests, in order): ``hashes`` and their
+    blocks."""
 
+    group: int
     namespace: Namespace
     hashes: tuple[bytes, ...]
     staging: torch.Tensor  # [n, L, H, N, C], gathered out of vLLM's blocks
     buffer: torch.Tensor  # what ``staging`` is the head of: given back once the put returned
 
 
+@dataclass(slots=True)
+class _Group:
+    """One KV cache group's layers as registered, and its staging buffers (a group's block ids
+    are its own: layers of two groups share memory, each block id belongs to one group)."""
+
+    geometry: BlockGeometry
+    layers: list[torch.Tensor] = field(default_factory=list)
+    rows: list[torch.Tensor] = field(default_factory=list)  # each layer as [B, page] (CPU)
+    wide: torch.dtype | None = None
+    load_buffer: torch.Tensor | None = None
+    async_buffer: torch.Tensor | None = None
+    save_buffers: list[torch.Tensor] = field(default_factory=list)
+
+    def as_rows(self, blocks: torch.Tensor) -> torch.Tensor:
+        """``blocks`` ([n, H, N, C], each page contiguous) as [n, page] of ``wide`` elements
+        (itself when the layout allows none); a view: the same bytes."""
+        rows = None if self.wide is None else _rows_of(blocks, self.wide)
+        return blocks if rows is None else rows
+
+
 class WorkerSide:
     """The connector's worker-side state; one per worker (TP rank)."""
 
-    def __init__(self, settings: ConnectorSettings, geometry: BlockGeometry, tp_rank: int) -> None:
+    def __init__(self, settings: ConnectorSettings, geometry: EngineGeometry | BlockGeometry,
+                 tp_rank: int) -> None:
         self.settings = settings
-        self.geometry = geometry
+        self.engine = EngineGeometry.of(geometry)
         self.tp_rank = tp_rank
         self.counters = WorkerCounters()
         # One client per thread that uses one: a client that finds the sidecar's slab replaced
@@ -92,16 +118,15 @@ class WorkerSide:
         self._async_client = self._new_client()
         self._save_client = self._new_client()
         self._down_until = 0.0  # after a failed fetch, fetches fail at once until then
-        self._layers: list[torch.Tensor] = []
-        self._rows: list[torch.Tensor] = []  # each layer as [B, page] of ``_wide`` (CPU)
-        self._wide: torch.dtype | None = None
-        self._layer_index: dict[str, int] = {}
-        self._namespace: Namespace | None = None
+        self._groups = [_Group(g) for g in self.engine.groups]
+        self._registered = False
+        self._layer_index: dict[str, tuple[int, int]] = {}  # name -> (group, layer in group)
+        self._namespaces: tuple[Namespace, ...] | None = None
         self._fetcher = ThreadPoolExecutor(1, thread_name_prefix="tierkv-load")
         self._async_loader = ThreadPoolExecutor(1, thread_name_prefix="tierkv-async-load")
         self._received: set[str] = set()  # async loads done (or failed), not yet reported
         self._loads: list[_Load] = []
-        self._loaded_layers: set[int] = set()
+        self._loaded_layers: set[tuple[int, int]] = set()
         self._load_errors: set[int] = set()
         self._lock = threading.Lock()
         self._drained = threading.Condition(self._lock)  # notified when no save is queued
@@ -111,12 +136,15 @@ class WorkerSide:
         self._saver = threading.Thread(target=self._save_loop, name="tierkv-save", daemon=True)
         self._saver.start()
         self._stream: torch.cuda.Stream | None = None
-        # Synchronous loads of a step land in this buffer, kept for the next steps: a fresh
-        # one each step costs a page fault per 4 KiB (as much as the copy itself). Asynchronous
-        # loads (one thread) have their own; saves take idle buffers (under the lock).
-        self._load_buffer: torch.Tensor | None = None
-        self._async_buffer: torch.Tensor | None = None
-        self._save_buffers: list[torch.Tensor] = []
+        # Each group's synchronous loads of a step land in its buffer, kept for the next steps:
+        # a fresh one each step costs a page fault per 4 KiB (as much as the copy itself).
+        # Asynchronous loads (one thread) have their own; saves take idle buffers (under the
+        # lock).
+
+    @property
+    def geometry(self) -> BlockGeometry:
+        """The first group's geometry (the only one of a model with one group)."""
+        return self.engine.groups[0]
 
     def _new_client(self) -> Client:
         return Client(self.settings.address, token=self.settings.token,
@@ -125,54 +153,63 @@ class WorkerSide:
     # --- registration -----------------------------------------------------------------------
 
     def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        """Take vLLM's per-layer caches; each must be the ``[B, H, N, C]`` view of this
-        geometry (C = 2 x head size), else the connector refuses to start."""
-        layout = self.geometry.layout
-        want = (layout.num_kv_heads, layout.block_size, 2 * layout.head_dim)
-        missing = [name for name in self.geometry.layer_names if name not in kv_caches]
+        """Take vLLM's per-layer caches; each layer of a group must be the ``[B, H, N, C]``
+        view of its geometry (C = K + V head sizes, or the latent's), else the connector
+        refuses to start. An engine the connector does not serve registers nothing."""
+        if not self.engine.serves:
+            return
+        for g, group in enumerate(self._groups):
+            self._register_group(g, group, kv_caches)
+        self._registered = True
+        if self._groups and self._groups[0].layers[0].device.type == "cuda":
+            self._stream = torch.cuda.Stream(  # type: ignore[no-untyped-call]
+                device=self._groups[0].layers[0].device)
+
+    def _register_group(self, g: int, group: _Group, kv_caches: dict[str, torch.Tensor]) -> None:
+        geometry = group.geometry
+        layout = geometry.layout
+        want = (layout.num_kv_heads, layout.block_size, layout.head_dim + layout.value_head_dim)
+        missing = [name for name in geometry.layer_names if name not in kv_caches]
         if missing:
             raise ConfigError(f"TierKVConnector: vLLM registered no cache for layers {missing}")
-        layers = [kv_caches[name] for name in self.geometry.layer_names]
-        for name, tensor in zip(self.geometry.layer_names, layers, strict=True):
-            dtype = self.geometry.cache_dtype
+        layers = [kv_caches[name] for name in geometry.layer_names]
+        for name, tensor in zip(geometry.layer_names, layers, strict=True):
+            dtype = geometry.cache_dtype
             if tensor.dim() != 4 or tuple(tensor.shape[1:]) != want or tensor.dtype != dtype:
                 raise ConfigError(
                     f"TierKVConnector: layer {name} has a cache of {tuple(tensor.shape)} "
                     f"{tensor.dtype}; expected [blocks, *{want}] {dtype}"
                 )
         if len({t.data_ptr() for t in layers}) != len(layers):
-            raise ConfigError("TierKVConnector: layers that share one cache are not supported")
-        self._layers = layers
-        self._layer_index = {name: i for i, name in enumerate(self.geometry.layer_names)}
-        if layers and layers[0].device.type == "cuda":
-            self._stream = torch.cuda.Stream(device=layers[0].device)  # type: ignore[no-untyped-call]
-        page_bytes = self.geometry.layout.bytes_per_block // max(1, len(layers))
-        self._wide = next((wide for wide in _WIDE_DTYPES
+            raise ConfigError("TierKVConnector: layers of one group that share one cache are "
+                              "not supported")
+        group.layers = layers
+        for i, name in enumerate(geometry.layer_names):
+            self._layer_index[name] = (g, i)
+        page_bytes = layout.bytes_per_block // max(1, len(layers))
+        group.wide = next((wide for wide in _WIDE_DTYPES
                            if page_bytes % wide.itemsize == 0
                            and all(_rows_of(t, wide) is not None for t in layers)), None)
-        self._rows = [self._as_rows(t) for t in layers]
-        log.debug("tierkv: vLLM's pages %s", f"move as rows of {self._wide}" if self._wide
+        group.rows = [group.as_rows(t) for t in layers]
+        log.debug("tierkv: vLLM's pages of group %d %s", geometry.group_index,
+                  f"move as rows of {group.wide}" if group.wide
                   else "are moved through their own strides (no row view of them)")
 
-    def _as_rows(self, blocks: torch.Tensor) -> torch.Tensor:
-        """``blocks`` ([n, H, N, C], each page contiguous) as [n, page] of ``_wide`` elements
-        (itself when the layout allows none); a view: the same bytes."""
-        rows = None if self._wide is None else _rows_of(blocks, self._wide)
-        return blocks if rows is None else rows
-
-    def _reused(self, buffer: torch.Tensor | None, num_blocks: int) -> torch.Tensor:
+    def _reused(self, group: _Group, buffer: torch.Tensor | None, num_blocks: int
+                ) -> torch.Tensor:
         """``buffer``, or a new one when it holds fewer than ``num_blocks`` blocks (at least
         twice its size: a few growths, then none)."""
         if buffer is not None and buffer.shape[0] >= num_blocks:
             return buffer
-        return self._staging(max(num_blocks, 0 if buffer is None else 2 * int(buffer.shape[0])))
+        return self._staging(group, max(num_blocks,
+                                        0 if buffer is None else 2 * int(buffer.shape[0])))
 
-    def _staging(self, num_blocks: int) -> torch.Tensor:
-        layout = self.geometry.layout
+    def _staging(self, group: _Group, num_blocks: int) -> torch.Tensor:
+        layout = group.geometry.layout
         shape = (num_blocks, layout.num_layers, layout.num_kv_heads, layout.block_size,
-                 2 * layout.head_dim)
+                 layout.head_dim + layout.value_head_dim)
         pinned = self._stream is not None  # so that copies to and from the GPU are async
-        return torch.empty(shape, dtype=self.geometry.cache_dtype, pin_memory=pinned)
+        return torch.empty(shape, dtype=group.geometry.cache_dtype, pin_memory=pinned)
 
     def _blocks_of(self, staging: torch.Tensor, namespace: Namespace, num_blocks: int
                    ) -> torch.Tensor:
@@ -181,48 +218,60 @@ class WorkerSide:
         layout = namespace.layout
         return staging.view(layout.torch_dtype).view((num_blocks, *layout.block_shape))
 
-    def _adopt(self, meta: StepMetadata) -> Namespace | None:
-        if meta.namespace is not None:
-            ns = meta.namespace
-            if ns.layout != self.geometry.layout:
-                raise ConfigError(f"TierKVConnector: scheduler layout {ns.layout} differs from "
-                                  f"the worker's {self.geometry.layout}")
-            self._namespace = Namespace(ns.model_id, ns.layout, tp_rank=self.tp_rank,
-                                        tp_size=ns.tp_size)
-        return self._namespace
+    def _adopt(self, meta: StepMetadata) -> tuple[Namespace, ...] | None:
+        """The step's namespaces (one per group) as this rank's: a replicated group's are
+        rank 0's on every rank."""
+        if meta.namespaces is not None:
+            if len(meta.namespaces) != len(self._groups):
+                raise ConfigError(f"TierKVConnector: the scheduler has {len(meta.namespaces)} "
+                                  f"KV cache groups, the worker {len(self._groups)}")
+            adopted = []
+            for ns, group in zip(meta.namespaces, self._groups, strict=True):
+                if ns.layout != group.geometry.layout:
+                    raise ConfigError(f"TierKVConnector: scheduler layout {ns.layout} differs "
+                                      f"from the worker's {group.geometry.layout}")
+                rank = 0 if group.geometry.replicated else self.tp_rank
+                adopted.append(Namespace(ns.model_id, ns.layout, tp_rank=rank,
+                                         tp_size=ns.tp_size))
+            self._namespaces = tuple(adopted)
+        return self._namespaces
 
     # --- loads ------------------------------------------------------------------------------
 
     def start_load(self, meta: StepMetadata) -> None:
         """Start fetching the step's loads; layers are scattered by ``wait_for_layer``."""
-        namespace = self._adopt(meta)
+        namespaces = self._adopt(meta)
         self._loads, self._loaded_layers = [], set()
-        if namespace is None or not self._layers:
+        if namespaces is None or not self._registered:
             return
         # One deadline for the whole step: a hung sidecar stalls a step once, not once a load.
         deadline = time.monotonic() + self.settings.load_timeout_s
-        self._load_buffer = self._reused(self._load_buffer,
-                                         sum(len(op.hashes) for op in meta.loads))
-        buffer = self._load_buffer
-        first = 0
-        for op in meta.loads:
-            staging = buffer[first : first + len(op.hashes)]
-            first += len(op.hashes)
-            fetched = self._fetcher.submit(self._fetch, self._load_client, namespace, op, staging,
-                                           deadline)
-            self._loads.append(_Load(op, staging, fetched))
+        for g, group in enumerate(self._groups):
+            ops = [op for op in meta.loads if op.group == g]
+            if not ops:
+                continue
+            group.load_buffer = self._reused(group, group.load_buffer,
+                                             sum(len(op.hashes) for op in ops))
+            first = 0
+            for op in ops:
+                staging = group.load_buffer[first : first + len(op.hashes)]
+                first += len(op.hashes)
+                fetched = self._fetcher.submit(self._fetch, self._load_client, namespaces[g], op,
+                                               staging, deadline)
+                self._loads.append(_Load(op, staging, fetched))
         for op in meta.async_loads:
-            self._async_loader.submit(self._load_between_steps, namespace, op)
+            self._async_loader.submit(self._load_between_steps, namespaces[op.group], op)
 
     def _load_between_steps(self, namespace: Namespace, op: BlockOp) -> None:
         """An asynchronous load: every layer, on a worker thread, into blocks vLLM keeps for the
         waiting request; its errors are recorded before the request is reported received."""
         try:
-            self._async_buffer = self._reused(self._async_buffer, len(op.hashes))
-            staging = self._async_buffer[: len(op.hashes)]
+            group = self._groups[op.group]
+            group.async_buffer = self._reused(group, group.async_buffer, len(op.hashes))
+            staging = group.async_buffer[: len(op.hashes)]
             count = self._fetch(self._async_client, namespace, op, staging,
                                 time.monotonic() + self.settings.load_timeout_s)
-            for index in range(len(self._layers)):
+            for index in range(len(group.layers)):
                 self._scatter(op, staging, count, index, wait=True)
         except Exception as exc:  # a bug must not leave the request waiting forever
             log.exception("tierkv: asynchronous load failed: %s", exc)
@@ -250,21 +299,27 @@ class WorkerSide:
                             len(op.hashes), exc)
         with self._lock:
             self.counters.blocks_loaded += count
+            self.counters.bytes_loaded += count * namespace.layout.bytes_per_block
             self.counters.blocks_failed += len(op.block_ids) - count
             self._load_errors.update(op.block_ids[count:])
         return count
 
     def wait_for_layer(self, layer_name: str) -> None:
-        """Scatter layer ``layer_name`` of every load of this step into vLLM's blocks."""
-        index = self._layer_index.get(layer_name)
-        if index is None or not self._loads or index in self._loaded_layers:
+        """Scatter layer ``layer_name`` of every load of this step (of its group) into vLLM's
+        blocks."""
+        position = self._layer_index.get(layer_name)
+        if position is None or not self._loads or position in self._loaded_layers:
             return
-        self._loaded_layers.add(index)
+        self._loaded_layers.add(position)
+        g, index = position
         for load in self._loads:
+            if load.op.group != g:
+                continue
             self._scatter(load.op, load.staging, load.fetched.result(), index, wait=False)
             if self._stream is not None:  # the forward pass reads the layer next
-                torch.cuda.current_stream(self._layers[index].device).wait_stream(self._stream)
-        if len(self._loaded_layers) == len(self._layers):
+                device = self._groups[g].layers[index].device
+                torch.cuda.current_stream(device).wait_stream(self._stream)
+        if len(self._loaded_layers) == len(self._layer_index):
             self._loads = []
 
     def _scatter(self, op: BlockOp, staging: torch.Tensor, count: int, index: int, *,
@@ -273,11 +328,12 @@ class WorkerSide:
         for the GPU copy to finish (an asynchronous load is done only when its bytes are)."""
         if count == 0:
             return
-        layer = self._layers[index]
+        group = self._groups[op.group]
+        layer = group.layers[index]
         source = staging[:count, index]
         if self._stream is None:
             ids = torch.tensor(op.block_ids[:count], dtype=torch.long)
-            self._rows[index].index_copy_(0, ids, self._as_rows(source))
+            group.rows[index].index_copy_(0, ids, group.as_rows(source))
             return
         with torch.cuda.stream(self._stream):  # the index tensor is made (and freed) on it too
             ids = torch.tensor(op.block_ids[:count], dtype=torch.long, device=layer.device)
@@ -288,7 +344,7 @@ class WorkerSide:
     def finish_loads(self) -> None:
         """Scatter whatever a step's forward did not ask for (a model that skipped
         ``wait_for_layer_load``): never leave a block half loaded."""
-        for name in self.geometry.layer_names:
+        for name in self._layer_index:
             self.wait_for_layer(name)
 
     def take_load_errors(self) -> set[int]:
@@ -300,15 +356,26 @@ class WorkerSide:
     # --- saves ------------------------------------------------------------------------------
 
     def save(self, meta: StepMetadata) -> None:
-        """Gather the step's saves out of vLLM's blocks and queue them for the sidecar."""
-        namespace = self._adopt(meta)
-        if namespace is None or not self._layers:
+        """Gather the step's saves out of vLLM's blocks and queue them for the sidecar (one put
+        per group). A replicated group (MLA) is saved by rank 0 only: every rank holds the
+        same pages."""
+        namespaces = self._adopt(meta)
+        if namespaces is None or not self._registered:
             return
-        block_bytes = self.geometry.layout.bytes_per_block
+        for g, group in enumerate(self._groups):
+            if group.geometry.replicated and self.tp_rank != 0:
+                continue
+            ops = [op for op in meta.saves if op.group == g]
+            if ops:
+                self._save_group(g, group, namespaces[g], ops)
+
+    def _save_group(self, g: int, group: _Group, namespace: Namespace, ops: list[BlockOp]
+                    ) -> None:
+        block_bytes = group.geometry.layout.bytes_per_block
         hashes: list[bytes] = []
         block_ids: list[int] = []
         with self._lock:
-            for op in meta.saves:
+            for op in ops:
                 # Blocks after a dropped one could never be found (lookups walk a prefix):
                 # save the leading blocks that fit, and nothing of the request after them.
                 room = (self.settings.save_queue_bytes - self._queued_bytes) // block_bytes
@@ -322,45 +389,46 @@ class WorkerSide:
         if not hashes:
             return
         try:  # the step's requests in one put: each put costs ~2.5 ms beside its bytes
-            buffer = self._take_save_buffer(len(hashes))
-            staging = self._gather(block_ids, buffer[: len(hashes)])
+            buffer = self._take_save_buffer(group, len(hashes))
+            staging = self._gather(group, block_ids, buffer[: len(hashes)])
         except BaseException:
-            self._settle(len(hashes), saved=False)  # (a flush must not wait for it)
+            self._settle(g, len(hashes), saved=False)  # (a flush must not wait for it)
             raise
-        self._saves.put(_Save(namespace, tuple(hashes), staging, buffer))
+        self._saves.put(_Save(g, namespace, tuple(hashes), staging, buffer))
 
-    def _take_save_buffer(self, num_blocks: int) -> torch.Tensor:
+    def _take_save_buffer(self, group: _Group, num_blocks: int) -> torch.Tensor:
         """An idle save buffer of at least ``num_blocks`` blocks (the smallest), else a new one:
         no queued save holds it (each is given back only once its put has returned)."""
         with self._lock:
-            fits = [b for b in self._save_buffers if b.shape[0] >= num_blocks]
+            fits = [b for b in group.save_buffers if b.shape[0] >= num_blocks]
             if fits:
                 buffer = min(fits, key=lambda b: int(b.shape[0]))
                 # By identity: ``list.remove`` would compare tensors elementwise.
-                self._save_buffers = [b for b in self._save_buffers if b is not buffer]
+                group.save_buffers = [b for b in group.save_buffers if b is not buffer]
                 return buffer
-        return self._staging(num_blocks)
+        return self._staging(group, num_blocks)
 
-    def _give_back(self, buffer: torch.Tensor) -> None:
+    def _give_back(self, group: _Group, buffer: torch.Tensor) -> None:
         """Keep ``buffer`` for a later save; the smallest idle one goes beyond the limit."""
         with self._lock:
-            self._save_buffers.append(buffer)
-            if len(self._save_buffers) > IDLE_SAVE_BUFFERS:
-                smallest = min(self._save_buffers, key=lambda b: int(b.shape[0]))
-                self._save_buffers = [b for b in self._save_buffers if b is not smallest]
+            group.save_buffers.append(buffer)
+            if len(group.save_buffers) > IDLE_SAVE_BUFFERS:
+                smallest = min(group.save_buffers, key=lambda b: int(b.shape[0]))
+                group.save_buffers = [b for b in group.save_buffers if b is not smallest]
 
-    def _gather(self, block_ids: list[int], staging: torch.Tensor) -> torch.Tensor:
-        """vLLM's blocks ``block_ids`` into ``staging`` ([n, L, H, N, C]); returns it."""
-        device = self._layers[0].device
+    def _gather(self, group: _Group, block_ids: list[int], staging: torch.Tensor
+                ) -> torch.Tensor:
+        """vLLM's blocks ``block_ids`` of ``group`` into ``staging`` ([n, L, H, N, C])."""
+        device = group.layers[0].device
         if self._stream is None:
             ids = torch.tensor(block_ids, dtype=torch.long)
-            for index, rows in enumerate(self._rows):
-                torch.index_select(rows, 0, ids, out=self._as_rows(staging[:, index]))
+            for index, rows in enumerate(group.rows):
+                torch.index_select(rows, 0, ids, out=group.as_rows(staging[:, index]))
             return staging
         self._stream.wait_stream(torch.cuda.current_stream(device))  # after the step's writes
         with torch.cuda.stream(self._stream):
             ids = torch.tensor(block_ids, dtype=torch.long, device=device)
-            for index, layer in enumerate(self._layers):
+            for index, layer in enumerate(group.layers):
                 staging[:, index].copy_(layer.index_select(0, ids), non_blocking=True)
         self._stream.synchronize()
         return staging
@@ -382,17 +450,21 @@ class WorkerSide:
             except Exception as exc:  # the saver thread outlives any failure of one save
                 log.warning("tierkv save of %d blocks dropped (%s)", len(hashes), exc)
             finally:
-                self._give_back(item.buffer)  # the put has returned: no copy reads it any more
-                self._settle(len(hashes), saved=saved)
+                # The put has returned: no copy reads the buffer any more.
+                self._give_back(self._groups[item.group], item.buffer)
+                self._settle(item.group, len(hashes), saved=saved)
 
-    def _settle(self, num_blocks: int, *, saved: bool) -> None:
-        """``num_blocks`` queued blocks are saved, or dropped: off the queue, counted."""
+    def _settle(self, group: int, num_blocks: int, *, saved: bool) -> None:
+        """``num_blocks`` queued blocks of ``group`` are saved, or dropped: off the queue,
+        counted."""
+        block_bytes = self._groups[group].geometry.layout.bytes_per_block
         with self._lock:
-            self._queued_bytes -= num_blocks * self.geometry.layout.bytes_per_block
+            self._queued_bytes -= num_blocks * block_bytes
             if self._queued_bytes == 0:
                 self._drained.notify_all()
             if saved:
                 self.counters.blocks_saved += num_blocks
+                self.counters.bytes_saved += num_blocks * block_bytes
             else:
                 self.counters.blocks_dropped += num_blocks
 
