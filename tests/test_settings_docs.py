@@ -9,6 +9,12 @@ import sys
 from pathlib import Path
 
 from tierkv.cli.settings import REFERENCE_END, REFERENCE_START, SETTINGS, reference_markdown
+from tierkv.integrations.vllm.geometry import (
+    FAMILIES_END,
+    FAMILIES_START,
+    SPEC_KINDS,
+    families_markdown,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
@@ -38,3 +44,13 @@ def test_gen_docs_check_passes_on_this_readme() -> None:
     done = subprocess.run([str(script), "--check"], capture_output=True, text=True, timeout=120,
                           env={**os.environ, "PYTHON": sys.executable}, check=False)
     assert done.returncode == 0, done.stderr
+
+
+def test_the_readme_model_table_is_the_connectors_own_list() -> None:
+    readme = README.read_text(encoding="utf-8")
+    start, end = readme.find(FAMILIES_START), readme.find(FAMILIES_END)
+    assert 0 <= start < end, f"README.md lacks the {FAMILIES_START!r} section"
+    assert readme[start : end + len(FAMILIES_END) + 1] == families_markdown(), (
+        "README.md's model table is stale: run scripts/gen-docs")
+    rows = [line for line in families_markdown().splitlines() if line.startswith("| ")][2:]
+    assert len(rows) == len(SPEC_KINDS)
