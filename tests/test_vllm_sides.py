@@ -8,6 +8,7 @@ import os
 import signal
 import time
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -342,3 +343,122 @@ def test_a_failed_async_load_reports_its_blocks_before_the_request(tmp_path: Pat
         assert received == {"q"} and worker.take_load_errors() == {2, 3}
     finally:
         worker.close()
+
+
+# --- several KV cache groups (vLLM's hybrid allocator) ------------------------------------------
+
+WINDOW = 70  # tokens: a hit of P tokens needs blocks (P - 69) // 32 to P // 32 - 1
+SLIDING = ("model.layers.0.self_attn.attn", "model.layers.2.self_attn.attn")
+GLOBAL = ("model.layers.1.self_attn.attn",)
+
+
+def hybrid() -> tuple[Any, tuple[Namespace, Namespace]]:
+    from tierkv.integrations.vllm.geometry import EngineGeometry
+
+    full = BlockGeometry(GLOBAL, BLOCK, BLOCK, replace(LAYOUT, num_layers=1), group_index=0)
+    window = BlockGeometry(SLIDING, BLOCK, BLOCK, LAYOUT, kind="sliding", window_tokens=WINDOW,
+                           group_index=1)
+    namespaces = (Namespace("vllm:hybrid|group=0:full", full.layout),
+                  Namespace(f"vllm:hybrid|group=1:sliding:{WINDOW}", window.layout))
+    return EngineGeometry((full, window)), namespaces
+
+
+def put_group(target: str, namespace: Namespace, prompt: list[int], indices: range) -> None:
+    hashes = block_hashes(prompt, BLOCK)
+    blocks = torch.randn((len(indices), *namespace.layout.block_shape)).to(LAYOUT.torch_dtype)
+    with Client(target) as client:
+        client.put(namespace, [hashes[k] for k in indices], blocks)
+
+
+def test_a_hybrid_hit_is_the_longest_prefix_every_group_can_serve(
+    server: BackgroundServer,
+) -> None:
+    """Full attention needs every block of the hit; the sliding group only the window before
+    its end. A window block missing cuts the hit to before it, and again until the window
+    of the shorter hit is held (vLLM's fixed point), never to a hit a group cannot serve."""
+    target = server.served.unix_target
+    geometry, (full, window) = hybrid()
+    prompt = tokens(8 * BLOCK + 5)
+    put_group(target, full, prompt, range(8))
+    side = SchedulerSide(settings_for(target), geometry, (full, window))
+    try:
+        # Only the window of an 8-block hit: blocks 5, 6, 7 (tokens 187..255).
+        put_group(target, window, prompt, range(5, 8))
+        assert side.num_matched_tokens(request("a", prompt), 0) == 8 * BLOCK
+        # Its first block is gone: a hit must end before block 5, whose window (blocks 2-4)
+        # is not held either, and so on down to no hit.
+        with Client(target) as client:
+            client.delete(window, [block_hashes(prompt, BLOCK)[5]])
+        assert side.num_matched_tokens(request("b", prompt), 0) == 0
+        put_group(target, window, prompt, range(2, 5))
+        assert side.num_matched_tokens(request("c", prompt), 0) == 5 * BLOCK
+        # vLLM's table: the null block (0) where a window's position is skipped.
+        ids = ([1, 2, 3, 4, 5, 6, 7, 8, 9], [0, 0, 10, 11, 12, 13, 14, 15, 16])
+        side.after_alloc(request("c", prompt), ids, 5 * BLOCK)
+        new = [("c", ids, 5 * BLOCK, 3 * BLOCK + 5)]
+        first = side.build(SimpleNamespace(
+            scheduled_new_reqs=[SimpleNamespace(req_id="c", block_ids=ids,
+                                                num_computed_tokens=5 * BLOCK)],
+            scheduled_cached_reqs=step().scheduled_cached_reqs,
+            num_scheduled_tokens={r: s for r, _, _, s in new}))
+        loads = {op.group: op for op in first.loads}
+        assert loads[0].block_ids == (1, 2, 3, 4, 5)
+        assert loads[1].block_ids == (10, 11, 12)  # the window of the 5-block hit only
+        assert loads[1].hashes == tuple(bytes(h) for h in block_hashes(prompt, BLOCK)[2:5])
+        assert first.namespaces == (full, window)
+    finally:
+        side.close()
+
+
+def test_hybrid_saves_skip_the_null_block_and_load_into_each_groups_own_blocks(
+    server: BackgroundServer,
+) -> None:
+    """Layers of two groups share vLLM's memory (a block id belongs to one group at a time):
+    each group's blocks go through its own layers only, and the null block is never read."""
+    target = server.served.unix_target
+    geometry, namespaces = hybrid()
+    prompt = tokens(6 * BLOCK + 5)
+    side = SchedulerSide(settings_for(target), geometry, namespaces)
+    worker = WorkerSide(settings_for(target), geometry, tp_rank=0)
+    shape = (NUM_VLLM_BLOCKS, LAYOUT.num_kv_heads, BLOCK, 2 * LAYOUT.head_dim)
+    source = {name: torch.randn(shape).to(LAYOUT.torch_dtype) for name in (*SLIDING, *GLOBAL)}
+    try:
+        worker.register(source)
+        assert side.num_matched_tokens(request("s", prompt), 0) == 0
+        ids = ([1, 2, 3, 4, 5, 6, 7], [0, 0, 0, 8, 9, 10, 11])  # positions 0-2 left the window
+        side.after_alloc(request("s", prompt), ids, 0)
+        step_meta = side.build(SimpleNamespace(
+            scheduled_new_reqs=[SimpleNamespace(req_id="s", block_ids=ids, num_computed_tokens=0)],
+            scheduled_cached_reqs=step().scheduled_cached_reqs,
+            num_scheduled_tokens={"s": len(prompt)}))
+        saves = {op.group: op for op in step_meta.saves}
+        assert saves[0].block_ids == (1, 2, 3, 4, 5, 6)
+        assert saves[1].block_ids == (8, 9, 10)  # never the null block
+        worker.save(step_meta)
+        assert worker.flush(30.0)
+        # A fresh worker loads them into other block ids of each group.
+        target_caches = {name: torch.zeros(shape).to(LAYOUT.torch_dtype) for name in source}
+        loader = WorkerSide(settings_for(target), geometry, tp_rank=0)
+        try:
+            loader.register(target_caches)
+            from tierkv.integrations.vllm.scheduler import BlockOp, StepMetadata
+
+            full_hashes, window_hashes = saves[0].hashes, saves[1].hashes
+            loader.start_load(StepMetadata(namespaces, loads=[
+                BlockOp("t", full_hashes, (9, 10, 11, 12, 13, 14), 0),
+                BlockOp("t", window_hashes, (1, 2, 3), 1)]))
+            loader.finish_loads()
+            assert loader.take_load_errors() == set()
+            for name in GLOBAL:
+                assert torch.equal(target_caches[name][9:15].view(torch.int16),
+                                   source[name][1:7].view(torch.int16))
+                assert not target_caches[name][1:4].any()  # the other group's blocks
+            for name in SLIDING:
+                assert torch.equal(target_caches[name][1:4].view(torch.int16),
+                                   source[name][8:11].view(torch.int16))
+                assert not target_caches[name][9:15].any()
+        finally:
+            loader.close()
+    finally:
+        worker.close()
+        side.close()
