@@ -5,8 +5,16 @@ No download: every model is built from a config with random weights.
 
 from __future__ import annotations
 
+from typing import Any
+
+import pytest
 import torch
 from transformers import (
+    DeepseekV2Config,
+    DeepseekV2ForCausalLM,
+    DynamicCache,
+    Gemma3ForCausalLM,
+    Gemma3TextConfig,
     LlamaConfig,
     LlamaForCausalLM,
     MistralConfig,
@@ -14,6 +22,7 @@ from transformers import (
 )
 
 from tierkv import KVLayout, Namespace, block_hashes
+from tierkv.integrations.transformers import model_groups
 from tierkv.layout import PRESETS, DType
 from tiny_blocks import StoreFactory, same_bytes
 
@@ -78,3 +87,63 @@ def test_the_layout_describes_the_models_own_cache(make_store: StoreFactory) -> 
     restored = store.get(namespace, hashes)
     assert same_bytes(restored, blocks)
     assert torch.equal(restored[1, 0, 0, 5], cache[0][0][:, 16 + 5])  # layer 0, K, token 21
+
+
+def _deepseek_v2() -> tuple[DeepseekV2Config, DeepseekV2ForCausalLM]:
+    config = DeepseekV2Config(
+        num_hidden_layers=2, hidden_size=64, num_attention_heads=4, num_key_value_heads=4,
+        intermediate_size=128, moe_intermediate_size=32, vocab_size=100, kv_lora_rank=32,
+        q_lora_rank=None, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12,
+        n_routed_experts=4, num_experts_per_tok=2, first_k_dense_replace=1)
+    torch.manual_seed(0)
+    return config, DeepseekV2ForCausalLM(config).eval()
+
+
+def _cache_bytes_per_token(model: Any, num_tokens: int) -> list[int]:
+    """Each cache layer's bytes per token after a prefill of ``num_tokens`` that keeps every
+    token (sliding layers too)."""
+    cache = DynamicCache(config=model.config)
+    cache.activate_past_recording()
+    with torch.no_grad():
+        model(torch.tensor([list(range(3, 3 + num_tokens))]), past_key_values=cache)
+    return [(layer.keys.numel() * layer.keys.element_size()
+             + layer.values.numel() * layer.values.element_size()) // num_tokens
+            for layer in cache.layers]
+
+
+def test_deepseeks_layout_in_the_transformers_integration_is_its_caches_latent() -> None:
+    # transformers caches MLA's compressed latent (keys: [1, 1, S, kv_lora_rank]) and its
+    # shared rope key (values: [1, 1, S, qk_rope_head_dim]) per layer, not per-head K and V.
+    _, model = _deepseek_v2()
+    layout = model_groups(model).namespace.layout
+    assert (layout.num_kv_heads, layout.head_dim, layout.value_head_dim) == (1, 32, 8)
+    assert layout.block_shape == (2, 16, 1, 40)  # vLLM's latent: kv_lora_rank + rope
+    per_layer = _cache_bytes_per_token(model, 48)
+    assert sum(per_layer) == layout.bytes_per_token == 2 * (32 + 8) * 4
+
+
+def test_from_hf_config_gives_deepseeks_latent() -> None:
+    config, model = _deepseek_v2()
+    layout = KVLayout.from_hf_config(config, dtype=torch.float32)
+    assert layout.num_kv_heads == 1 and layout.block_shape == (2, 16, 1, 40)
+    assert layout.bytes_per_token == sum(_cache_bytes_per_token(model, 48))
+
+
+@pytest.mark.parametrize("layer_types", [["sliding_attention", "full_attention"] * 2,
+                                         ["sliding_attention"] * 3])
+def test_each_groups_layout_describes_its_layers(layer_types: list[str]) -> None:
+    config = Gemma3TextConfig(num_hidden_layers=len(layer_types), hidden_size=64,
+                              num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                              intermediate_size=128, vocab_size=100, sliding_window=32,
+                              layer_types=layer_types)
+    torch.manual_seed(0)
+    model = Gemma3ForCausalLM(config).eval()
+    per_layer = _cache_bytes_per_token(model, 80)
+    groups = model_groups(model)
+    for group in groups.groups:
+        assert group.namespace.layout.num_layers == len(group.layer_indices)
+        assert group.namespace.layout.bytes_per_token == sum(
+            per_layer[i] for i in group.layer_indices)
+        kind = "full_attention" if group.sliding_window_tokens is None else "sliding_attention"
+        assert {layer_types[i] for i in group.layer_indices} == {kind}
+    assert groups.namespace.layout == KVLayout.from_hf_config(config, dtype=torch.float32)

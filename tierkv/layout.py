@@ -193,8 +193,9 @@ class KVLayout:
         """Build the layout of one TP shard from a transformers ``PretrainedConfig`` (or a dict).
 
         Uses ``num_key_value_heads`` (falling back to ``num_attention_heads``: MHA), and
-        ``head_dim`` (falling back to ``hidden_size // num_attention_heads``); DeepSeek's
-        ``qk_nope_head_dim + qk_rope_head_dim`` and ``v_head_dim`` where the config has them.
+        ``head_dim`` (falling back to ``hidden_size // num_attention_heads``); an MLA config
+        (``kv_lora_rank``, DeepSeek V2/V3) is one latent "head" of ``kv_lora_rank`` and a "V"
+        of ``qk_rope_head_dim``, not split over TP ranks.
         ``dtype`` defaults to the config's ``torch_dtype``/``dtype``, else fp16. KV heads are
         split over ``tp_size``.
         """
@@ -219,11 +220,12 @@ class KVLayout:
                 )
             head_dim = hidden_size // num_heads
         head_dim_v = None
-        if get("qk_rope_head_dim") and get("v_head_dim"):
-            # DeepSeek V2/V3 in transformers: each head caches K of the nope and rope parts and
-            # a V of its own size (decompressed from the latent, as transformers computes it).
-            head_dim = int(get("qk_nope_head_dim") or 0) + int(get("qk_rope_head_dim"))
-            head_dim_v = int(get("v_head_dim"))
+        if get("kv_lora_rank") and get("qk_rope_head_dim"):
+            # DeepSeek V2/V3 (MLA): a cache holds one latent per token and layer, the same on
+            # every TP rank; transformers keeps it as a "K" of kv_lora_rank and a "V" of the
+            # rope part (vLLM as one page of both: the same bytes).
+            num_kv_heads, tp_size = 1, 1
+            head_dim, head_dim_v = int(get("kv_lora_rank")), int(get("qk_rope_head_dim"))
         if num_kv_heads % tp_size:
             raise ConfigError(f"tp_size: {tp_size} does not divide {num_kv_heads} KV heads")
         if dtype is None:

@@ -2,22 +2,31 @@
 
 ``save_kv`` stores the full blocks of a ``Cache``; ``restore_kv`` gives back the longest cached
 prefix of a token sequence as a ``DynamicCache`` the model accepts, so only the rest is
-prefilled; ``model_namespace`` names a model's blocks; ``ChatSession`` runs a
-multi-turn chat whose KV survives turns, processes and restarts; ``blocks_of`` adapts a sidecar
-``Client`` or an in-process ``TieredStore`` to the one ``BlockStore`` interface they use.
-Supports transformers 5.x (its ``Cache.layers`` API). Nothing here is imported by ``tierkv``
-itself, and transformers is imported only when a cache is built.
+prefilled (``restore_kv_detail`` also says what was read); ``model_groups`` names a model's
+blocks, one namespace per group of layers of one kind (full attention, sliding window of one
+size), and ``model_namespace`` the model itself; ``ChatSession`` runs a multi-turn chat whose
+KV survives turns, processes and restarts; ``blocks_of`` adapts a sidecar ``Client`` or an
+in-process ``TieredStore`` to the one ``BlockStore`` interface they use. Supports
+transformers 5.x (its ``Cache.layers`` API). Nothing here is imported by ``tierkv`` itself,
+and transformers is imported only when a cache is built.
 """
 
 from tierkv.integrations.transformers.chat import ChatSession, TurnResult
-from tierkv.integrations.transformers.kv import (
+from tierkv.integrations.transformers.groups import (
     HASH_ALGORITHM,
     HASH_SEED,
+    KVGroup,
+    KVGroups,
+    model_groups,
+    model_namespace,
+)
+from tierkv.integrations.transformers.kv import (
+    KVRestore,
     blocks_to_cache,
     cache_to_blocks,
     hashes_of,
-    model_namespace,
     restore_kv,
+    restore_kv_detail,
     save_kv,
 )
 from tierkv.integrations.transformers.store import BlockStore, ClientBlocks, StoreBlocks, blocks_of
@@ -28,13 +37,18 @@ __all__ = [
     "BlockStore",
     "ChatSession",
     "ClientBlocks",
+    "KVGroup",
+    "KVGroups",
+    "KVRestore",
     "StoreBlocks",
     "TurnResult",
     "blocks_of",
     "blocks_to_cache",
     "cache_to_blocks",
     "hashes_of",
+    "model_groups",
     "model_namespace",
     "restore_kv",
+    "restore_kv_detail",
     "save_kv",
 ]

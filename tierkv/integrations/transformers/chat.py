@@ -15,8 +15,8 @@ Notes:
    client with no deadline of its own gets ``restore_timeout_s`` for the restore and
    ``save_timeout_s`` for the saves.
 2. The cache is off for the whole session, with one message, when it cannot work. A model
-   whose cache has sliding-window (or other non-full) layers, which ``save_kv`` refuses, is
-   found up front: no KV is restored or saved (the session record still is). An
+   whose cache has layers ``model_groups`` refuses (linear attention, state-space, shared KV
+   layers...) is found up front: no KV is restored or saved (the session record still is). An
    ``InvalidArgumentError`` from a store call is a bug on this side: logged as an error once,
    then no store call at all, rather than swallowed every turn. The turns recompute and give
    the same tokens.
@@ -31,6 +31,11 @@ Notes:
    marker) is appended too, unless the reply already ends with it. After ``resume`` the
    history's messages are not known, only its tokens: the first new message is rendered as if
    it opened a conversation.
+5. Sliding-window layers keep only their last ``window - 1`` tokens, but the next turn's
+   restore needs the blocks of its own window, which may begin up to a block earlier. So a
+   turn of a model with sliding layers records its whole past (``activate_past_recording``:
+   the sliding layers then keep the restored window and the turn's tokens until the cache is
+   dropped, with the same attention), and ``save_kv`` stores every full block.
 """
 
 from __future__ import annotations
@@ -46,7 +51,8 @@ import torch
 
 from tierkv.config import Priority, WritePolicy
 from tierkv.errors import InvalidArgumentError, TierKVError
-from tierkv.integrations.transformers.kv import model_namespace, restore_kv, save_kv
+from tierkv.integrations.transformers.groups import KVGroups, model_groups, model_namespace
+from tierkv.integrations.transformers.kv import restore_kv, save_kv
 from tierkv.integrations.transformers.store import BlockStore, ClientBlocks
 
 log = logging.getLogger(__name__)
@@ -90,8 +96,9 @@ class ChatSession:
         self.tokenizer = tokenizer
         self.session_id = session_id or uuid.uuid4().hex
         self.max_new_tokens = max_new_tokens
-        self.namespace = model_namespace(model, block_size=block_size, tenant=tenant,
-                                         model_id=model_id)
+        self._groups, self._kv_unsupported = _groups_of(model, block_size, tenant, model_id)
+        self.namespace = self._groups.namespace if self._groups is not None else (
+            model_namespace(model, block_size=block_size, tenant=tenant, model_id=model_id))
         self.token_ids: list[int] = []
         self._messages: list[dict[str, str]] = []
         self._restore_store, self._save_store = store, store
@@ -104,7 +111,6 @@ class ChatSession:
         self._retry_s = STORE_RETRY_S
         self._template_warned = False
         self._cache_off = ""  # why every store call is skipped (note 2)
-        self._kv_unsupported = _unsupported_cache(model)
         if self._kv_unsupported:
             log.warning("tierkv: %s; session %s runs without the KV cache (the same tokens, "
                         "every prompt recomputed; its record is still saved)",
@@ -138,10 +144,12 @@ class ChatSession:
         prompt_ids = [*self.token_ids, *self._encode(message)]
         start = time.perf_counter()
         cache, num_cached = None, 0
-        if not self._kv_unsupported:
+        if self._groups is not None:
+            groups = self._groups
             cache, num_cached = self._guard(
-                lambda: restore_kv(self._restore_store, self.namespace, prompt_ids,
+                lambda: restore_kv(self._restore_store, groups, prompt_ids,
                                    device=self.model.device), (None, 0))
+            cache = _recording(self.model, groups, cache)
         logits, cache = self._forward(prompt_ids[num_cached:], cache)
         reply = [int(logits.argmax())]
         ttft_s = time.perf_counter() - start
@@ -159,8 +167,9 @@ class ChatSession:
         return result
 
     def _save(self, token_ids: list[int], cache: Any) -> None:
-        if not self._kv_unsupported:
-            self._guard(lambda: save_kv(self._save_store, self.namespace, token_ids, cache,
+        if self._groups is not None:
+            groups = self._groups
+            self._guard(lambda: save_kv(self._save_store, groups, token_ids, cache,
                                         priority=Priority.SESSION,
                                         write_policy=WritePolicy.WRITE_THROUGH), 0)
         self._guard(lambda: self._save_store.save_session(self.namespace, self.session_id,
@@ -264,18 +273,27 @@ class ChatSession:
         self._retry_at = self._clock() + self._retry_s
 
 
-def _unsupported_cache(model: Any) -> str:
-    """Why ``model``'s cache cannot be stored ('' when it can): the layers a ``DynamicCache``
-    of its config gets, which ``save_kv`` refuses unless they are all plain full-attention."""
-    from transformers import DynamicCache
-    from transformers.cache_utils import DynamicLayer
+def _groups_of(model: Any, block_size: int, tenant: str,
+               model_id: str | None) -> tuple[KVGroups | None, str]:
+    """``model``'s cache groups, or None and why its cache cannot be stored (note 2)."""
+    try:
+        return model_groups(model, block_size=block_size, tenant=tenant,
+                            model_id=model_id), ""
+    except InvalidArgumentError as exc:
+        return None, str(exc)
 
-    layers = DynamicCache(config=model.config).layers
-    kinds = sorted({type(layer).__name__ for layer in layers if type(layer) is not DynamicLayer})
-    if not kinds:
-        return ""
-    return (f"{type(model).__name__}'s cache has {', '.join(kinds)} layers (sliding-window "
-            "attention), which tierkv does not store")
+
+def _recording(model: Any, groups: KVGroups, cache: Any) -> Any:
+    """``cache`` (a new one of ``model``'s config when None) recording its whole past when
+    the model has sliding-window layers (note 5); ``cache`` itself otherwise."""
+    if all(group.sliding_window_tokens is None for group in groups.groups):
+        return cache
+    if cache is None:
+        from transformers import DynamicCache
+
+        cache = DynamicCache(config=model.config)
+    cache.activate_past_recording()
+    return cache
 
 
 def _eos_ids(model: Any) -> frozenset[int]:
