@@ -462,3 +462,30 @@ def test_hybrid_saves_skip_the_null_block_and_load_into_each_groups_own_blocks(
     finally:
         worker.close()
         side.close()
+
+
+def test_an_engine_with_a_state_group_gets_no_hits_and_saves_nothing(
+    server: BackgroundServer, caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A group the connector cannot cache (Mamba-like state) beside attention: a hit that
+    restored the attention alone would be wrong, so none is offered, nothing is saved, and
+    the start says so once."""
+    from tierkv.integrations.vllm.geometry import EngineGeometry
+
+    target = server.served.unix_target
+    prompt = tokens(4 * BLOCK + 3)
+    put_prefix(target, prompt, 4)
+    geometry = EngineGeometry((GEOMETRY,), ("KV cache group 1 (MambaSpec, 1 layers from x)",))
+    with caplog.at_level("WARNING", logger="tierkv.integrations.vllm"):
+        side = SchedulerSide(settings_for(target), geometry, NAMESPACE)
+    try:
+        assert [r.getMessage() for r in caplog.records if "MambaSpec" in r.getMessage()] == [
+            "tierkv: KV cache group 1 (MambaSpec, 1 layers from x) holds state the connector "
+            "does not cache: no hits and no saves for this model"]
+        req = request("m", prompt)
+        assert side.num_matched_tokens(req, 0) == 0
+        side.after_alloc(req, ([1, 2, 3, 4, 5],), 0)
+        out = side.build(step(new=[("m", [1, 2, 3, 4, 5], 0, len(prompt))]))
+        assert not out.saves and not out.loads
+    finally:
+        side.close()

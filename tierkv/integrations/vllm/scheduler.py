@@ -229,8 +229,11 @@ class SchedulerSide:
                                                    tuple(ids[g][k] for k in positions), g))
 
     def build(self, output: Any) -> StepMetadata:
-        """The metadata of one scheduled step (vLLM's ``SchedulerOutput``)."""
+        """The metadata of one scheduled step (vLLM's ``SchedulerOutput``); empty for an engine
+        the connector does not serve (a hit must restore every group: nothing is saved)."""
         meta = StepMetadata()
+        if not self.geometry.serves:
+            return meta
         current = getattr(output, "kv_connector_block_state", None)
         for new in output.scheduled_new_reqs:
             state = self._requests.get(new.req_id)
