@@ -207,7 +207,8 @@ def test_groups_whose_state_is_not_kv_blocks_turn_hits_off(model: Path) -> None:
         (GLOBAL, full), (("model.layers.0.mixer",), mamba)))
     assert not geometry.serves
     assert geometry.uncached == ("KV cache group 1 (MambaSpec, 1 layers from "
-                                 "model.layers.0.mixer)",)
+                                 "model.layers.0.mixer) holds state the connector does not "
+                                 "cache",)
 
 
 def test_an_fp8_cache_is_stored_as_its_bytes_in_a_namespace_of_its_own(model: Path) -> None:

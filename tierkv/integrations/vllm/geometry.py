@@ -139,7 +139,8 @@ class EngineGeometry:
 def geometry_of(vllm_config: Any, kv_cache_config: Any) -> EngineGeometry:
     """The geometry of every KV cache group of a vLLM engine that takes part in KV transfer;
     ``ConfigError`` for a group the connector could serve but whose pages it cannot read (a
-    cache dtype it does not know, a block size that is not a multiple of the hash block)."""
+    cache dtype it does not know). A group whose blocks vLLM hashes more coarsely than their
+    size is uncached, as state groups are."""
     from vllm.v1 import kv_cache_interface as kvi
 
     cache_dtype = str(getattr(vllm_config.cache_config, "cache_dtype", "auto"))
@@ -155,7 +156,8 @@ def geometry_of(vllm_config: Any, kv_cache_config: Any) -> EngineGeometry:
         kind, window = _kind_of(spec, kvi)
         if kind is None:
             uncached.append(f"KV cache group {index} ({type(spec).__name__}, {len(names)} "
-                            f"layers from {names[0] if names else '?'})")
+                            f"layers from {names[0] if names else '?'}) holds state the "
+                            "connector does not cache")
             continue
         dtype, page_dtype = cache_dtype_of(spec.dtype, cache_dtype)
         head_size, head_size_v = int(spec.head_size), int(spec.head_size_v)
@@ -163,10 +165,11 @@ def geometry_of(vllm_config: Any, kv_cache_config: Any) -> EngineGeometry:
                           head_dim=head_size, block_size=int(spec.block_size), dtype=dtype,
                           head_dim_v=head_size_v)
         if layout.block_size % hash_block_size:
-            raise ConfigError(
-                f"TierKVConnector: block size {layout.block_size} of KV cache group {index} is "
-                f"not a multiple of the hash block size {hash_block_size}"
-            )
+            # vLLM hashes every group at one size (a Mamba group without prefix caching makes
+            # it the model length): a group of smaller blocks has no hash of its own blocks.
+            uncached.append(f"KV cache group {index} ({type(spec).__name__}) has blocks of "
+                            f"{layout.block_size} tokens, hashed every {hash_block_size}")
+            continue
         groups.append(BlockGeometry(
             names, layout.block_size, hash_block_size, layout,
             page_dtype if page_dtype != layout.torch_dtype else None, kind, window, index,

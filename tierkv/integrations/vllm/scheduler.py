@@ -101,9 +101,9 @@ class SchedulerSide:
         self._namespace_sent = False
         self._num_steps = 0
         self.num_lookup_errors = 0
-        for line in self.geometry.uncached:
-            log.warning("tierkv: %s holds state the connector does not cache: no hits and no "
-                        "saves for this model", line)
+        if self.geometry.uncached:  # one line at start, naming every group it cannot serve
+            log.warning("tierkv: no hits and no saves for this model: %s",
+                        "; ".join(self.geometry.uncached))
 
     @property
     def namespace(self) -> Namespace:
