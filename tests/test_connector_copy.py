@@ -419,3 +419,52 @@ def test_an_fp8_cache_in_uint8_pages_saves_and_loads_its_bytes(
     finally:
         saver.close()
         loader.close()
+
+
+@pytest.mark.parametrize("value_dim", [0, 32], ids=["mla-latent", "k192-v32"])
+def test_pages_of_one_latent_or_of_two_head_sizes_round_trip_bit_exact(
+    server: BackgroundServer, value_dim: int,
+) -> None:
+    """An MLA latent (vLLM's ``[B, 1, N, 576]`` page, no V) and K and V of two head sizes
+    (``[B, H, N, K + V]``): saved by rank 1 of two only where they are not replicated, loaded
+    by every rank; rank 1 of a replicated group saves nothing (rank 0 holds the same pages)."""
+    target = server.served.unix_target
+    heads, key_dim = (1, 576) if value_dim == 0 else (2, 192)
+    layout = KVLayout(2, heads, key_dim, 16, "bf16", value_dim)
+    names = ("model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn")
+    geometry = BlockGeometry(names, 16, 16, layout, replicated=value_dim == 0)
+    namespace = Namespace(f"vllm:latent-{value_dim}", layout, tp_rank=0, tp_size=2)
+    shape = (NUM_VLLM_BLOCKS, heads, 16, key_dim + value_dim)
+    generator = torch.Generator().manual_seed(5)
+    source = {name: torch.randint(-(2**15), 2**15, shape, dtype=torch.int32,
+                                  generator=generator).to(torch.int16).view(torch.bfloat16)
+              for name in names}
+    hashes = [bytes([value_dim, k]) * 16 for k in range(5)]
+    rank1 = WorkerSide(ConnectorSettings(address=target), geometry, tp_rank=1)
+    saver = WorkerSide(ConnectorSettings(address=target), geometry, tp_rank=0)
+    try:
+        for worker in (rank1, saver):
+            worker.register(source)
+        step = StepMetadata((namespace,), saves=[BlockOp("r", tuple(hashes), (3, 4, 5, 6, 7))])
+        rank1.save(step)
+        assert rank1.flush(30.0)
+        assert rank1.counters.blocks_saved == (0 if geometry.replicated else 5)
+        saver.save(step)
+        assert saver.flush(30.0) and saver.counters.blocks_saved == 5
+    finally:
+        rank1.close()
+        saver.close()
+    for rank in (0, 1):
+        caches = {name: torch.zeros(shape, dtype=torch.bfloat16) for name in names}
+        loader = WorkerSide(ConnectorSettings(address=target), geometry, tp_rank=rank)
+        try:
+            loader.register(caches)
+            if not geometry.replicated and rank == 1:
+                continue  # rank 1's own blocks of a split group were saved by rank 1 above
+            assert load_step(loader, StepMetadata((namespace,), loads=[
+                BlockOp("q", tuple(hashes), (10, 11, 12, 13, 14))])) == set()
+            for name in names:
+                assert torch.equal(caches[name][10:15].view(torch.int16),
+                                   source[name][3:8].view(torch.int16))
+        finally:
+            loader.close()

@@ -184,10 +184,19 @@ def test_each_group_is_a_namespace_with_the_window_its_hits_need(model: Path) ->
     assert plain.model_id == namespaces[0].model_id.removesuffix("|group=0:full")
 
 
-def test_an_mla_latent_is_one_page_per_layer_stored_once_for_every_rank(model: Path) -> None:
+def test_an_mla_latent_is_one_page_per_layer_stored_once_for_every_rank(
+    model: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
     mla = MLAAttentionSpec(block_size=32, num_kv_heads=1, head_size=576, dtype=torch.bfloat16)
     kv = groups_config((LAYERS, mla))
     vllm_config = engine_config(model, tensor_parallel_size=1)
+    # vLLM's reference CPU MLA backend (this CPU has no AMX) cannot compute after a cached
+    # prefix: no hits for it, said once.
+    (line,) = geometry_of(vllm_config, kv).uncached
+    assert "reference CPU MLA backend" in line
+    from vllm.platforms import current_platform
+
+    monkeypatch.setattr(current_platform, "is_cpu", lambda: False)  # as on a GPU
     geometry = geometry_of(vllm_config, kv)
     (group,) = geometry.groups
     assert group.replicated and group.layout.head_dim_v == 0

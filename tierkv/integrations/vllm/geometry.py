@@ -49,7 +49,8 @@ SPEC_KINDS: tuple[SpecKind, ...] = (
     SpecKind("ChunkedLocalAttentionSpec", "Llama 4 local layers", "every block; a hit loads "
              "only the chunk it ends in"),
     SpecKind("MLAAttentionSpec", "DeepSeek V2/V3, Kimi K2 (MLA)", "one latent page per layer; "
-             "stored once (TP rank 0) and loaded by every rank"),
+             "stored once (TP rank 0) and loaded by every rank; refused on vLLM's reference CPU "
+             "MLA backend (no AMX), which cannot compute after a cached prefix"),
     SpecKind("SinkFullAttentionSpec", "OpenPangu with static sinks", "every block (the sinks "
              "are weights, not blocks)"),
     SpecKind("fp8 cache (kv_cache_dtype fp8*)", "any of the above", "the pages' bytes as they "
@@ -154,6 +155,12 @@ def geometry_of(vllm_config: Any, kv_cache_config: Any) -> EngineGeometry:
         spec = group.kv_cache_spec
         names = tuple(sorted(group.layer_names, key=_layer_order))
         kind, window = _kind_of(spec, kvi)
+        if kind is not None and isinstance(spec, kvi.MLAAttentionSpec) and (
+                not _mla_continues_from_a_prefix(vllm_config)):
+            uncached.append(f"KV cache group {index} ({type(spec).__name__}) runs on vLLM's "
+                            "reference CPU MLA backend, which cannot compute after a cached "
+                            "prefix (vLLM turns its own prefix cache off for it)")
+            continue
         if kind is None:
             uncached.append(f"KV cache group {index} ({type(spec).__name__}, {len(names)} "
                             f"layers from {names[0] if names else '?'}) holds state the "
@@ -191,6 +198,20 @@ def _kind_of(spec: Any, kvi: Any) -> tuple[str | None, int | None]:
         # Full attention keeps every block, a window merged into it (allocator off) too.
         return FULL, None
     return None, None
+
+
+def _mla_continues_from_a_prefix(vllm_config: Any) -> bool:
+    """Whether vLLM's MLA backend for this engine computes after a cached prefix. vLLM 0.32's
+    reference CPU backend (``CPU_MLA``, on CPUs without AMX or when asked for) does not: vLLM
+    turns its own prefix cache and chunked prefill off for it, and a hit that left one token to
+    compute gave other tokens than a recompute here. GPU backends and the AMX one do."""
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return True
+    backend = getattr(getattr(vllm_config, "attention_config", None), "backend", None)
+    amx = bool(getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)())
+    return amx and getattr(backend, "name", None) != "CPU_MLA"
 
 
 def cache_dtype_of(page_dtype: torch.dtype, cache_dtype: str) -> tuple[DType, torch.dtype]:
