@@ -1,11 +1,13 @@
-"""Llama models with random weights, built from a config and saved locally (nothing is
-downloaded): what the vLLM tests and ``tierkv bench vllm`` run engines on."""
+"""Models with random weights, built from a config and saved locally (nothing is downloaded):
+what the vLLM tests and ``tierkv bench vllm`` run engines on. Llama of any shape, and one tiny
+model of each family the connector serves (``build_family``)."""
 
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
+from typing import Any
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,3 +54,79 @@ def build_llama(path: Path, shape: LlamaShape) -> Path:
     model.save_pretrained(path)
     stamp.write_text(json.dumps(asdict(shape)))
     return path
+
+
+SLIDING_WINDOW_TOKENS = 64
+"""The window of the sliding-window test families: a 200-token prefix is three windows."""
+
+FAMILIES = ("llama", "mistral-sliding", "gemma3", "gpt-oss", "deepseek-v2")
+"""The model families the connector's tests build (see ``build_family``)."""
+
+
+def build_family(path: Path, family: str, seed: int = 0,
+                 window_tokens: int = SLIDING_WINDOW_TOKENS) -> Path:
+    """Save a tiny random-weight model of ``family`` at ``path`` (``FAMILIES``), unless it is
+    already there; returns ``path``. Each is shaped as the CPU backend takes it (64-wide heads):
+
+    * ``llama``: ``TINY``.
+    * ``mistral-sliding``: Mistral, a sliding window on every layer.
+    * ``gemma3``: Gemma 3, five sliding-window layers and a global one.
+    * ``gpt-oss``: gpt-oss, sliding-window and full layers in turn, attention sinks, MoE.
+    * ``deepseek-v2``: DeepSeek-V2 MLA (a 512 + 64 latent, the CPU MLA backend's), dense MLPs.
+    * ``gemma3-global``: ``gemma3`` with every layer global (what its windows save against).
+    * ``lfm2-hybrid``: LFM2, short-convolution layers (vLLM's ``MambaSpec``: state, not KV
+      blocks) and full-attention ones in turn.
+    """
+    if family == "llama":
+        return build_llama(path, replace(TINY, seed=seed))
+    stamp = path / "tierkv-shape.json"
+    wanted = {"family": family, "seed": seed, "window": window_tokens}
+    if stamp.exists() and json.loads(stamp.read_text()) == wanted:
+        return path
+    import torch
+    import transformers
+
+    common: dict[str, Any] = {
+        "vocab_size": 32000, "hidden_size": 256, "intermediate_size": 512,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 16384,
+        "dtype": "bfloat16",
+    }
+    window = window_tokens
+    gemma3 = {**common, "num_hidden_layers": 6, "head_dim": 64, "sliding_window": window,
+              "layer_types": ["sliding_attention"] * 5 + ["full_attention"],
+              "query_pre_attn_scalar": 64}
+    configs: dict[str, tuple[str, str, dict[str, Any]]] = {
+        "mistral-sliding": ("MistralConfig", "MistralForCausalLM",
+                            {**common, "num_hidden_layers": 2, "head_dim": 64,
+                             "sliding_window": window}),
+        "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", gemma3),
+        "gemma3-global": ("Gemma3TextConfig", "Gemma3ForCausalLM",
+                          {**gemma3, "layer_types": ["full_attention"] * 6}),
+        "lfm2-hybrid": ("Lfm2Config", "Lfm2ForCausalLM",
+                        {**common, "num_hidden_layers": 4, "block_auto_adjust_ff_dim": False,
+                         "layer_types": ["conv", "full_attention"] * 2, "conv_L_cache": 3,
+                         # Fields of the published LFM2 configs that vLLM reads (transformers
+                         # does not set them).
+                         "conv_dim": 256, "conv_dim_out": 256, "block_dim": 256,
+                         "block_ff_dim": 512}),
+        "gpt-oss": ("GptOssConfig", "GptOssForCausalLM",
+                    {**common, "num_hidden_layers": 2, "head_dim": 64, "sliding_window": window,
+                     "layer_types": ["sliding_attention", "full_attention"],
+                     "num_local_experts": 4, "num_experts_per_tok": 2}),
+        "deepseek-v2": ("DeepseekV2Config", "DeepseekV2ForCausalLM",
+                        {**common, "num_hidden_layers": 2, "num_key_value_heads": 4,
+                         "kv_lora_rank": 512, "q_lora_rank": None, "qk_rope_head_dim": 64,
+                         "qk_nope_head_dim": 64, "v_head_dim": 64, "first_k_dense_replace": 2,
+                         "n_routed_experts": 4, "num_experts_per_tok": 2,
+                         "moe_intermediate_size": 128, "rope_scaling": None}),
+    }
+    if family not in configs:
+        raise ValueError(f"unknown model family {family!r}; choose one of {FAMILIES}")
+    config_name, model_name, fields = configs[family]
+    torch.manual_seed(seed)
+    config = getattr(transformers, config_name)(**fields)
+    model = getattr(transformers, model_name)(config).to(torch.bfloat16)
+    model.save_pretrained(path)
+    stamp.write_text(json.dumps(wanted))
+    return path
+

