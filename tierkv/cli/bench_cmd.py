@@ -286,11 +286,7 @@ def run_vllm(args: argparse.Namespace) -> int:
     name = "llama-tiny" if args.quick else "llama-156m"
     model_dir = args.model_dir or Path.home() / ".cache" / "tierkv" / "bench-models" / name
     with contextlib.ExitStack() as stack:
-        if args.work_dir is None:
-            work = stack.enter_context(tempfile.TemporaryDirectory(prefix="tierkv-bench-"))
-        else:
-            args.work_dir.mkdir(parents=True, exist_ok=True)
-            work = tempfile.mkdtemp(prefix="vllm-", dir=args.work_dir)
+        work = _work_dir(stack, args.work_dir, "vllm-")
         cfg: VllmBenchConfig = (quick_config(Path(work), model_dir) if args.quick else
                                 default_config(Path(work), model_dir, lengths=args.lengths,
                                                samples=args.samples))
@@ -322,17 +318,20 @@ def run_vllm(args: argparse.Namespace) -> int:
     return 0
 
 
+def _work_dir(stack: contextlib.ExitStack[Any], keep_in: Path | None, prefix: str) -> Path:
+    """A new folder in ``keep_in`` (kept), else a temporary one removed with ``stack``."""
+    if keep_in is None:
+        return Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="tierkv-bench-")))
+    keep_in.mkdir(parents=True, exist_ok=True)
+    return Path(tempfile.mkdtemp(prefix=prefix, dir=keep_in))
+
+
 def _run_windows(args: argparse.Namespace) -> int:
     """``bench vllm --windows`` (four engines and a sidecar of its own)."""
     from tierkv.bench.window_bench import format_table, run_window_bench
 
     with contextlib.ExitStack() as stack:
-        if args.work_dir is None:
-            work = stack.enter_context(tempfile.TemporaryDirectory(prefix="tierkv-bench-"))
-        else:
-            args.work_dir.mkdir(parents=True, exist_ok=True)
-            work = tempfile.mkdtemp(prefix="windows-", dir=args.work_dir)
-        result = run_window_bench(Path(work))
+        result = run_window_bench(_work_dir(stack, args.work_dir, "windows-"))
     print(format_table(result))
     path = args.json.with_name("vllm-windows.json")
     path.parent.mkdir(parents=True, exist_ok=True)
