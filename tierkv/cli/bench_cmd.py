@@ -304,7 +304,7 @@ def run_vllm(args: argparse.Namespace) -> int:
                   "samples": cfg.samples, "block_size": cfg.block_size,
                   "kv_space_gib": cfg.kv_space(), "max_model_len": cfg.max_model_len(),
                   "vllm_cpu_num_of_reserved_cpu": cfg.reserved_cpus, "quick": args.quick,
-                  "work_dir": None if args.work_dir is None else work}
+                  "work_dir": None if args.work_dir is None else str(work)}
     print(format_table(result))
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps({"machine": machine_info(), "config": config, **result},
