@@ -12,6 +12,7 @@ import torch
 from vllm.engine.arg_utils import EngineArgs
 from vllm.v1.core import kv_cache_utils
 from vllm.v1.kv_cache_interface import (
+    ChunkedLocalAttentionSpec,
     FullAttentionSpec,
     KVCacheConfig,
     KVCacheGroupSpec,
@@ -178,6 +179,12 @@ def test_each_group_is_a_namespace_with_the_window_its_hits_need(model: Path) ->
     namespaces = namespaces_of(vllm_config, kv, geometry, 0)
     assert namespaces[0].model_id.endswith("|group=0:full")
     assert namespaces[1].model_id.endswith("|group=1:sliding:100")
+    # Chunked local attention (Llama 4's local layers): a hit needs the blocks of its chunk.
+    chunked = ChunkedLocalAttentionSpec(block_size=32, num_kv_heads=2, head_size=64,
+                                        dtype=torch.bfloat16, attention_chunk_size=128)
+    (_, local) = geometry_of(vllm_config, groups_config((GLOBAL, full), (SLIDING, chunked))).groups
+    assert (local.kind, local.window_tokens, local.label) == ("chunked", 128, "chunked:128")
+    assert [local.first_needed_block(n) for n in (96, 128, 320)] == [0, 4, 8]
     # One full-attention group names none: the namespace every stored block already has.
     plain = namespace_of(vllm_config, cache_config(), geometry_of(vllm_config, cache_config()), 0)
     assert "group=" not in plain.model_id
