@@ -214,9 +214,9 @@ def test_list_models(size: Runner) -> None:
     for preset in PRESETS.values():
         row = line(out, preset.name + " ")
         numbers = row.split()[1:]
-        assert numbers[:3] == [str(preset.num_layers), str(preset.num_kv_heads),
-                               str(preset.head_dim)]  # fmt: skip
-        assert numbers[3] == f"{preset.layout().bytes_per_token:,}"
+        assert numbers[:4] == [str(preset.num_layers), str(preset.num_kv_heads),
+                               str(preset.head_dim), str(preset.layout().value_head_dim)]
+        assert numbers[4] == f"{preset.layout().bytes_per_token:,}"
     rows = json.loads(size("--list-models", "--json")[1])
     assert [r["name"] for r in rows] == [p.name for p in PRESETS.values()]
     assert (
