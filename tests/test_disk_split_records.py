@@ -5,6 +5,7 @@ miss counted as corrupt, never another block's bytes."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -186,6 +187,10 @@ def test_the_disk_tier_reads_a_split_record_straight_into_host_pages(tmp_path: P
         store.register(namespace)
         got = store.get(namespace, hashes)
         assert same_bytes(got, data)
+        # Promotion on read runs in the background (reads.py, note 3): wait for it.
+        deadline = time.monotonic() + 30
+        while store.stats().tiers[Tier.HOST].num_blocks < 4 and time.monotonic() < deadline:
+            time.sleep(0.01)
         assert store.stats().tiers[Tier.HOST].num_blocks == 4
         assert same_bytes(store.get(namespace, hashes), data)  # now from HOST
 
