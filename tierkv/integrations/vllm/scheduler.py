@@ -8,9 +8,10 @@ Contracts (vLLM v1's connector API):
   (at least one token is left to compute). With several KV cache groups (vLLM's hybrid
   allocator) the hit is the longest prefix for which every group holds what it needs: all
   blocks for full attention, the window before the hit for a sliding window; loads and saves
-  skip vLLM's null block (a position out of a window). It answers from the sidecar's shared-memory presence
-  table when it can, else with one Lookup; a sidecar that is down or slow makes it answer 0
-  within ``lookup_timeout_s``, and it is not asked again for a while (a breaker).
+  skip vLLM's null block (a position out of a window). It answers from the sidecar's
+  shared-memory presence table when it can, else with one Lookup; a sidecar that is down or
+  slow makes it answer 0 within ``lookup_timeout_s``, and it is not asked again for a while
+  (a breaker).
 * Loads are synchronous by default (in the step that schedules the request; see the README for
   the measurement), or asynchronous (``load_mode="async"``: while the request waits); saves
   cover the full prompt blocks the sidecar does not hold, in the step vLLM computes them.
@@ -95,8 +96,8 @@ class SchedulerSide:
         self._client = Client(settings.address, token=settings.token,
                                    timeout_s=settings.lookup_timeout_s, retries=0)
         self._requests: dict[str, _Request] = {}
-        # req_id -> (tokens vLLM had computed, tokens of the hit, each group's held blocks)
-        self._matched: dict[str, tuple[int, int, list[int]]] = {}
+        # req_id -> (tokens vLLM had computed, each group's held blocks)
+        self._matched: dict[str, tuple[int, list[int]]] = {}
         self._down_until = 0.0
         self._namespace_sent = False
         self._num_steps = 0
@@ -171,7 +172,7 @@ class SchedulerSide:
         for g, group in enumerate(groups):
             if group.kind != FULL:
                 held[g] = length // group.block_size
-        self._matched[request.request_id] = (num_computed_tokens, length, held)
+        self._matched[request.request_id] = (num_computed_tokens, held)
         return max(0, int(length) - num_computed_tokens)
 
     def _lookup(self, request: Any, group: int, start: int, num_blocks: int) -> int:
@@ -210,7 +211,7 @@ class SchedulerSide:
                 request, int(request.num_prompt_tokens), ids, [0] * len(groups))
         state.request = request
         state.block_ids = ids
-        local, _, held = self._matched.get(req_id, (0, 0, [0] * len(groups)))
+        local, held = self._matched.get(req_id, (0, [0] * len(groups)))
         state.stored_blocks = [max(a, b) for a, b in zip(state.stored_blocks, held, strict=True)]
         state.pending_loads = []
         if num_external_tokens <= 0:
@@ -221,12 +222,9 @@ class SchedulerSide:
         for g, group in enumerate(groups):
             start = max(local // group.block_size, group.first_needed_block(end_tokens))
             end = end_tokens // group.block_size
-            positions = [k for k in range(start, min(end, len(ids[g])))
-                         if ids[g][k] != NULL_BLOCK_ID]
-            if positions:
-                hashes = self._hashes(request, end, 0, g)
-                state.pending_loads.append(BlockOp(req_id, tuple(hashes[k] for k in positions),
-                                                   tuple(ids[g][k] for k in positions), g))
+            load = self._op(request, g, ids[g], start, min(end, len(ids[g])))
+            if load is not None:
+                state.pending_loads.append(load)
 
     def build(self, output: Any) -> StepMetadata:
         """The metadata of one scheduled step (vLLM's ``SchedulerOutput``); empty for an engine
@@ -289,14 +287,21 @@ class SchedulerSide:
             start = state.stored_blocks[g]
             if end <= start:
                 continue
-            # The null block stands for a block out of a window: nothing to save there.
-            positions = [k for k in range(start, end) if ids[k] != NULL_BLOCK_ID]
             state.stored_blocks[g] = end
-            if positions:
-                hashes = self._hashes(state.request, end, 0, g)
-                meta.saves.append(BlockOp(state.request.request_id,
-                                          tuple(hashes[k] for k in positions),
-                                          tuple(ids[k] for k in positions), g))
+            save = self._op(state.request, g, ids, start, end)
+            if save is not None:
+                meta.saves.append(save)
+
+    def _op(self, request: Any, group: int, ids: list[int], start: int, end: int
+            ) -> BlockOp | None:
+        """Blocks ``start`` to ``end`` of ``group`` with vLLM's ``ids``, but for the null block
+        (a position out of a window: nothing to load or save there); None when none is left."""
+        positions = [k for k in range(start, end) if ids[k] != NULL_BLOCK_ID]
+        if not positions:
+            return None
+        hashes = self._hashes(request, end, start, group)  # only these: not the whole prefix
+        return BlockOp(request.request_id, tuple(hashes[k - start] for k in positions),
+                       tuple(ids[k] for k in positions), group)
 
     def on_output(self, invalid_block_ids: set[int]) -> None:
         """vLLM's report of the blocks whose load failed (on any TP rank): vLLM recomputes them,
