@@ -70,12 +70,18 @@ def assert_one_warning(log_path: Path) -> str:
     return line
 
 
-def test_a_hybrid_state_model_starts_and_gets_no_hits_and_no_saves(
-    tmp_path: Path, sidecar_factory: SidecarFactory,
-) -> None:
-    model = build_family(tmp_path / "lfm2", "lfm2-hybrid")
+@pytest.fixture
+def lfm2(tmp_path: Path, sidecar_factory: SidecarFactory) -> tuple[Path, Any]:
+    """The model, and a sidecar with the tokens file."""
     (tmp_path / "tokens").write_text(TOKENS)
     sidecar = sidecar_factory("--host-bytes", "64MiB", "--tokens-file", str(tmp_path / "tokens"))
+    return build_family(tmp_path / "lfm2", "lfm2-hybrid"), sidecar
+
+
+def test_a_hybrid_state_model_starts_and_gets_no_hits_and_no_saves(
+    tmp_path: Path, lfm2: tuple[Path, Any],
+) -> None:
+    model, sidecar = lfm2
 
     a = run_engine(tmp_path, "hybrid-a", spec(model, sidecar.unix_target,
                                               [{"prompts": P, "flush": True}]))
@@ -89,11 +95,9 @@ def test_a_hybrid_state_model_starts_and_gets_no_hits_and_no_saves(
 
 
 def test_a_hybrid_state_model_starts_with_the_prefix_cache_off(
-    tmp_path: Path, sidecar_factory: SidecarFactory,
+    tmp_path: Path, lfm2: tuple[Path, Any],
 ) -> None:
-    model = build_family(tmp_path / "lfm2", "lfm2-hybrid")
-    (tmp_path / "tokens").write_text(TOKENS)
-    sidecar = sidecar_factory("--host-bytes", "64MiB", "--tokens-file", str(tmp_path / "tokens"))
+    model, sidecar = lfm2
 
     b = run_engine(tmp_path, "hybrid-off", spec(model, sidecar.unix_target,
                                                 [{"prompts": P, "flush": True}, P],

@@ -24,6 +24,7 @@ from harness import SidecarFactory
 from vllm_engines import ALPHA, BLOCK_SIZE, TOKENS, save_word_tokenizer
 
 from tierkv.bench.models import TINY, build_llama
+from tierkv.bench.servers import _stop as stop  # SIGTERM (saves are flushed), then SIGKILL
 
 pytestmark = pytest.mark.slow
 
@@ -76,15 +77,6 @@ def chat(url: str, model: Path, messages: list[dict[str, str]]) -> dict[str, Any
     with urllib.request.urlopen(request, timeout=120) as response:
         reply: dict[str, Any] = json.loads(response.read())
     return reply
-
-
-def stop(process: subprocess.Popen[bytes]) -> None:
-    process.terminate()
-    try:
-        process.wait(timeout=60)
-    except subprocess.TimeoutExpired:
-        process.kill()
-        process.wait()
 
 
 def test_a_new_server_process_hits_what_the_first_one_stored(

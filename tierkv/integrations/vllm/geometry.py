@@ -88,6 +88,12 @@ class BlockGeometry:
         return self.page_dtype or self.layout.torch_dtype
 
     @property
+    def page_shape(self) -> tuple[int, int, int]:
+        """One layer's page of one block as vLLM's cache view holds it: ``[H, N, C]``."""
+        layout = self.layout
+        return (layout.num_kv_heads, layout.block_size, layout.head_dim + layout.value_head_dim)
+
+    @property
     def label(self) -> str:
         """The group in a namespace: ``full``, ``sliding:4096``, ``chunked:8192``."""
         return self.kind if self.window_tokens is None else f"{self.kind}:{self.window_tokens}"

@@ -168,7 +168,7 @@ class WorkerSide:
     def _register_group(self, g: int, group: _Group, kv_caches: dict[str, torch.Tensor]) -> None:
         geometry = group.geometry
         layout = geometry.layout
-        want = (layout.num_kv_heads, layout.block_size, layout.head_dim + layout.value_head_dim)
+        want = geometry.page_shape
         missing = [name for name in geometry.layer_names if name not in kv_caches]
         if missing:
             raise ConfigError(f"TierKVConnector: vLLM registered no cache for layers {missing}")
@@ -205,9 +205,8 @@ class WorkerSide:
                                         0 if buffer is None else 2 * int(buffer.shape[0])))
 
     def _staging(self, group: _Group, num_blocks: int) -> torch.Tensor:
-        layout = group.geometry.layout
-        shape = (num_blocks, layout.num_layers, layout.num_kv_heads, layout.block_size,
-                 layout.head_dim + layout.value_head_dim)
+        geometry = group.geometry
+        shape = (num_blocks, geometry.layout.num_layers, *geometry.page_shape)
         pinned = self._stream is not None  # so that copies to and from the GPU are async
         return torch.empty(shape, dtype=group.geometry.cache_dtype, pin_memory=pinned)
 
