@@ -1,8 +1,10 @@
 """Imports flow one way: the rules of the package boundary, checked on the source.
 
+- ``tierkv.types`` (the result types) and ``tierkv.checks`` (the checks of caller input) sit
+  below both sides: the store and the client import them; they import neither.
 - ``tierkv.client`` imports the wire (``tierkv.wire``), the shared-memory layouts
-  (``tierkv.shm``) and public modules; of the store only the package itself (its public types),
-  never its internals, and never the server.
+  (``tierkv.shm``) and public modules, never the store (not even its package), its tiers or the
+  server: a process that imports the client loads neither the store nor LMDB.
 - ``tierkv.service`` uses the store's public API only (``tierkv.store`` itself), never the
   store's modules, the tiers or the page allocator, and never the client.
 - ``tierkv.wire`` and ``tierkv.shm`` are below both sides: they import neither.
@@ -14,6 +16,8 @@ Every ``import`` counts, including those inside functions.
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -24,8 +28,13 @@ PACKAGE = Path(__file__).resolve().parent.parent / "tierkv"
 # Modules any side may import: they define public types and stand-alone functions.
 PUBLIC = frozenset({
     "tierkv", "tierkv.errors", "tierkv.config", "tierkv.keys", "tierkv.checksums",
-    "tierkv.codec", "tierkv.layout", "tierkv.hashing", "tierkv.store", "tierkv.logs",
+    "tierkv.codec", "tierkv.layout", "tierkv.hashing", "tierkv.logs", "tierkv.types",
+    "tierkv.checks",
 })
+# The server may use the store's public API (the package itself) as well.
+SERVER_PUBLIC = PUBLIC | {"tierkv.store"}
+BELOW_BOTH_SIDES = ("tierkv.store", "tierkv.tiers", "tierkv.client", "tierkv.service",
+                    "tierkv.integrations", "tierkv.cli")
 
 
 def _modules(package: str) -> Iterator[tuple[str, Path]]:
@@ -98,14 +107,31 @@ def test_the_client_imports_the_wire_the_shared_memory_view_and_public_types_onl
     assert _violations("tierkv.client", ("tierkv.wire", "tierkv.shm"), PUBLIC) == []
 
 
+def test_the_client_never_imports_the_store_its_tiers_or_the_server() -> None:
+    assert _forbidden("tierkv.client", ("tierkv.store", "tierkv.tiers", "tierkv.service")) == []
+
+
+def test_importing_the_client_loads_neither_the_store_nor_lmdb() -> None:
+    code = ("import sys, tierkv.client; print(sorted(m for m in sys.modules if m == 'lmdb' or "
+            "m.startswith(('tierkv.store', 'tierkv.tiers', 'tierkv.service'))))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
+
+
 def test_the_service_uses_the_stores_public_api_only() -> None:
-    assert _violations("tierkv.service", ("tierkv.wire", "tierkv.shm"), PUBLIC) == []
+    assert _violations("tierkv.service", ("tierkv.wire", "tierkv.shm"), SERVER_PUBLIC) == []
+
+
+@pytest.mark.parametrize("module", ["tierkv.types", "tierkv.checks"])
+def test_the_result_types_and_the_checks_sit_below_both_sides(module: str) -> None:
+    path = PACKAGE / (module.split(".")[1] + ".py")
+    assert [name for _, name in _imports(module, path)
+            if any(_within(name, p) for p in BELOW_BOTH_SIDES)] == []
 
 
 @pytest.mark.parametrize("package", ["tierkv.wire", "tierkv.shm"])
 def test_the_wire_and_the_shared_memory_layouts_sit_below_both_sides(package: str) -> None:
-    assert _forbidden(package, ("tierkv.store", "tierkv.tiers", "tierkv.client",
-                                "tierkv.service", "tierkv.integrations", "tierkv.cli")) == []
+    assert _forbidden(package, BELOW_BOTH_SIDES) == []
 
 
 @pytest.mark.parametrize("package", ["tierkv.store", "tierkv.tiers"])
@@ -120,3 +146,23 @@ def test_the_rules_see_imports_inside_functions_and_from_imports_of_modules(
     path.write_text("def f():\n    from tierkv.store import leases\n    import tierkv.paging\n")
     assert [name for _, name in _imports("tierkv.client.probe", path)] == [
         "tierkv.store.leases", "tierkv.paging"]
+
+
+@pytest.mark.parametrize(("module", "line", "rule"), [
+    ("tierkv.client.probe", "from tierkv.store import TieredStore", "client"),
+    ("tierkv.client.probe", "from tierkv.types import StoreStats\nimport tierkv.tiers.disk", "client"),
+    ("tierkv.service.probe", "from tierkv.store.leases import Leases", "service"),
+    ("tierkv.types", "from tierkv.store import TieredStore", "below"),
+])
+def test_a_probe_that_breaks_a_rule_is_caught(tmp_path: Path, module: str, line: str,
+                                              rule: str) -> None:
+    path = tmp_path / "probe.py"
+    path.write_text(f"def f():\n    {line.replace(chr(10), chr(10) + '    ')}\n")
+    names = [name for _, name in _imports(module, path)]
+    if rule == "client":
+        broken = [n for n in names if any(_within(n, p) for p in ("tierkv.store", "tierkv.tiers"))]
+    elif rule == "service":
+        broken = [n for n in names if _within(n, "tierkv") and n not in SERVER_PUBLIC]
+    else:
+        broken = [n for n in names if any(_within(n, p) for p in BELOW_BOTH_SIDES)]
+    assert broken, f"{line!r} should break the {rule} rule"

@@ -19,7 +19,7 @@ from tierkv.cli.serve_cmd import EvictionStormWatch
 from tierkv.config import Tier
 from tierkv.logs import JsonFormatter, TextFormatter, Throttle, event_of, fields_of, log_event
 from tierkv.store import StoreStats
-from tierkv.store.stats import TierStats
+from tierkv.types import TierStats
 
 # A logger of its own, outside logging's tree: pytest's capture handlers, which raise where
 # logging would not, never see its records.

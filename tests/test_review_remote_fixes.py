@@ -22,8 +22,8 @@ from redis_cluster import remote_config as remote
 from tierkv import Namespace, WritePolicy
 from tierkv.config import Tier
 from tierkv.keys import NAMESPACE_ID_BYTES
-from tierkv.store import remote_link
-from tierkv.store.remote_forget import Forgotten
+from tierkv.store import remote as remote_link
+from tierkv.store.remote import Forgotten
 from tierkv.tiers.remote_keys import remote_key
 from tiny_blocks import TINY_LAYOUT, StoreFactory, blocks, keys
 

@@ -33,7 +33,7 @@ from tierkv import (
     block_hashes,
 )
 from tierkv.errors import SessionNotFoundError
-from tierkv.store.sessions import ResumedSession, SessionInfo
+from tierkv.types import ResumedSession, SessionInfo
 from tiny_blocks import BLOCK_BYTES, PAGE_BYTES, TINY_LAYOUT, StoreFactory, blocks, same_bytes
 
 BLOCK_SIZE = TINY_LAYOUT.block_size  # 4 tokens a block

@@ -52,9 +52,9 @@ from tierkv.errors import ConfigError, ServiceUnavailableError
 from tierkv.hashing import block_hashes
 from tierkv.keys import Namespace
 from tierkv.layout import PRESETS, KVLayout
-from tierkv.store import RemoteStats
 from tierkv.tiers.records import encode_record
 from tierkv.tiers.remote_keys import remote_key
+from tierkv.types import RemoteStats
 
 Progress = Callable[[str], None]
 _POLL_S = 0.002  # stats polls while waiting for records to land in REMOTE

@@ -20,7 +20,7 @@ from tierkv.cli.ops_common import add_server_args, open_client
 from tierkv.errors import InvalidArgumentError
 from tierkv.keys import Namespace
 from tierkv.sizes import format_size
-from tierkv.store import ClearResult, parse_layout_label
+from tierkv.types import ClearResult, parse_layout_label
 from tierkv.wire.namespaces import namespace_from, namespace_to
 
 REFUSED_EXIT = 1

@@ -10,7 +10,7 @@ from typing import Any
 
 from tierkv.client import Client
 from tierkv.sizes import format_size
-from tierkv.store import layout_label
+from tierkv.types import layout_label
 from tierkv.wire.limits import DEFAULT_TARGET
 
 CALL_TIMEOUT_S = 10.0

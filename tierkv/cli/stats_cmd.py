@@ -17,7 +17,7 @@ from tierkv.cli.ops_common import add_server_args, namespaces_table, open_client
 from tierkv.client import ServerStats
 from tierkv.errors import DeadlineExceededError, ServiceUnavailableError
 from tierkv.sizes import format_size
-from tierkv.store import route_label
+from tierkv.types import route_label
 
 DEFAULT_WATCH_S = 2.0
 MAX_WATCH_S = 86400.0

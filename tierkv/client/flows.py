@@ -27,6 +27,7 @@ from typing import Any
 import grpc
 import torch
 
+from tierkv.checks import check_out
 from tierkv.client import base
 from tierkv.client.effects import (
     Copy,
@@ -43,14 +44,7 @@ from tierkv.client.results import ServerStats
 from tierkv.config import Priority, WritePolicy
 from tierkv.errors import InvalidArgumentError, ServiceUnavailableError, TierKVError
 from tierkv.keys import Namespace
-from tierkv.store import (
-    ClearResult,
-    NamespaceStats,
-    RemoteStats,
-    SessionInfo,
-    TierStats,
-    check_out,
-)
+from tierkv.types import ClearResult, NamespaceStats, RemoteStats, SessionInfo, TierStats
 from tierkv.wire import tierkv_pb2 as pb
 from tierkv.wire.convert import (
     LookupDetail,

@@ -2,7 +2,7 @@
 
 ``Client.stats()`` answers with the same type as ``TieredStore.stats()`` (``StoreStats``), and
 what only a server reports with it: its largest namespaces. ``clear`` answers with
-``tierkv.store.ClearResult`` (as ``TieredStore.clear``), ``lookup_detail`` with
+``tierkv.types.ClearResult`` (as ``TieredStore.clear``), ``lookup_detail`` with
 ``tierkv.wire.convert.LookupDetail``, ``describe`` with ``tierkv.wire.convert.ServerInfo``.
 """
 
@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from tierkv.store import NamespaceStats, StoreStats
+from tierkv.types import NamespaceStats, StoreStats
 
 
 @dataclass(frozen=True, slots=True)

@@ -22,7 +22,7 @@ from tierkv.client.flows import ClientFlows
 from tierkv.client.results import ServerStats
 from tierkv.config import Priority, WritePolicy
 from tierkv.keys import Namespace
-from tierkv.store import ClearResult, SessionInfo
+from tierkv.types import ClearResult, SessionInfo
 from tierkv.wire.convert import LookupDetail, ServerInfo
 from tierkv.wire.limits import DEFAULT_TARGET
 

@@ -5,22 +5,21 @@ other user import from this package only, never from its modules. Its errors are
 ``tierkv.errors``'s.
 """
 
-from tierkv.store.clearing import ClearResult
+from tierkv.checks import check_lookup_hashes, check_out, check_ttl
 from tierkv.store.inspection import BadRecord, DiskReport, NamespaceReport, inspect_disk
-from tierkv.store.lease_writer import LeaseWriter
-from tierkv.store.leases import ReadLease, WriteLease, received_blocks
-from tierkv.store.sessions import SessionInfo
-from tierkv.store.stats import (
+from tierkv.store.leases import LeaseWriter, ReadLease, WriteLease, received_blocks
+from tierkv.store.tiered import TieredStore
+from tierkv.types import (
+    ClearResult,
     NamespaceStats,
     RemoteStats,
+    SessionInfo,
     StoreStats,
     TierStats,
     layout_label,
     parse_layout_label,
     route_label,
 )
-from tierkv.store.tiered import TieredStore
-from tierkv.store.validation import check_lookup_hashes, check_out, check_ttl
 
 __all__ = [
     "BadRecord",

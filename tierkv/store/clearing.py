@@ -19,13 +19,13 @@ Decisions:
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 
 from tierkv.errors import InvalidArgumentError
 from tierkv.keys import Namespace
 from tierkv.store.books import StoreCore
 from tierkv.store.ledger import DOOMED, Entry, NamespaceState
 from tierkv.store.sessions import SessionTable
+from tierkv.types import ClearResult
 
 _BATCH_BLOCKS = 4096
 """Blocks deleted per hold of the store lock."""
@@ -34,18 +34,6 @@ Progress = Callable[[int, int], None]
 """``progress(num_blocks_done, num_blocks_total)``, called as a clear goes."""
 
 
-@dataclass(frozen=True, slots=True)
-class ClearResult:
-    """What a clear removed: from ``num_namespaces`` matching namespaces, ``num_blocks`` blocks
-    of ``cleared_bytes`` payload bytes (each block once, whatever tiers held it) and
-    ``num_sessions`` sessions. ``num_busy`` of those blocks were being read or copied: misses
-    already, their room comes back when those reads end."""
-
-    num_namespaces: int
-    num_blocks: int
-    cleared_bytes: int
-    num_sessions: int
-    num_busy: int
 
 
 def namespace_filter(

@@ -19,9 +19,9 @@ from tierkv.checksums import checksum_of_parts, digest_value
 from tierkv.keys import NAMESPACE_ID_BYTES, RAW_BLOCK_KEY_BYTES, Namespace
 from tierkv.store.recovery import parse_descriptor
 from tierkv.store.sessions import UNPARSABLE, parse_session
-from tierkv.store.stats import layout_label
 from tierkv.tiers.lmdb_readonly import ReadOnlyStore
 from tierkv.tiers.records import try_unseal, verify_record
+from tierkv.types import layout_label
 
 MAX_LISTED_BAD_RECORDS = 1000
 """Bad records listed one by one (every one is counted)."""

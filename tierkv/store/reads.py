@@ -21,12 +21,12 @@ from concurrent.futures import Future, ThreadPoolExecutor, wait
 
 import torch
 
+from tierkv.checks import check_out
 from tierkv.checksums import block_checksums
 from tierkv.config import Tier
 from tierkv.store.books import BusyMarks, StoreCore
 from tierkv.store.ledger import Entry, NamespaceState, PagedLedger
 from tierkv.store.moves import Mover
-from tierkv.store.validation import check_out
 
 log = logging.getLogger(__name__)
 

@@ -45,11 +45,12 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
+from tierkv.checks import check_ttl
 from tierkv.errors import InvalidArgumentError, SessionNotFoundError, TierKVError
 from tierkv.keys import Namespace
 from tierkv.store.recovery import namespace_descriptor, namespace_from_descriptor
-from tierkv.store.validation import check_ttl
 from tierkv.tiers.disk import DiskTier, DiskWrite
+from tierkv.types import SessionInfo
 
 log = logging.getLogger(__name__)
 
@@ -68,24 +69,8 @@ TokenIds = Sequence[int] | npt.NDArray[np.integer[Any]] | torch.Tensor
 """Token ids as ``save_session`` takes them: a sequence of ints, a 1-D numpy array or tensor."""
 
 
-@dataclass(frozen=True, slots=True)
-class ResumedSession:
-    """What ``resume_session`` gives back: the caller prefills only
-    ``token_ids[num_cached_tokens:]``."""
-
-    namespace: Namespace
-    token_ids: tuple[int, ...]
-    num_cached_tokens: int
 
 
-@dataclass(frozen=True, slots=True)
-class SessionInfo:
-    """One session, as ``list_sessions`` reports it."""
-
-    session_id: str
-    model_id: str
-    num_tokens: int
-    last_use_unix_s: float
 
 
 @dataclass(frozen=True, slots=True)

@@ -10,53 +10,54 @@ coroutines run the blocking work on the store's worker threads and never block t
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import TYPE_CHECKING, ParamSpec, TypeVar
+from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar
 
 import torch
 
+from tierkv.checks import check_blocks, check_hashes, check_lookup_hashes, check_ttl
 from tierkv.config import Priority, StoreConfig, Tier, WritePolicy
 from tierkv.errors import (
     ConfigError,
     InvalidArgumentError,
+    StaleSlabError,
     StoreClosedError,
     TierKVError,
     UnknownNamespaceError,
 )
+from tierkv.hashing import DEFAULT_ALGORITHM, HashAlgorithm, block_hashes
 from tierkv.keys import Namespace
 from tierkv.shm.liveness import ClientWatch
 from tierkv.shm.presence import PresenceTable
 from tierkv.store import namespaces, recovery
-from tierkv.store.async_api import AsyncMethods
 from tierkv.store.books import StoreCore
-from tierkv.store.clearing import Clearer, ClearResult, Progress, namespace_filter
-from tierkv.store.lease_api import LeaseMethods
-from tierkv.store.leases import Leases
+from tierkv.store.clearing import Clearer, Progress, namespace_filter
+from tierkv.store.leases import Leases, LeaseWriter, ReadLease, WriteLease
 from tierkv.store.ledger import NamespaceState, PagedLedger
 from tierkv.store.moves import Mover
 from tierkv.store.reads import Reader
-from tierkv.store.session_api import SessionMethods
-from tierkv.store.sessions import SessionTable
-from tierkv.store.stats import NamespaceStats, StoreStats, namespace_snapshot, snapshot
-from tierkv.store.validation import check_blocks, check_hashes, check_lookup_hashes, check_ttl
+from tierkv.store.sessions import SessionTable, TokenIds
+from tierkv.store.stats import namespace_snapshot, snapshot
 from tierkv.store.writes import Writer
 from tierkv.tiers.disk import DiskTier
 from tierkv.tiers.gpu import DeviceSlab
 from tierkv.tiers.host import HostSlab
+from tierkv.types import ClearResult, NamespaceStats, ResumedSession, SessionInfo, StoreStats
 
 if TYPE_CHECKING:
-    from tierkv.store.remote_link import RemoteLink
+    from tierkv.store.remote import RemoteLink
 
 log = logging.getLogger(__name__)
 P = ParamSpec("P")
 R = TypeVar("R")
 
 
-class TieredStore(AsyncMethods, LeaseMethods, SessionMethods):
+class TieredStore:
     """KV blocks across GPU, HOST and DISK tiers, keyed by ``(namespace, block hash)``.
 
     Open it with a ``StoreConfig``; with a disk tier, blocks written there by an earlier process
@@ -104,7 +105,7 @@ class TieredStore(AsyncMethods, LeaseMethods, SessionMethods):
         self._remote: RemoteLink | None = None
         if config.remote is not None:  # connects in the background: never blocks the start
             # Imported here: a store without a REMOTE tier never loads redis-py.
-            from tierkv.store.remote_link import RemoteLink
+            from tierkv.store.remote import RemoteLink
             from tierkv.tiers.remote import RemoteTier
 
             self._remote = RemoteLink(self._core, mover, self._writer, RemoteTier(config.remote))
@@ -438,6 +439,227 @@ class TieredStore(AsyncMethods, LeaseMethods, SessionMethods):
     def _submit(self, fn: Callable[P, R], *args: P.args, **kwargs: P.kwargs) -> Future[R]:
         self._check_open()
         return self._executor.submit(fn, *args, **kwargs)
+
+    # --- the asynchronous calls: the blocking ones on the store's worker threads ----------
+
+    def put_async(self, *args: Any, **kwargs: Any) -> Future[int]:
+        """``put`` on a worker thread."""
+        return self._submit(self.put, *args, **kwargs)
+
+    def get_async(self, *args: Any, **kwargs: Any) -> Future[torch.Tensor]:
+        """``get`` on a worker thread."""
+        return self._submit(self.get, *args, **kwargs)
+
+    def get_into_async(self, *args: Any, **kwargs: Any) -> Future[int]:
+        """``get_into`` on a worker thread."""
+        return self._submit(self.get_into, *args, **kwargs)
+
+    async def aput(self, *args: Any, **kwargs: Any) -> int:
+        """``put`` without blocking the event loop."""
+        return await asyncio.wrap_future(self.put_async(*args, **kwargs))
+
+    async def aget(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        """``get`` without blocking the event loop."""
+        return await asyncio.wrap_future(self.get_async(*args, **kwargs))
+
+    async def aget_into(self, *args: Any, **kwargs: Any) -> int:
+        """``get_into`` without blocking the event loop."""
+        return await asyncio.wrap_future(self.get_into_async(*args, **kwargs))
+
+    async def aprefetch(self, *args: Any, **kwargs: Any) -> int:
+        """``prefetch``, awaited."""
+        return await asyncio.wrap_future(self.prefetch(*args, **kwargs))
+
+    async def alookup(self, *args: Any, **kwargs: Any) -> int:
+        """``lookup`` on a worker thread (it takes the store lock)."""
+        return await asyncio.wrap_future(self._submit(self.lookup, *args, **kwargs))
+
+    # --- the same-host data plane: leases on HOST pages (the table: tierkv.store.leases) --
+
+    def _writes_through(self) -> bool:
+        return self._core.disk is not None or self._core.to_remote is not None
+
+    def acquire(
+        self, namespace: Namespace, hashes: Sequence[bytes], ttl_s: float | None = None,
+        owner: str = "", *, slab_id: bytes = b"", client_id: str = "",
+    ) -> ReadLease:
+        """Lease the leading stored blocks of ``hashes`` in the HOST slab for reading in place;
+        ``release`` it when done (it expires after ``ttl_s``, default 30 s). The lease gives
+        each block's checksum: verify the bytes copied out against it.
+
+        ``slab_id``: the slab the caller has mapped (``host_slab_id``); another one raises
+        ``StaleSlabError``. ``client_id``: names the caller's lock file (see
+        ``tierkv.shm.liveness``), so that its leases end at once when it dies."""
+        state = self._state(namespace)
+        self._check_slab(slab_id)
+        keys = check_hashes(hashes)
+        self._fill_remote(state, keys)
+        return self._leases.acquire(state, keys, ttl_s, owner, client_id)
+
+    def release(self, lease_id: bytes, owner: str = "", corrupt_indices: Sequence[int] = (),
+                num_copied: int | None = None) -> None:
+        """End a read lease (``LeaseNotFoundError`` / ``LeaseStateError`` if it is not live);
+        ``corrupt_indices``: leased blocks whose copy failed its checksum (checked again here,
+        deleted if damaged); ``num_copied``: how many leading blocks the caller kept (None: all
+        before the first corrupt one); only those stay counted as hits."""
+        self._check_open()
+        self._leases.release(lease_id, owner, corrupt_indices, num_copied)
+
+    def allocate(
+        self, namespace: Namespace, hashes: Sequence[bytes], ttl_s: float | None = None,
+        owner: str = "", *, priority: Priority = Priority.NORMAL,
+        write_policy: WritePolicy | None = None, slab_id: bytes = b"", client_id: str = "",
+    ) -> WriteLease:
+        """Reserve HOST pages for writing the blocks of ``hashes`` in place; ``commit`` (with
+        the checksum of each block written) or ``abort`` before the lease expires. Same errors
+        as ``put``; ``slab_id`` and ``client_id`` as for ``acquire``."""
+        state = self._state(namespace)
+        keys = check_hashes(hashes)
+        self._check_slab(slab_id)
+        return self._leases.allocate(state, keys, ttl_s, owner, Priority(priority),
+                                     self._lease_policy(write_policy), client_id=client_id)
+
+    def allocate_in_process(
+        self, namespace: Namespace, hashes: Sequence[bytes], owner: str = "", *,
+        priority: Priority = Priority.NORMAL, write_policy: WritePolicy | None = None,
+    ) -> WriteLease:
+        """A write lease that this process fills itself through ``lease_writer`` (the server's
+        stream Put). It never expires (``expires_in_s`` is infinite), so its pages cannot be
+        handed to another block while the writer is still copying: end it yourself, ``commit``
+        or ``abort`` in a ``finally``. Its commit takes the writer's checksums (or, given none,
+        hashes the pages). Otherwise as ``allocate``."""
+        state = self._state(namespace)
+        keys = check_hashes(hashes)
+        return self._leases.allocate(state, keys, None, owner, Priority(priority),
+                                     self._lease_policy(write_policy), in_process=True)
+
+    def lease_writer(self, lease: WriteLease, owner: str = "") -> LeaseWriter:
+        """A ``LeaseWriter`` that copies the blocks of ``lease`` (of ``allocate_in_process``),
+        given as one byte stream in block order, into their pages, hashing each block as it
+        lands; use it in a ``with`` block, then ``commit(lease.lease_id, owner,
+        writer.checksums)``. ``LeaseNotFoundError`` if the lease is not live, ``LeaseStateError``
+        for a client's lease (only its client writes its pages)."""
+        self._check_open()
+        return self._leases.lease_writer(lease.lease_id, owner)
+
+    def _lease_policy(self, write_policy: WritePolicy | None) -> WritePolicy:
+        policy = write_policy or self.config.write_policy
+        if policy is WritePolicy.WRITE_THROUGH and not self._writes_through():
+            raise ConfigError("allocate: write_through needs a disk tier (--disk-path) or a "
+                              "REMOTE tier (--remote)")
+        return policy
+
+    def commit(self, lease_id: bytes, owner: str = "", checksums: Sequence[int] | None = None
+               ) -> int:
+        """Make a write lease's blocks visible at once; returns the blocks newly stored.
+        ``checksums``: one per written block, in ``write_indices`` order (``tierkv.checksums``
+        of the bytes written); ``IntegrityError`` and nothing stored when the pages differ."""
+        self._check_open()
+        return self._leases.commit(lease_id, owner, checksums)
+
+    def _check_slab(self, slab_id: bytes) -> None:
+        if slab_id and slab_id != self._host.slab_id:
+            raise StaleSlabError(
+                "the lease names a slab this server does not have: the client's mapping is of "
+                "an earlier server; describe the server again and remap"
+            )
+
+    def abort(self, lease_id: bytes, owner: str = "") -> None:
+        """Drop a write lease: none of its blocks becomes visible."""
+        self._check_open()
+        self._leases.abort(lease_id, owner)
+
+    def expire_leases(self) -> int:
+        """End every lease past its deadline (a server calls this periodically)."""
+        self._check_open()
+        return self._leases.expire()
+
+    @property
+    def num_leases(self) -> int:
+        """Leases granted and not yet ended."""
+        return len(self._leases)
+
+    # --- the slab --------------------------------------------------------------------------
+
+    @property
+    def host_slab_id(self) -> bytes:
+        """The HOST slab's identity: new for every store (leases name it)."""
+        return self._host.slab_id
+
+    @property
+    def client_lock_prefix(self) -> str:
+        """Same-host clients hold ``/dev/shm/<this><client id>`` locked while they map the slab
+        (``tierkv.shm.liveness``)."""
+        return f"{self._host.shm_name}-client-"
+
+    @property
+    def num_quarantined_pages(self) -> int:
+        """HOST pages held back from expired write leases of clients that are still alive."""
+        return self._leases.num_quarantined_pages
+
+    @property
+    def host_shm_name(self) -> str:
+        """Name of the HOST slab's shared-memory segment (for same-host clients)."""
+        return self._host.shm_name
+
+    @property
+    def host_pinned(self) -> bool:
+        """Whether the HOST slab is page-locked for CUDA copies (only when CUDA is present)."""
+        return self._host.pinned
+
+    # --- chat sessions (the table: tierkv.store.sessions) --------------------------------
+
+    def save_session(
+        self,
+        namespace: Namespace,
+        session_id: str,
+        token_ids: TokenIds,
+        ttl_s: float | None = None,
+    ) -> int:
+        """Store (or replace) the chat session ``session_id`` of ``namespace.tenant``: its
+        namespace and ``token_ids`` (ints, or a 1-D integer numpy array or tensor), last used
+        now, kept until deleted or, with ``ttl_s``, until ``ttl_s`` seconds pass without a
+        ``resume_session``. Returns the number of tokens.
+
+        Store the session's blocks yourself (``write_through``, ``Priority.SESSION``). With a
+        disk tier the record is durable when this returns; without one it is kept in memory
+        only, and ends with the process. Raises ``InvalidArgumentError`` (a ``ValueError``) for
+        an empty ``session_id``, one over 256 UTF-8 bytes or with NUL, token ids outside
+        ``[0, 2**32)`` or more than ``2**20`` of them, or a ``ttl_s`` outside ``(0, 30 days]``;
+        ``UnknownNamespaceError`` if ``namespace`` is not registered. Nothing is stored then.
+        """
+        self._state(namespace)
+        return self._sessions.save(namespace, session_id, token_ids, ttl_s)
+
+    def resume_session(
+        self, tenant: str, session_id: str, seed: str | None = None,
+        algorithm: HashAlgorithm = DEFAULT_ALGORITHM,
+    ) -> ResumedSession:
+        """The session's namespace and token ids, and how many leading tokens are cached (whole
+        blocks whose hashes, computed as ``block_hashes(..., seed, algorithm=algorithm)`` does,
+        are stored in some tier): prefill only ``token_ids[num_cached_tokens:]``. Sets its last
+        use to now (written to disk in the background) and registers its namespace if needed.
+        Raises ``SessionNotFoundError`` (a ``LookupError``) if the tenant has no such session or
+        its TTL ran out."""
+        self._check_open()
+        record = self._sessions.resume(tenant, session_id)
+        namespace = record.namespace
+        self.register(namespace)
+        tokens = record.token_array()
+        block_size = namespace.layout.block_size
+        num_blocks = self.lookup(namespace, block_hashes(tokens, block_size, seed, algorithm=algorithm))
+        return ResumedSession(namespace, tuple(tokens.tolist()), num_blocks * block_size)
+
+    def delete_session(self, tenant: str, session_id: str) -> bool:
+        """Delete the session (durably, with a disk tier); True if it existed and had not
+        expired. Its blocks stay until evicted or ``delete``d."""
+        self._check_open()
+        return self._sessions.delete(tenant, session_id)
+
+    def list_sessions(self, tenant: str) -> list[SessionInfo]:
+        """The tenant's sessions that have not expired, sorted by ``session_id``."""
+        self._check_open()
+        return self._sessions.list_for(tenant)
 
     # --- lifecycle ------------------------------------------------------------------------
 

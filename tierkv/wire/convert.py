@@ -127,11 +127,11 @@ STORE_STATS_FIELDS = ("num_namespaces", "num_pinned", "promotions", "demotions",
 """The store-wide counters, named alike by ``tierkv.StoreStats`` and the wire (``tiers`` and
 ``bytes_moved`` have their own messages)."""
 NAMESPACE_STATS_FIELDS = ("num_blocks", "stored_bytes", "num_sessions")
-"""The counts of one namespace, named alike by ``tierkv.store.NamespaceStats`` and the wire."""
+"""The counts of one namespace, named alike by ``tierkv.types.NamespaceStats`` and the wire."""
 REMOTE_STATS_FIELDS = ("connected", "hits", "misses", "corrupt", "lookups", "errors", "skipped",
                        "bytes_read", "bytes_written", "written", "demoted", "queue_drops",
                        "write_failures", "queued_bytes")
-"""The REMOTE tier's figures, named alike by ``tierkv.store.RemoteStats`` and the wire."""
+"""The REMOTE tier's figures, named alike by ``tierkv.types.RemoteStats`` and the wire."""
 
 S = TypeVar("S")
 
@@ -148,7 +148,7 @@ class StoreStatsView(Protocol):
 
 
 class NamespaceStatsView(Protocol):
-    """What the wire needs of one namespace's stats (``tierkv.store.NamespaceStats``: also
+    """What the wire needs of one namespace's stats (``tierkv.types.NamespaceStats``: also
     ``NAMESPACE_STATS_FIELDS``)."""
 
     @property
@@ -189,7 +189,7 @@ def stats_from(response: pb.StatsResponse, tier_stats: Callable[..., Any],
     **counters)``, each tier as ``tier_stats(tier=Tier, **fields)``, each namespace as
     ``namespace_stats(namespace=Namespace, **counts)``, the REMOTE tier's as
     ``remote_stats(**fields)`` (the client passes ``tierkv.TierStats``, its ``ServerStats``,
-    ``tierkv.store.NamespaceStats`` and ``RemoteStats``: the wire does not import the store).
+    ``tierkv.types.NamespaceStats`` and ``RemoteStats``: the wire is below the types).
     Tiers with a label this side does not know (a newer server's) are left out, and so are the
     moves between them and namespaces that do not parse; an older server's missing fields read
     as 0 and empty."""
@@ -224,7 +224,7 @@ def stats_from(response: pb.StatsResponse, tier_stats: Callable[..., Any],
 
 CLEAR_RESULT_FIELDS = ("num_namespaces", "num_blocks", "cleared_bytes", "num_sessions",
                        "num_busy")
-"""The counts of a clear, named alike by ``tierkv.store.ClearResult`` and ``ClearProgress``."""
+"""The counts of a clear, named alike by ``tierkv.types.ClearResult`` and ``ClearProgress``."""
 
 
 def clear_request_to(tenant: str | None, model_id: str | None, namespace: Namespace | None,
@@ -252,7 +252,7 @@ def clear_result_to(result: Any, num_blocks_total: int) -> pb.ClearProgress:
 
 def clear_result_from(message: pb.ClearProgress, clear_result: Callable[..., S]) -> S:
     """The counts of a Clear stream's last message as ``clear_result(**counts)`` (the client
-    passes ``tierkv.store.ClearResult``)."""
+    passes ``tierkv.types.ClearResult``)."""
     return clear_result(**{name: getattr(message, name) for name in CLEAR_RESULT_FIELDS})
 
 
@@ -283,7 +283,7 @@ class ServerInfo:
 # --- sessions ------------------------------------------------------------------------------
 
 SESSION_INFO_FIELDS = ("session_id", "model_id", "num_tokens", "last_use_unix_s")
-"""The fields of ``tierkv.store.SessionInfo``, named alike on the wire."""
+"""The fields of ``tierkv.types.SessionInfo``, named alike on the wire."""
 
 
 def sessions_to(sessions: Sequence[Any]) -> pb.ListSessionsResponse:
@@ -297,7 +297,7 @@ def sessions_to(sessions: Sequence[Any]) -> pb.ListSessionsResponse:
 
 def sessions_from(response: pb.ListSessionsResponse, session_info: Callable[..., S]) -> list[S]:
     """Each session of a ``ListSessionsResponse`` as ``session_info(**fields)`` (the client
-    passes ``tierkv.store.SessionInfo``: the wire does not import the store)."""
+    passes ``tierkv.types.SessionInfo``: the wire is below the types)."""
     return [session_info(**{name: getattr(s, name) for name in SESSION_INFO_FIELDS})
             for s in response.sessions]
 
