@@ -1,38 +1,8 @@
 """The Prometheus endpoint: what the store holds, what every RPC answered, and the prefill
-tokens the cache saved.
-
-``ServerMetrics(config)`` owns one ``CollectorRegistry`` per server (never the process-wide
-one: tests run several servers in one process) and serves it over HTTP on
-``config.metrics_host:config.metrics_port`` (``start``/``stop``; 0: no endpoint, and no
-recording either). Every family is prefixed ``tierkv_``.
-
-Decisions:
-1. The store's figures are read from ``TieredStore.stats()`` at scrape time, on the HTTP
-   server's thread (``StoreCollector``): nothing on a call's path, nothing on the event loop.
-2. RPCs are counted by a wrapper around each handler (``RpcRecorder.wrap``): one count per
-   call with its final status code (``context.set_code``, ``context.abort``, an exception:
-   UNKNOWN, a cancellation: CANCELLED; DEADLINE_EXCEEDED whenever the deadline had passed by
-   the end, what the client then got) and its duration in a fixed-bucket histogram. Its
-   counters are plain ints written only on the server's event loop (every handler runs there)
-   and read by the scrape, so a call pays a ``perf_counter``, a ``bisect`` and three
-   increments, no lock. A scrape may see a histogram's ``_sum`` one observation apart from its
-   buckets; the buckets and ``_count`` agree. Not counted, since no handler runs: a request
-   grpc refuses itself (larger than ``max_message_bytes``, an unknown method). A Put stream
-   the client cancels (no deadline) ends for its handler like a short stream, so it counts
-   as the INVALID_ARGUMENT the handler answered: grpc.aio tells a handler nothing more.
-3. ``tierkv_prefill_tokens_saved_total{tenant,model}``: tokens whose K/V a caller got from the
-   cache instead of a prefill, blocks served times the namespace's ``block_size`` (0 on the
-   wire: 16), counted when a Get (its first chunk's ``num_blocks``) ends OK, and for an
-   Acquire at its Release: the blocks leased that the client kept (``received_blocks``: none
-   past a damaged one, nor past ``num_copied``; a Release refused because the lease expired
-   still counts, its client's copy was checked). Only tensor-parallel rank 0 counts: every
-   rank reads its own shard of the same tokens, so counting each would count one prefix
-   ``tp_size`` times. The tenant is the one the servicer resolved from the caller's
-   credentials (``CALLER_TENANT``).
-4. Bounded labels only: tiers, RPC methods, status codes, tenants (as many as the token file
-   names) and models. At most ``MAX_TOKEN_SERIES`` (tenant, model) pairs get their own series;
-   later models of any tenant count under ``model="other"``. No label ever names a block,
-   hash, lease or session.
+tokens the cache saved. ``ServerMetrics(config)`` owns one registry per server, served on
+``metrics_host:metrics_port`` (0: no endpoint, no recording); families are prefixed ``tierkv_``.
+RPC counters are written only on the server's event loop; store figures are read at scrape time.
+Design: docs/design/operations.md#metrics
 """
 
 from __future__ import annotations

@@ -1,19 +1,7 @@
 """The HTTP server Prometheus scrapes: ``prometheus_client``'s WSGI app for one registry, behind
-a server that bounds what a client can hold.
-
-``prometheus_client.start_http_server`` serves each connection on a daemon thread that reads the
-request with no timeout: a client that connects and sends nothing holds a thread for good, any
-number of such connections can be opened, and stopping the server leaves their threads (and
-sockets) behind. ``ScrapeServer`` is the same WSGI app with three bounds:
-
-1. A request is read with a timeout (``read_timeout_s``): an idle connection is closed.
-2. At most ``max_connections`` connections are served at once; one more is closed at once
-   (Prometheus opens one a scrape).
-3. ``close`` ends the open connections and joins their threads and the server's own: nothing of
-   the endpoint outlives it, and its port is free again.
-
-A connection that ends in an error (a timeout, a reset) is logged at debug level, never as a
-traceback on stderr, whose lines would break a JSON log.
+a server that bounds what a client can hold (a read timeout, at most ``max_connections``), and
+whose ``close`` leaves no thread, socket or port behind.
+Design: docs/design/operations.md#5-the-scrape-endpoint-bounds-what-a-client-can-hold
 """
 
 from __future__ import annotations

@@ -1,17 +1,7 @@
 """The namespaces calls name: resolved once per (wire namespace, tenant), bounded per tenant.
-
-Decisions:
-1. Only calls that store (Put, Allocate, SaveSession) and Acquire register a namespace.
-   Read-only calls on one that is not registered get None and answer a miss: a lookup must not
-   create state (one tenant filled the server-wide limit with lookups alone in 5 s).
-2. Namespaces are stored until they hold nothing. When a tenant reaches its share
-   (``max_namespaces_per_tenant``) or the server its limit (``max_namespaces``), the empty
-   namespaces (of that tenant) are removed first (``TieredStore.prune_namespaces``), and only
-   then is the new one refused with ``CapacityError``: no tenant can fill another's share, or
-   lock itself out for good.
-3. The cache skips rebuilding a ``Namespace`` (a hash of its fields) on every call. An entry is
-   used only while the store still has its namespace, and entries of removed namespaces are
-   dropped, so a removed namespace is never served from the cache.
+Only storing calls and Acquire register one (a lookup creates no state); empty namespaces are
+pruned before a new one is refused with ``CapacityError``.
+Design: docs/design/namespaces.md#registration-server
 """
 
 from __future__ import annotations

@@ -1,15 +1,7 @@
-"""O(1) LRU with priority classes, one per tier.
-
-Each block resident in a tier has one ``Residency`` node there; the node is linked into the tier's
-list for the block's priority class (an intrusive doubly linked list with one sentinel per class,
-as vLLM's ``FreeKVCacheBlockQueue``). Insert, remove and touch are O(1); victims come from the LRU
-end of the lowest class first.
-
-Decisions:
-1. Pinned blocks are unlinked while pinned, so that eviction never walks past them; in-use
-   blocks (being read) stay linked and are skipped, since reads are short.
-2. The store touches a chain tail first, so the head of a prefix is the most recently used and,
-   under pressure, the tail of a prefix is evicted before its head.
+"""O(1) LRU with priority classes, one per tier: one ``Residency`` node per block resident in a
+tier, linked into an intrusive list per priority class; insert, remove and touch are O(1), and
+victims come from the LRU end of the lowest class first. Not thread-safe: the store's lock guards it.
+Design: docs/design/eviction.md#the-lru
 """
 
 from __future__ import annotations
@@ -25,8 +17,9 @@ T = TypeVar("T")
 class Residency(Generic[T]):
     """A block's presence in one tier: its owner, its place there and its LRU links.
 
-    ``location`` is tier-specific (pages for paged tiers, record size for DISK); ``num_bytes`` is
-    what it counts against the tier's budget.
+    ``owner`` is the block's entry in the store's books (None for a list's sentinel); ``location`` is
+    tier-specific (pages for paged tiers, record size for DISK). ``prev`` and ``next`` are None while
+    the node is unlinked.
     """
 
     __slots__ = ("location", "next", "owner", "prev")

@@ -1,27 +1,7 @@
 """Structured logs: one line per event an operator acts on, as JSON or as text.
-
-An *event* is a log record with a name (``start``, ``ready``, ``recovery``, ``shutdown``,
-``stopped``, ``stats``, ``eviction_storm``, ``eviction_storm_end``, ``disk_error``,
-``auth_failure``) and fields; ``log_event`` writes one. Records without a name (every other
-``log.info``) are written too, with the event ``log``.
-
-Formats (``setup_logging``):
-
-* ``json``: one JSON object per line: ``ts`` (ISO 8601, UTC, milliseconds), ``level``,
-  ``logger``, ``event``, ``message``, then the event's fields (a field named like one of those
-  or the next two is written as ``field_<name>``), ``exception`` when there is one and
-  ``stack`` when the call asked for it. Whatever a record holds, it is one line of strict
-  JSON: a value JSON cannot write is written as text, a message whose arguments do not fit
-  its format as the format and the arguments, and no character a reader could split a line
-  at is left raw.
-* ``text``: ``<ts> <LEVEL> <logger> <event>: <message> key=value ...``; a value with spaces,
-  quotes or ``=`` is JSON-quoted.
-
-Decisions:
-1. No event is ever logged once per block or per call: what can repeat on a hot path (a bad
-   token, a failing disk) goes through a ``Throttle``, which lets one line through per interval
-   and counts the rest into the next line.
-2. This module imports nothing of tierkv, so every layer (tiers, store, server, CLI) may use it.
+``log_event`` writes a named event with fields, ``setup_logging`` picks the format, and
+``Throttle`` keeps hot-path events to one line per interval. Imports nothing of tierkv.
+Design: docs/design/operations.md#logs
 """
 
 from __future__ import annotations

@@ -1,16 +1,7 @@
 """Copies between devices, on dedicated CUDA streams with events when CUDA is involved.
-
-The store calls ``CopyEngine.copy`` from whatever thread runs a transfer (a caller's thread for a
-synchronous put/get, a worker for background promotion and demotion). ``copy`` returns only when
-the destination bytes are complete, so that the store can publish a destination copy the moment
-it returns, and never before (a missing stream synchronisation garbles restored KV).
-
-Decisions:
-1. One stream per direction (host-to-device, device-to-host), so that demotions and promotions
-   overlap each other and the caller's compute; copies in one direction run in submission order.
-2. Before copying, the stream waits for the caller's current stream, so that a tensor the caller
-   just produced is complete before it is read.
-3. Waiting is ``event.synchronize()``, which releases the GIL.
+``CopyEngine.copy`` may be called from any thread and returns only when the destination bytes are
+complete, so the store may publish the copy the moment it returns (one stream per direction).
+Design: docs/design/data-path.md#copies-between-devices
 """
 
 from __future__ import annotations

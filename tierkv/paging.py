@@ -1,30 +1,7 @@
-"""Fixed-page allocation for the paged tiers (GPU and HOST slabs).
-
-A block owns one or more *extents* (runs of adjacent pages). An extent is packed into one int,
-``start << 32 | num_pages``, and a block's location is one such int (the common case: its pages
-are adjacent) or a tuple of them; this keeps the index near 250 bytes per block at a million
-blocks. The allocator is not thread-safe: the store's lock guards it, since placement is the
-store's state.
-
-Decisions:
-1. Pages are fixed-size, so there is no external fragmentation: any free pages can serve any
-   block, and an allocation fails only when the free page count is too small.
-2. A batch's blocks lie back to back, in block order, over as few free runs as possible, since a
-   copy moves one run: the smallest run that holds the whole batch (best fit, so large runs stay
-   whole for large batches); if none does, the largest runs, whole, until the rest fits one, and
-   the rest from the smallest run that holds it. A block may straddle two runs (its location is
-   then a tuple). Under eviction churn (``tierkv bench store --only utilisation``: three models,
-   batches of 1-32 blocks, 14.3 on average) this cut the copies per batch from median 14 / p90 37
-   (first fit among 64 runs, then one run per block, then scattered pages: about one copy a
-   block) to median 2 / p90 8. Whole blocks only (a block moves to the next run when the rest
-   of this one is too short) gave p90 13 and still left 7-11% of the live blocks straddling, as
-   a lone block often fits no run; straddling leaves 10-15%, fewer than before (14-25%). Without
-   churn a batch fits the one free run and every location stays one int.
-3. Free runs are coalesced with their neighbours on free, in O(1), through start and end maps.
-   They are indexed by length too (the starts of the runs of each length, and the distinct
-   lengths in a sorted list searched with ``bisect``), so a best fit costs a bisection and a
-   free or an allocation a few dict and set operations (plus a list insertion when a length
-   appears or goes), never a walk over the free runs.
+"""Fixed-page allocation for the paged tiers (GPU and HOST slabs): a block's location is one
+extent (``start << 32 | num_pages``) or a tuple of them, and a batch lies over as few free runs
+as possible. Not thread-safe: the store's lock guards it, since placement is the store's state.
+Design: docs/design/paging.md#page-allocation
 """
 
 from __future__ import annotations

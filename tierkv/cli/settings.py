@@ -1,28 +1,8 @@
 """Every setting of ``tierkv serve``, in one schema: its TOML key, flag, environment variable,
-type, default and meaning.
-
-Sources, in rising precedence: the defaults, a TOML file (``--config PATH`` or
-``TIERKV_CONFIG``), ``TIERKV_<NAME>`` environment variables, flags (``--<name-with-dashes>``).
-From the schema come the ``serve`` argument parser (``add_arguments``, ``build_parser``), the
-resolution (``resolve``, ``resolve_args``), ``--print-config`` (``Resolved.to_toml``) and the
-README's configuration reference (``reference_markdown``). A value's kind and its conversions
-are in ``tierkv.cli.setting_values``.
-
-Decisions:
-1. Every value is checked here, where its source is known, and a bad one is one
-   ``ConfigError`` that names the setting, the value and the source
-   (``host_bytes = "8 potatoes" (from /etc/tierkv.toml): ...``). The configs built from the
-   values check ranges themselves; ``Resolved.explaining`` adds the setting and its source to
-   the errors they raise.
-2. An empty environment variable or flag value (``TIERKV_DISK_BYTES=``, as compose files write)
-   leaves the setting to the lower sources, except for text settings, where ``""`` is a value
-   (``hash_seed`` then is ``""``; an empty ``disk_path`` is the default path).
-3. TOML values are typed: a size is a string (``"8GiB"``) or an integer of bytes, a list is an
-   array of strings. In the environment a list is comma-separated and a boolean is
-   1/0/true/false/yes/no; a list flag repeats.
-4. Defaults that depend on the machine (``gpu_bytes``, ``disk_path``, ``disk_bytes``,
-   ``hash_seed``) are ``None`` in the schema, with ``computed`` saying how, and are filled in by
-   the resolution, so ``--print-config`` shows what this start would use.
+type, default and meaning. Sources, in rising precedence: defaults, TOML file, ``TIERKV_<NAME>``,
+flags. The parser, the resolution, ``--print-config`` and the README's reference come from it;
+a bad value is one ``ConfigError`` naming setting, value and source.
+Design: docs/design/operations.md#settings
 """
 
 from __future__ import annotations

@@ -1,20 +1,8 @@
-"""The client's logic, written once for ``Client`` and ``AsyncClient``.
-
-Each call is a generator (a ``Flow``) that yields the I/O it needs (``tierkv.client.effects``)
-and decides everything else itself: retries and their backoff, the shared-memory or the stream
-path, the remap after a server restart, lease margins, chunking, what a damaged block means.
-``Client`` drives a flow in the calling thread, ``AsyncClient`` on its event loop; neither holds
-any logic of its own.
-
-Decisions:
-1. Only UNAVAILABLE and CANCELLED are retried (``tierkv.wire.status``), after ``backoff_s``,
-   doubling; lease calls that change state (Commit, Abort, Release) never are.
-2. The shared-memory path is tried twice: a ``StaleSlabError`` or ``IntegrityError`` means the
-   server restarted (or the bytes were damaged): describe it again, map its new slab, redo.
-3. A read ends at the first damaged block (reported to the server on Release): a miss, never
-   its bytes.
-4. Blocks the server holds but HOST cannot lease (its pages all pinned, leased or in use) are
-   read over the stream instead: a full HOST costs a copy through the socket, never a miss.
+"""The client's logic, written once for ``Client`` and ``AsyncClient``: each call is a generator
+(a ``Flow``) that yields the I/O it needs (``tierkv.client.effects``) and decides the rest itself
+(retries, shared-memory or stream path, remaps, lease margins, chunking, damaged blocks).
+The drivers hold no logic of their own.
+Design: docs/design/client.md
 """
 
 from __future__ import annotations

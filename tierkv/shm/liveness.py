@@ -1,21 +1,7 @@
 """Whether a same-host client is still alive: the flock it holds on its lock file.
-
-A same-host client writes into the HOST slab through its own memory mapping, so the server
-cannot take pages back from it: it can only know when the client can no longer touch them. The
-kernel says so. While a client has the slab mapped it holds an exclusive ``flock`` on
-``/dev/shm/<prefix><client id>``; the lock goes when the process dies, however it dies (SIGKILL
-included), and only then (or when the client closes). The server probes it with a
-non-blocking ``flock`` of its own:
-
-- the lock is held: ``ALIVE`` (its expired write leases' pages stay quarantined: the client
-  may still be copying into them);
-- the lock is free: ``GONE`` (its leases are reclaimed at once; the file is removed);
-- no file, or a client id that is not a plain name: ``UNKNOWN`` (lease TTLs alone decide, and
-  the checksums catch a late write).
-
-This works wherever the shared-memory path does (it needs the same ``/dev/shm``), over a Unix
-socket or TCP, unlike ``SO_PEERCRED``, which grpcio does not expose to Python servers. A client
-lies about nothing it could gain from: a client id is a name for its own leases only.
+``ALIVE`` (lock held: its expired write leases stay quarantined), ``GONE`` (lock free: its leases
+are reclaimed), ``UNKNOWN`` (no file: lease TTLs alone decide, the checksums catch a late write).
+Design: docs/design/leases.md#5-a-stalled-writer-keeps-its-pages-quarantined
 """
 
 from __future__ import annotations

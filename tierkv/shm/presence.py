@@ -1,22 +1,7 @@
 """A presence table in shared memory: same-host clients answer small lookups without an RPC.
-
-The server keeps one 64-bit fingerprint per stored key in an open-addressing table (linear
-probing) in a shared-memory segment; a client maps it read-only and probes it. A small lookup
-then costs a few microseconds instead of a gRPC round trip (about 0.6 ms on a 2-core machine).
-
-Decisions:
-1. Fingerprints are keyed per tenant: ``blake2b(namespace core id + block hash, key=tenant
-   key)``. The server hands a tenant's key only to callers holding that tenant's token, so a
-   client cannot test for another tenant's blocks. (Any process that can map the HOST slab can
-   read its bytes anyway; see the README.)
-2. A lookup is advice, as over RPC: a get afterwards may still miss. 64-bit fingerprints make a
-   false hit (a collision) about 2**-64 per probe, and a false hit only ever costs a miss later.
-3. Writers (the store, under its lock) bump a sequence number before and after each change
-   (odd: a change is under way); readers retry when it moved while they probed, so they never
-   act on a half-made change.
-4. Deletion shifts the rest of the probe run back (no tombstones, so no rebuilds). The table
-   stays at most half full; if it would fill beyond that it is turned off for good (clients
-   fall back to RPC, and the server logs it: raise ``presence_slots``).
+The server keeps one per-tenant 64-bit fingerprint per stored key (open addressing, writers under
+the store's lock, a sequence number readers retry on); a hit is advice, a later get may miss.
+Design: docs/design/paging.md#presence-in-shared-memory
 """
 
 from __future__ import annotations

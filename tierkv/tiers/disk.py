@@ -1,45 +1,8 @@
 """DISK tier: checksummed block records in LMDB, written by one dedicated thread.
-
-The tier only moves bytes: the store decides which records to write and delete and when. Writes
-are queued to the writer thread, which commits queued jobs together (group commit: one fsync for
-many puts) and resolves each job's future once its transaction is durable. Beside the block
-records, two small sub-databases hold what the store keeps about namespaces (descriptors) and
-chat sessions (``tierkv.store.sessions``); they change in the same queued jobs. Reads run on the
-caller's thread (or the tier's reader threads), with copy helpers for large batches, inside a
-read transaction and copy the payload straight out of LMDB's map.
-
-Decisions (each from a failure seen in LMDB users):
-1. Never ``writemap``: with it a full disk is a SIGBUS; without it, a write error we can report.
-2. The map size is fixed at open and never changed while transactions may be open.
-3. ``reader_check()`` reclaims reader slots left by a process killed with SIGKILL (an
-   inspection's, say): at open, every ``READER_CHECK_INTERVAL_S`` on the writer thread, and
-   before a commit that found the map full is tried again. A dead reader's snapshot keeps
-   LMDB from reusing every page freed after it; left alone, the file grows with each rewrite
-   until the map is full.
-4. Read transactions are short (one batch), so that LMDB can reuse freed pages.
-5. The environment belongs to the process that opened it; use after ``fork`` is refused.
-6. Opening never crashes on what is in the files and never shares the directory with another
-   process: see ``tierkv.tiers.lmdb_env`` (directory lock, size check, full walk, move aside).
-   Recovery reads what that walk found (``scan_blocks``, ``load_namespaces``,
-   ``load_sessions``), so no LMDB error can escape it.
-7. Namespace and session records are sealed with a checksum bound to their key here, on the
-   writer thread, and opened at the walk: their owners only ever see verified bodies.
-8. A short write is reported by LMDB as EIO. When the filesystem is (nearly) out of space that
-   is a full disk: ``DiskFullError`` (RESOURCE_EXHAUSTED, not retried). Otherwise it is a
-   failing device: ``DiskIOError``, which no retry can fix, so it is not UNAVAILABLE either.
-   So is a write that finds a damaged B-tree (``lmdb.CorruptedError`` and kin), logged loudly.
-9. Every failed write, delete or read is logged as the event ``disk_error`` (``tierkv.logs``:
-   ``op``, ``kind`` = full, io or other, ``path``, ``error``, ``num_errors``), at most one line
-   per ``DISK_ERROR_LOG_INTERVAL_S`` and kind, counting the rest: a failing device fails every
-   write, and one line per block would bury the first.
-10. A read checks its records' headers, then copies and hashes the payloads (each chunk right
-   after it lands) in the same read transaction; from ``PARALLEL_READ_BYTES`` on, helpers of a
-   pool of their own take blocks beside the caller (``tierkv.tiers.disk_reads``). ``close``
-   waits for reads in flight to unmap.
-11. A block record is stored as two values, head and body (``records.split_record``): stored
-   whole, a payload of whole pages took one LMDB page more than its bytes (6% of a 64 KiB
-   block). Both change in the same transaction. A record that fits a leaf page is stored whole
-   (no head), as every record of a store written before the split is.
+The tier only moves bytes (the store decides what to write and delete): writes are group-committed
+on the writer thread, each job's future resolved once durable; reads run on the caller's or the
+tier's reader threads and verify what they copy. Namespace and session records live beside blocks.
+Design: docs/design/disk-records.md#the-disk-tier
 """
 
 from __future__ import annotations

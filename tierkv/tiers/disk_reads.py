@@ -1,13 +1,7 @@
-"""Reading block records out of the DISK tier's LMDB map (``DiskTier.read_into``).
-
-A record is stored split (``tierkv.tiers.records.split_record``): its head in the ``heads`` DB,
-its body in ``blocks``, both under the block's key; a ``blocks`` value without a head is a
-record stored whole (stores written before the split). Either way the reader checks the header
-against the key, layout and length it expects, then copies the payload's parts (the head's
-share, then the body) into the destination and hashes each chunk right after it lands, so what
-is verified is the destination's own copy. From ``PARALLEL_READ_BYTES`` on, helper threads take
-blocks beside the caller: one core copying and hashing is slower than the kernel's ``read``
-copying alone.
+"""Reading block records out of the DISK tier's LMDB map (``DiskTier.read_into``): split or
+whole records, headers checked against key, layout and length, each payload chunk hashed right
+after it lands in the destination; helper threads take blocks from ``PARALLEL_READ_BYTES`` on.
+Design: docs/design/disk-records.md#10-reads-verify-as-they-copy-in-parallel-for-large-batches
 """
 
 from __future__ import annotations

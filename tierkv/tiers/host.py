@@ -1,15 +1,7 @@
-"""HOST tier: a paged slab in POSIX shared memory, pre-faulted, pinned for CUDA when present.
-
-Shared memory (``/dev/shm``) lets same-host clients map the slab and copy blocks without going
-through a socket. The segment is created at start and unlinked at close.
-
-A process that is SIGKILLed (systemd does that when a stop times out) never unlinks, and a
-production slab is tens of GiB. So the slab's segment is held under an exclusive ``flock`` for
-the slab's life, and a new slab first removes every ``tierkv-`` segment whose lock is free: its
-server is gone (the kernel drops the lock with the process). Its companions (``-presence``, and
-``-client-*`` lock files whose own lock is free) go with it. Creation and the sweep both run
-under one lock file, so that a sweep never sees a segment between its creation and its lock
-(``tierkv.shm.segments``, which owns the names and locks of every tierkv file in ``/dev/shm``).
+"""HOST tier: a paged slab in POSIX shared memory, pre-faulted, pinned for CUDA when present,
+so same-host clients can map it. The segment is held under a ``flock`` for the slab's life; a new
+slab first sweeps the segments (and companions) of servers that are gone.
+Design: docs/design/paging.md#the-host-slab
 """
 
 from __future__ import annotations

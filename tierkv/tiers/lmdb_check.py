@@ -1,18 +1,7 @@
-"""A structural check of an LMDB data file, in Python, before LMDB itself walks it.
-
-LMDB trusts its pages: a damaged page header makes it ``abort()`` on an assertion
-(``IS_LEAF(mp)`` in ``mdb_cursor_next``, found by fault injection) or read far outside the page.
-Neither can be caught in Python. So before the first cursor runs, ``check_data_file`` reads the
-committed meta and walks every B-tree (the free-page tree, the main tree and each named DB) with
-plain ``read()`` calls, checking each page against what LMDB will assume: the page type its depth
-implies, node offsets and sizes inside the page, child and overflow page numbers below the last
-committed page, no page reached twice, and page and entry counts equal to what each DB's record
-states. Of overflow pages (large values: block payloads) only the 16-byte header of the first is
-read, not the payload: LMDB frees a value's pages by the count written there, so a damaged
-count would hand pages still in use to the next write.
-
-The layout is LMDB 0.9's on-disk format (``mdb.c``: ``MDB_page``, ``MDB_node``, ``MDB_db``,
-``MDB_meta``), which is stable across 0.9 releases; 64-bit page numbers are assumed.
+"""A structural check of an LMDB data file, in Python, before LMDB itself walks it: every B-tree
+(free-page, main, each named DB) is walked with plain reads and checked against what LMDB will
+assume, since LMDB ``abort()``s on a damaged page. LMDB 0.9's on-disk format, 64-bit page numbers.
+Design: docs/design/disk-records.md#4-every-b-tree-is-walked-before-lmdb-touches-it
 """
 
 from __future__ import annotations

@@ -1,43 +1,8 @@
 """Opening the DISK tier's LMDB environment so that no file on disk can stop the process.
-
-``DirectoryLock`` keeps every other process off the directory; ``open_environment`` opens LMDB
-there, checks the data file against the map, walks every B-tree once and returns what it found.
-An environment that fails any of that is *unreadable*: its files are moved aside (or, with
-``on_corrupt="refuse"``, the open fails).
-
-Decisions:
-1. One process per directory: an ``fcntl.flock`` on ``<path>/tierkv.lock``, held for the tier's
-   life. Two servers on one path would each count the whole budget as theirs. flock (not
-   ``fcntl`` record locks, which LMDB itself uses on ``lock.mdb``) belongs to the open file, so
-   a second open in the same process is refused too, and the kernel drops it when the holder
-   dies, even by SIGKILL: a crash never blocks a restart.
-2. SIGBUS comes from touching mapped pages past the end of ``data.mdb``. First the file must
-   hold every page the last committed meta uses (``(last_pgno + 1) * psize`` bytes), checked
-   before any B-tree page is touched: a shorter file is truncated, hence unreadable. Then the
-   file is extended, sparse, to the whole map size, as LMDB itself does with ``writemap``: holes
-   take no disk space, read as zeros, and LMDB fills them as it allocates pages. A damaged page
-   can send LMDB anywhere in the map (no page checksums; fault injection found page-header
-   flips that did), and every such read now lands in the file: garbage that the checks below
-   and the record checksums reject, never a SIGBUS.
-3. Values are not trusted either: a damaged length could reach past the map. Every value is
-   located in the map (``/proc/self/maps``) and checked to lie inside the file before a byte of
-   it is read (``MapBounds``); one that does not is unreadable.
-4. Before LMDB touches a tree, ``tierkv.tiers.lmdb_check`` walks every B-tree's pages (the
-   free-page tree too) with plain reads: LMDB ``abort()``s on a page of the wrong type instead
-   of returning an error. Then LMDB walks every DB (keys and value sizes only; block payloads
-   are not read), which must agree with the entry count its DB record states; an environment
-   with commits must hold the ``blocks`` DB. A walk that fails (``lmdb.CorruptedError``,
-   ``PageNotFoundError``, ...) or disagrees means the environment is damaged as a whole:
-   unreadable, never a silent loss of the subtrees a damaged branch page no longer reaches.
-   What the walk found is handed to recovery, so recovery itself never touches LMDB. Last, a
-   probe write (a record put and deleted in one commit) makes LMDB allocate pages from its
-   free list, as every later put will: a failure there is found at open, not by a client.
-5. Moving aside renames ``data.mdb`` and ``lock.mdb`` into ``<path>/corrupt-<UTC time>-<pid>/``
-   inside the locked directory (so no other process races us) and logs it with ``log.error``:
-   nothing is deleted, an operator can inspect or restore it. Errors that say nothing about the
-   files (no permission, a read-only filesystem) are ``ConfigError`` and move nothing.
-6. Namespace and session records are sealed (``tierkv.tiers.records.seal``); one that does not
-   open is left out and counted in ``num_unreadable_records``, never guessed at.
+``DirectoryLock`` keeps every other process off the directory; ``open_environment`` checks the
+data file against the map, walks every B-tree once and returns what it found. An unreadable
+environment is moved aside (or, with ``on_corrupt="refuse"``, the open fails).
+Design: docs/design/disk-records.md#opening-the-environment
 """
 
 from __future__ import annotations

@@ -1,41 +1,7 @@
 """Reading a DISK tier's LMDB store offline, changing nothing on disk (``tierkv inspect``).
-
-Decisions:
-1. No server holds the directory (its ``tierkv.lock`` is free): the environment is opened
-   read-only without LMDB's lock file (``readonly=True, lock=False``). LMDB then opens
-   ``data.mdb`` with ``O_RDONLY`` and never opens ``lock.mdb``: no byte and no mtime of any
-   file changes, and nothing is created (not even a missing directory). Such a reader is
-   invisible to LMDB, so a server must not start on the store while it reads: the shared
-   ``flock`` on ``tierkv.lock`` that found it free is held until ``close``, and a server
-   starting meanwhile is refused (its exclusive lock fails, and it says another tierkv
-   process holds the path) instead of recycling the pages being read, which made LMDB
-   ``abort()`` the inspection. A store without ``tierkv.lock`` was never served, or was
-   copied without it; nothing here can keep a server off it, since that would create a file.
-2. A server in another process holds the directory: the environment is opened read-only *with*
-   the lock file, as one more LMDB reader. Its slot in ``lock.mdb`` (which the server writes
-   anyway) keeps the server from reusing the pages of the snapshot being read: without it a
-   commit could recycle them under the reader, and LMDB ``abort()``s on a page of the wrong
-   type. Never open it so from inside the process that serves the store: LMDB forbids two
-   opens of one environment in a process (closing one drops the other's ``fcntl`` locks).
-   A reader whose process died without closing (``kill -9`` of an inspection) keeps its slot
-   and its snapshot, and the server clears dead readers only at its own open: it then reused
-   no page freed since, so its file grew with every rewrite until the map was full and puts
-   were refused. Each such open first clears the slots of dead processes (LMDB's
-   ``reader_check``), so the next inspection undoes what a killed one left.
-3. Before LMDB walks anything, the file must hold every page of the last commit and
-   ``tierkv.tiers.lmdb_check`` must find every B-tree well formed (as at a server's open), so
-   a damaged or truncated file is a clear error, never a crash. Then every value LMDB hands out
-   lies inside the file.
-4. Everything is read from one snapshot: one read transaction, begun before the check and held
-   until ``close``, serves the check and every DB. With a server writing, separate
-   transactions per DB saw blocks whose namespace was stored after the namespaces DB was read
-   (good blocks reported as bad), and a check run outside a transaction walked pages that the
-   server's commits recycled meanwhile (a healthy store reported damaged). The check reads the
-   meta page of that snapshot's commit; a server that committed twice since the transaction
-   began has overwritten it, so the snapshot is taken again (``_SNAPSHOT_TRIES`` times).
-5. A block record is read as its head (``heads`` DB) and body (``blocks``) under one key
-   (``tierkv.tiers.records.split_record``). A store written before the split has no heads DB
-   and holds each record whole under ``blocks``; it is read as such, never refused.
+Everything is read from one checked snapshot, held until ``close``; with no server running, a
+server is kept off the directory meanwhile. A damaged or truncated file is an error, never a crash.
+Design: docs/design/disk-records.md#offline-inspection
 """
 
 from __future__ import annotations

@@ -1,22 +1,8 @@
-"""The on-disk record of one block: a checksummed header followed by the payload.
-
-Layout: ``b"TKV1"`` | header length (u32, little endian) | msgpack header | payload.
-The header holds the format version, the 48-byte key, the layout fingerprint, the payload length
-and the xxh3-64 checksum of the payload. A record is served only if every one of those matches
-what the reader expects; anything else (a torn write, a flipped byte, another layout, another
-key) is a miss.
-
-The DISK tier stores a record as two LMDB values (``split_record``): its *body*, the payload's
-last bytes sized to fill whole LMDB overflow pages, and its *head*, the rest (prefix, header and
-the payload's first bytes), small enough to stay in a leaf page. One value would take a page more
-than its bytes for every payload of whole pages (LMDB starts an overflow value with a 16-byte page
-header): 6% of a 64 KiB block. The record's bytes are the same either way: ``head + body``.
-
-The small records beside the blocks (namespace descriptors, chat sessions) travel in a *sealed*
-envelope: ``b"TKS1"`` | xxh3-64 of ``(key, body)`` (8 bytes) | body. The checksum covers the
-LMDB key too, so a flipped bit in a key cannot move a record under another name. Anything that
-is not a sealed record of this version (a flipped byte, a torn value, the unsealed layout written
-before the envelope existed) opens as None: unreadable, never misread.
+"""The on-disk record of one block: a checksummed header followed by the payload, split into
+head and body for the DISK tier (``split_record``), and the *sealed* envelope of the small
+records (namespace descriptors, sessions). A record is served only if its whole header matches;
+anything else, and any seal that does not open, is unreadable, never misread.
+Design: docs/design/integrity.md#3-a-record-is-served-only-if-all-of-its-header-matches
 """
 
 from __future__ import annotations

@@ -1,27 +1,8 @@
 """The REMOTE tier: block records in a Redis Cluster (or one Redis server) shared by every node.
-
-It only moves bytes: values are the disk tier's checksummed records (``tierkv.tiers.records``),
-written and read whole; what they mean, and whether one is intact, is the store's business.
-
-Decisions:
-1. Keys are ``tierkv.tiers.remote_keys``'s: they name namespace (tenant included) and hash,
-   and a tag of the hash places them in a slot.
-2. redis-py's cluster pieces (its slot hash, ``CLUSTER SLOTS``, one ``redis.Redis`` per node) with
-   our own per-node pipelines rather than ``RedisCluster``'s: its calls retry and re-read the
-   slot map in the caller's thread (seconds against a dead node) and read the nodes' replies one
-   node after another. Here every node's pipeline runs on its own thread at once, under one
-   deadline, and a node's failure is that node's keys missing, nothing more.
-3. A call to a node that fails or times out opens that node's breaker: for
-   ``breaker_cooldown_s`` its keys are misses without a call, and a background thread probes it
-   (PING) once the cooldown is over, and re-reads the slot map, until it answers again. Nothing
-   here raises to the caller.
-4. Lookups ask each node one ``EVALSHA`` of a read-only script that answers the existence of all
-   its keys as one string of ``0``/``1``. The keys go as arguments, not declared keys: a
-   cluster refuses declared keys of several slots before the script runs, and
-   ``allow-cross-slot-keys`` lets it touch every slot of the node it runs on. 8,192 ``EXISTS``
-   as separate pipelined commands cost ~40 ms of Python packing and parsing; this costs one
-   command a node, packed by numpy. Where the script cannot run (an ACL without ``EVALSHA``),
-   pipelined ``EXISTS`` do it.
+It only moves bytes (the disk tier's records, whole); whether one is intact is the store's
+business. Every node is asked at once under one deadline, a failing node's keys are misses behind
+its breaker, and nothing here raises to the caller.
+Design: docs/design/remote.md#the-tier
 """
 
 from __future__ import annotations
