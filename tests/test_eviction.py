@@ -2,8 +2,17 @@
 
 from __future__ import annotations
 
-from tierkv.config import Priority
-from tierkv.eviction import PriorityLru, Residency
+from collections.abc import Callable
+from typing import TypeVar
+
+import pytest
+
+from tierkv import Namespace, TieredStore
+from tierkv.config import HostTierConfig, Priority, StoreConfig
+from tierkv.eviction import EvictionPolicy, PriorityLru, Residency, Victims
+from tiny_blocks import BLOCK_BYTES, PAGE_BYTES, block_for, key, same_bytes
+
+T = TypeVar("T")
 
 
 def order(lru: PriorityLru[str]) -> list[str]:
@@ -52,3 +61,49 @@ def test_caller_may_unlink_the_node_it_was_given() -> None:
         seen.append(node.owner)
         lru.remove(node)
     assert seen == ["0", "1", "2", "3", "4"] and lru.num_linked == 0
+
+
+def test_the_default_policy_picks_lru_first_and_passes_over_excluded_and_busy() -> None:
+    lru: PriorityLru[str] = PriorityLru()
+    nodes = {name: Residency(name, 0) for name in "abcde"}
+    for name in "abcde":
+        lru.push_mru(nodes[name], Priority.NORMAL)
+    picked = EvictionPolicy().pick_victims(lru, 2, lambda node: 1, lambda o: o == "a",
+                                           lambda o: o == "b")
+    assert (picked.owners, picked.size, picked.busy_size, picked.walked_size) == (
+        ["c", "d"], 2, 1, 4)
+    short = EvictionPolicy().pick_victims(lru, 10, lambda node: 1, lambda o: False,
+                                          lambda o: False)
+    assert (short.size, short.walked_size) == (5, 5)  # not enough: every node walked
+
+
+class _NewestFirst(EvictionPolicy):
+    """A replacement policy: the most recently used block goes first."""
+
+    def pick_victims(self, lru: PriorityLru[T], needed: int, size_of: Callable[[Residency[T]], int],
+                     excluded: Callable[[T], bool], busy: Callable[[T], bool]) -> Victims[T]:
+        victims: Victims[T] = Victims()
+        for node in reversed(list(lru.iter_lru())):
+            victims.walked_size += size_of(node)
+            if excluded(node.owner) or busy(node.owner):
+                continue
+            victims.owners.append(node.owner)
+            victims.size += size_of(node)
+            if victims.size >= needed:
+                break
+        return victims
+
+
+@pytest.mark.parametrize("policy", [None, _NewestFirst()])
+def test_the_store_evicts_with_the_policy_it_is_given(
+        namespace: Namespace, policy: EvictionPolicy | None) -> None:
+    config = StoreConfig(host=HostTierConfig(4 * BLOCK_BYTES, PAGE_BYTES))
+    with TieredStore(config, eviction=policy) as store:
+        store.register(namespace)
+        for i in range(4):
+            store.put(namespace, [key(i)], block_for(i)[None])
+        store.put(namespace, [key(4)], block_for(4)[None])
+        held = [i for i in range(5) if store.lookup(namespace, [key(i)])]
+        # LRU drops the oldest (0); the replacement drops the newest before the put (3).
+        assert held == ([1, 2, 3, 4] if policy is None else [0, 1, 2, 4])
+        assert same_bytes(store.get(namespace, [key(4)]), block_for(4)[None])

@@ -18,7 +18,7 @@ from fake_clock import FakeClock
 from tierkv import Namespace, TieredStore
 from tierkv.config import HostTierConfig, Priority, StoreConfig
 from tierkv.errors import ConfigError
-from tierkv.store.ledger import Entry
+from tierkv.store.index import Entry
 from tierkv.store.pins import PinTable
 from tierkv.store.recovery import namespace_state
 from tiny_blocks import StoreFactory, blocks, keys

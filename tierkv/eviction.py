@@ -1,12 +1,15 @@
-"""O(1) LRU with priority classes, one per tier: one ``Residency`` node per block resident in a
-tier, linked into an intrusive list per priority class; insert, remove and touch are O(1), and
-victims come from the LRU end of the lowest class first. Not thread-safe: the store's lock guards it.
-Design: docs/design/eviction.md#the-lru
+"""The eviction policy and the LRU it reads: O(1) lists with priority classes, one per tier.
+
+One ``Residency`` node per block resident in a tier, linked into an intrusive list per priority
+class; insert, remove and touch are O(1). ``EvictionPolicy.pick_victims`` chooses victims from
+them (the LRU end of the lowest class first); the store marks, demotes and frees what it returns.
+Not thread-safe: the store's lock guards it. Design: docs/design/eviction.md#the-lru
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
 from tierkv.config import Priority
@@ -87,3 +90,51 @@ class PriorityLru(Generic[T]):
                 following = node.next
                 yield node
                 node = following
+
+
+@dataclass(slots=True)
+class Victims(Generic[T]):
+    """What ``EvictionPolicy.pick_victims`` chose: ``owners`` freeing ``size`` (enough when
+    ``size >= needed``), and of the nodes it walked past, the size held by readers now
+    (``busy_size``: evictable once they finish) and the size of every node walked
+    (``walked_size``: all linked nodes when it did not find enough)."""
+
+    owners: list[T] = field(default_factory=list)
+    size: int = 0
+    busy_size: int = 0
+    walked_size: int = 0
+
+
+class EvictionPolicy:
+    """Which blocks leave a tier to make room. The store calls ``pick_victims`` with its lock
+    held, once per reservation that does not fit; subclass and override it to change the policy
+    (as ``cachetools`` caches override ``popitem``). It must be pure: read the nodes, change
+    nothing. Pinned blocks are never offered (they are unlinked while pinned)."""
+
+    def pick_victims(
+        self,
+        lru: PriorityLru[T],
+        needed: int,
+        size_of: Callable[[Residency[T]], int],
+        excluded: Callable[[T], bool],
+        busy: Callable[[T], bool],
+    ) -> Victims[T]:
+        """Owners worth at least ``needed`` (in ``size_of`` units) in LRU order, lowest priority
+        class first, passing over ``excluded`` owners (a put's own chain, blocks whose demotion
+        failed lately) and ``busy`` ones (being read or copied); fewer when the tier holds
+        less. O(victims + nodes passed over)."""
+        victims: Victims[T] = Victims()
+        for node in lru.iter_lru():
+            num = size_of(node)
+            victims.walked_size += num
+            owner = node.owner
+            if excluded(owner):
+                continue
+            if busy(owner):
+                victims.busy_size += num
+                continue
+            victims.owners.append(owner)
+            victims.size += num
+            if victims.size >= needed:
+                break
+        return victims

@@ -1,29 +1,15 @@
-"""``TieredStore.clear``: the operator's delete of every block and session of whole namespaces.
-
-Decisions:
-1. Pinned blocks go too: clear is an operator's decision, above any client's pin. Blocks that
-   are busy (being read, leased for reading, or copied between tiers) go as ``delete`` takes
-   them: misses at once, while the reader keeps the bytes it was given and their room comes
-   back when it is done; they are counted in ``num_busy`` too. Clear never waits for a reader,
-   and a cleared block never stays a hit (skipping them left most blocks of a namespace being
-   read, or promoted after a get, as hits until someone cleared again). Blocks put while a
-   clear runs may stay (they were not there when it began).
-2. The work is done in batches of ``_BATCH_BLOCKS`` under one hold of the store lock each, with
-   the delete path every other delete takes (``StoreCore.doom_locked``): a clear is safe
-   against concurrent puts, gets and evictions, and never holds the lock for long. The disk
-   records of a batch are deleted in one write, durably before the next batch.
-3. Namespaces stay registered (empty): a caller that holds one keeps using it. The server
-   prunes empty namespaces when it needs room for new ones.
+"""``TieredStore.clear``: the operator's delete of every block and session of whole namespaces,
+pinned or busy, never waiting for a reader. Done in batches under the store lock on the common
+delete path; namespaces stay registered. Design: docs/design/namespaces.md#clearing-store
 """
-
 from __future__ import annotations
 
 from collections.abc import Callable
 
 from tierkv.errors import InvalidArgumentError
 from tierkv.keys import Namespace
-from tierkv.store.books import StoreCore
-from tierkv.store.ledger import DOOMED, Entry, NamespaceState
+from tierkv.store.core import StoreCore
+from tierkv.store.index import DOOMED, Entry, NamespaceState
 from tierkv.store.sessions import SessionTable
 from tierkv.types import ClearResult
 

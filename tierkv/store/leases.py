@@ -1,45 +1,9 @@
-"""Leases on HOST pages: the same-host, zero-copy data path.
-
-A client on the same host maps the HOST slab (shared memory) and copies blocks itself:
-
-- read: ``acquire`` brings the leading stored blocks into HOST, pins them (they count as being
-  read, so nothing evicts or frees their pages) and returns where their bytes lie; the client
-  copies them out, then ``release``.
-- write: ``allocate`` reserves pages for the blocks that need bytes and returns where; the
-  client copies into them, then ``commit`` makes the blocks visible atomically (after their
-  write-through records are durable), or ``abort`` gives the pages back.
-
-Decisions:
-1. A lease expires ``ttl_s`` after it was granted (at least ``MIN_LEASE_TTL_S``: a lease is
-   never born expired): a client that dies never leaks pages. Any lease call, and ``expire``,
-   reaps expired leases. The one exception is a lease this process fills itself
-   (``allocate_in_process`` and ``lease_writer``, the server's stream Put): it never expires,
-   so its pages are never reused under the writer, which ends the lease itself.
-2. A lease belongs to its ``owner`` (the server passes tenant and client id); another owner's
-   lease id is unknown to it (``LeaseNotFoundError``), so a lease only ever covers its own pages.
-3. Finished leases are remembered for a while, so that a double commit or a commit after expiry
-   is reported as such (``LeaseStateError``) instead of as an unknown id.
-4. Nothing a client wrote is acknowledged unverified: ``commit`` takes the checksum of every
-   block the client copied and checks the pages against it (``IntegrityError``, nothing
-   stored, when they differ: the client wrote through a stale mapping, or something else
-   wrote there). The checksum is kept with the block and handed to readers with a read lease.
-5. A write lease's pages may still be written by its client after the lease expired (a stalled
-   writer). The server watches same-host clients through their lock files
-   (``tierkv.shm.liveness``): an expired lease of a live client keeps its pages out of the
-   free pool (quarantined) until the client is gone, for at most ``QUARANTINE_S``; every lease
-   of a client that is gone is ended at once. Whatever still slips through (a client the server
-   cannot watch) is caught by the checksums: a late write turns a hit into a miss, never into
-   another block's wrong bytes.
-6. A read lease is counted at its release, when the client says what it kept: a hit for each
-   leased block it kept, in the tier that block was read from, none past the first damaged
-   one (that one is a miss) nor past ``num_copied`` (a client that copied nothing through a
-   stale mapping says 0, and reads them again after its remap), and a miss for the block
-   after the stored run once the lease reached it. Stored blocks that were not leased are
-   neither: the caller is told ``num_cached`` and reads them again. The release of a lease
-   that expired still counts it (the client's copy was checked against the checksums); a
-   lease never released (its client died) counts nothing.
+"""Leases on HOST pages, the same-host zero-copy path: ``acquire``/``release`` to read,
+``allocate``/``commit``/``abort`` to write, and ``LeaseWriter``, which fills a write lease from a
+byte stream in this process (the server's stream Put). A lease expires (except one this process
+fills), belongs to its owner, and a commit is checked against the writer's checksums.
+Design: docs/design/leases.md
 """
-
 from __future__ import annotations
 
 import math
@@ -61,9 +25,9 @@ from tierkv.errors import (
 )
 from tierkv.paging import BlockExtents, CopySpan, Location, block_extents, copy_spans, location_num_pages
 from tierkv.shm.liveness import ClientWatch, Liveness
-from tierkv.store.books import StoreCore
-from tierkv.store.ledger import DOOMED, Entry, NamespaceState
-from tierkv.store.moves import Mover
+from tierkv.store.core import StoreCore
+from tierkv.store.index import DOOMED, Entry, NamespaceState
+from tierkv.store.migrate import Mover
 from tierkv.store.writes import PutPlan, Writer
 
 DEFAULT_LEASE_TTL_S = 30.0
@@ -167,7 +131,7 @@ class Leases:
         with self.core.lock:
             return sum(location_num_pages(loc) for q in self._quarantine for loc in q.locations)
 
-    # --- reads --------------------------------------------------------------------------------
+    # --- reads -------------------------------------
 
     def acquire(
         self, state: NamespaceState, keys: list[bytes], ttl_s: float | None, owner: str,
@@ -226,7 +190,7 @@ class Leases:
     def release(self, lease_id: bytes, owner: str, corrupt_indices: Sequence[int] = (),
                 num_copied: int | None = None) -> None:
         """End a read lease: its blocks may be evicted again, and the blocks the client kept
-        are counted (decision 6). ``corrupt_indices``: leased blocks whose copy failed its
+        are counted (docs/design/leases.md, 6). ``corrupt_indices``: leased blocks whose copy failed its
         checksum at the client; each is checked here (the client's word alone deletes
         nothing) and deleted if its pages really are damaged. ``num_copied``: how many leading
         blocks the client kept (None: all before the first corrupt one). A lease that expired
@@ -252,14 +216,14 @@ class Leases:
 
     def _count_release_locked(self, count: _ReadCount, corrupt_indices: Sequence[int],
                               num_copied: int | None) -> None:
-        """Count what the client of a released read lease received (decision 6)."""
+        """Count what the client of a released read lease received (docs/design/leases.md, 6)."""
         kept = received_blocks(len(count.tiers), corrupt_indices, num_copied)
         damaged = kept < len(count.tiers) and kept in corrupt_indices
         # The miss: the block that ended the client's read.
         self.core.count_served_locked(count.tiers[:kept], damaged or (
             kept == len(count.tiers) and count.ends_run))
 
-    # --- writes -------------------------------------------------------------------------------
+    # --- writes ------------------------------------
 
     def allocate(
         self, state: NamespaceState, keys: list[bytes], ttl_s: float | None, owner: str,
@@ -314,7 +278,7 @@ class Leases:
     def commit(self, lease_id: bytes, owner: str, checksums: Sequence[int] | None = None) -> int:
         """Make a write lease's blocks visible (write-through records first); returns the blocks
         newly stored. ``checksums``: one per written block, in ``write_indices`` order, of the
-        bytes the client copied (required for an expiring lease; see decision 4). On failure
+        bytes the client copied (required for an expiring lease; see docs/design/leases.md, 4). On failure
         the pages are given back and nothing becomes visible."""
         with self.core.lock:
             lease = self._take_locked(lease_id, owner, "committed")
@@ -382,7 +346,7 @@ class Leases:
             for location in lease.locations.values():
                 self.core.release_pages_locked(Tier.HOST, location)
 
-    # --- bookkeeping --------------------------------------------------------------------------
+    # --- bookkeeping
 
     def expire(self) -> int:
         """End every lease past its deadline; returns how many."""
@@ -475,20 +439,7 @@ def _check_lease_ttl(ttl_s: float | None) -> float:
     return checked
 
 
-# --- the in-process writer: a write lease filled from a byte stream -------------------------------
-# A write lease filled from this process: a byte stream copied straight into its HOST pages.
-#
-# The stream's bytes are the lease's blocks in order: byte ``k`` belongs to block
-# ``k // block_bytes``. Each chunk is copied into the pages it belongs to as it arrives (no staging
-# buffer), and each written block is hashed as its bytes land, while they are still in the CPU
-# cache: its checksum goes with the commit, with no pass over the pages afterwards. Bytes of
-# blocks the lease does not list (stored already) are dropped.
-#
-# This saves a copy of every byte against staging the batch and then ``put``-ting it: the
-# server's CPU is what bounds a remote put. The lease (``TieredStore.allocate_in_process``) never
-# expires, so its pages are never handed to another block while the stream is still copying; the
-# writer's owner ends it (commit, or abort on any failure, a short stream or a cancelled call), so
-# nothing of a broken stream ever becomes visible.
+# --- the in-process writer: a write lease filled from a byte stream
 class LeaseWriter:
     """Routes ``total_bytes`` of stream, in order, into the pages of one write lease.
 

@@ -1,24 +1,15 @@
-"""Removing namespaces that hold nothing, so that the namespaces clients name cannot pile up.
-
-Decisions:
-1. A namespace is removed only when it holds no block in any tier and its tenant has no
-   session of its model (a conservative test: sessions carry their own namespace and register
-   it again on resume anyway). Its disk descriptor is deleted with it, so that a restart does
-   not bring it back.
-2. A write lease granted before the removal still holds the namespace's state and commits into
-   it. Such a state is remembered weakly (for as long as anything holds it), and registering
-   the namespace again takes it back: its blocks are not lost, and two states with the same
-   keys never exist at once.
+"""Removing namespaces that hold nothing (no block in any tier, no session of their model), with
+their disk descriptor. A write lease's namespace state is kept weakly and taken back on
+re-registration. Guarded by the store's lock. Design: docs/design/namespaces.md#pruning-store
 """
-
 from __future__ import annotations
 
 import weakref
 from collections.abc import Collection
 
 from tierkv.keys import Namespace
-from tierkv.store.books import StoreCore
-from tierkv.store.ledger import NamespaceState
+from tierkv.store.core import StoreCore
+from tierkv.store.index import NamespaceState
 from tierkv.tiers.disk import DiskWrite
 
 

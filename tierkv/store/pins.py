@@ -1,18 +1,7 @@
-"""Pins: blocks that must not be evicted, until unpinned or until their TTL runs out.
-
-A pinned entry is unlinked from every tier's LRU list (so eviction never walks past it) and
-linked back when its last pin goes. Guarded by the store's lock.
-
-Decisions:
-1. Deadlines live in a heap with lazy deletion: a re-pin that moves a deadline later pushes a
-   new item and leaves the old one stale. A re-pin that does not move it pushes nothing, and
-   the heap is rebuilt from the live pins whenever it holds more than twice as many items as
-   there are pins (plus a small constant), so it never holds more than O(live pins) items,
-   however often the same blocks are pinned (3,000 pinned lookups grew a server by 400 MiB).
-2. The store drops expired pins (``pop_expired``) on every pin call and before it reports
-   them, not only under eviction pressure: an expired pin is neither counted nor kept.
+"""Pins: blocks that must not be evicted until unpinned or their TTL runs out. A pinned entry is
+unlinked from every LRU list and linked back when its last pin goes; the deadline heap is
+bounded by the live pins. Guarded by the store's lock. Design: docs/design/eviction.md#pins
 """
-
 from __future__ import annotations
 
 import heapq
@@ -21,7 +10,7 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from tierkv.store.ledger import Entry
+from tierkv.store.index import Entry
 
 # Heap items tolerated beyond twice the live pins before a rebuild (keeps small tables cheap).
 _HEAP_SLACK = 64

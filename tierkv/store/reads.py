@@ -1,16 +1,7 @@
-"""The read path: ``get_into``, promotion on read, and ``prefetch``.
-
-Decisions:
-1. A get marks busy (``StoreCore.busy``) every block it will copy, under the lock, then copies
-   without it; pages of a block being read are never freed or reused until the copy is done.
-2. It returns the longest leading run that was copied intact: a block whose disk record fails
-   its checks ends the run there (and is dropped and counted), it never comes back as data.
-   Hits are counted after the copy, for the blocks returned; the block that ended the run (not
-   stored, or damaged) is one miss.
-3. Blocks served from a lower tier are promoted one tier up in the background
-   (``Mover.promote``).
+"""The read path: ``get_into``, promotion on read, and ``prefetch``. Blocks are marked busy under
+the lock and copied without it; a get returns the longest leading run copied intact, and
+lower-tier hits are promoted in the background. Design: docs/design/data-path.md#the-read-path
 """
-
 from __future__ import annotations
 
 import logging
@@ -24,9 +15,9 @@ import torch
 from tierkv.checks import check_out
 from tierkv.checksums import block_checksums
 from tierkv.config import Tier
-from tierkv.store.books import BusyMarks, StoreCore
-from tierkv.store.ledger import Entry, NamespaceState, PagedLedger
-from tierkv.store.moves import Mover
+from tierkv.store.core import BusyMarks, StoreCore
+from tierkv.store.index import Entry, NamespaceState, PagedLedger
+from tierkv.store.migrate import Mover
 
 log = logging.getLogger(__name__)
 

@@ -1,25 +1,8 @@
-"""Rebuilding the index from the DISK tier when a store opens.
-
-Only keys and record sizes are scanned (no payload is read); every record is still verified when
-it is first read. Records of the wrong size (torn or truncated) are deleted and counted as
-checksum failures. If the disk holds more than the configured budget (it was lowered), the
-surplus is dropped.
-
-Namespace descriptors (decisions):
-1. A descriptor is stored sealed: a checksum over its namespace id and body, checked by the disk
-   tier at open (``tierkv.tiers.records.seal``), and the namespace id it describes is recomputed
-   from it and compared with its key. One that fails is counted (``checksum_failures``) and
-   logged, never used.
-2. A lost descriptor cannot be re-derived: a block record's header names the namespace only by
-   its id (a hash of model id, layout, TP rank and size, tenant) and the layout fingerprint,
-   and a hash cannot be inverted. Keeping a second copy would only move the single point (both
-   copies sit on one LMDB page for any realistic number of namespaces). So the loss is made
-   loud instead: every block record whose namespace is unknown is dropped and counted as a
-   checksum failure, with one ``log.error`` per namespace id. Blocks are never guessed into a
-   namespace, so none is ever served under a wrong one. A descriptor is always committed before
-   any block of its namespace, so an orphan block always means a lost descriptor.
+"""Rebuilding the index from the DISK tier when a store opens, from what the environment's walk
+found (keys and sizes only; records are verified when read), and the namespace descriptors
+stored beside the blocks. Bad descriptors, orphan blocks and wrong-size records are dropped and
+counted. Design: docs/design/disk-records.md#recovery
 """
-
 from __future__ import annotations
 
 import logging
@@ -31,8 +14,8 @@ from tierkv.config import Priority, Tier
 from tierkv.errors import InvalidArgumentError, TierKVError
 from tierkv.keys import BlockKey, Namespace
 from tierkv.layout import KVLayout
-from tierkv.store.books import StoreCore
-from tierkv.store.ledger import Entry, NamespaceState
+from tierkv.store.core import StoreCore
+from tierkv.store.index import Entry, NamespaceState
 from tierkv.tiers.records import block_record_bytes
 
 log = logging.getLogger(__name__)
@@ -70,7 +53,7 @@ def namespace_from_descriptor(data: bytes) -> Namespace:
 def parse_descriptor(namespace_id: bytes, data: bytes) -> Namespace:
     """The namespace a stored descriptor (unsealed) describes under ``namespace_id``; raises
     ``ValueError``, ``KeyError`` or ``TypeError`` for one that does not parse or describes
-    another namespace (decision 1)."""
+    another namespace (docs/design/disk-records.md, recovery 1)."""
     namespace = namespace_from_descriptor(data)
     if namespace.id != namespace_id:
         raise ValueError(f"it describes namespace {bytes(namespace.id).hex()}")

@@ -1,26 +1,8 @@
-"""The store's side of the REMOTE tier: what goes there, what comes back, and what it cost.
-
-The REMOTE tier (``tierkv.tiers.remote``) is shared by every node, so the store keeps no index
-of it: a block is known to be there only by asking. Its records are the disk tier's
-(``tierkv.tiers.records``): the key, namespace and layout in a header, and the payload's
-checksum.
-
-Decisions:
-1. Writes never wait for Redis. ``write_through`` puts (their records, already built for DISK)
-   and DISK evictions (the evicted record, read by the disk writer before it deletes it) go to
-   a queue bounded by ``queue_bytes``; one thread drains it in pipelined batches. A full queue
-   drops records and counts them.
-2. A read that misses locally asks REMOTE for the chain's blocks that no local tier holds, in one
-   batched round trip per node, and brings the leading run that came back into HOST pages:
-   each record's header must name the block's key and layout, and its payload is hashed as it
-   is copied into the pages and must match the header's checksum. Anything else (missing,
-   torn, truncated, foreign, tampered with) ends the run there and is a counted miss; its bytes
-   are never served. The read then proceeds as a local one.
-3. Lookups ask REMOTE only for the suffix of the chain the local tiers do not hold.
-4. Nothing here raises to the caller because of Redis: a Redis that is down or slow is a miss
-   (``RemoteTier`` answers within its deadline).
+"""The store's side of the REMOTE tier: write-through and evictions queued without waiting, local
+misses filled into HOST from REMOTE and verified, lookups for the suffix the local tiers lack,
+and what ``delete``/``clear`` took out lately (so that nothing brings it back). Redis never
+raises to the caller. Design: docs/design/remote.md#the-stores-side
 """
-
 from __future__ import annotations
 
 import contextlib
@@ -39,9 +21,9 @@ from tierkv.config import Priority, Tier
 from tierkv.errors import CapacityError
 from tierkv.keys import NAMESPACE_ID_BYTES
 from tierkv.paging import Location
-from tierkv.store.books import StoreCore
-from tierkv.store.ledger import DOOMED, Entry, NamespaceState
-from tierkv.store.moves import Mover
+from tierkv.store.core import StoreCore
+from tierkv.store.index import DOOMED, Entry, NamespaceState
+from tierkv.store.migrate import Mover
 from tierkv.store.writes import PutPlan, Writer
 from tierkv.tiers.records import RecordBuffers, encode_records, verify_header
 from tierkv.tiers.remote import RemoteCounters, RemoteTier
@@ -93,7 +75,7 @@ class RemoteLink:
                                         daemon=True)
         self._thread.start()
 
-    # --- writes (decision 1) ----------------------------------------------------------------
+    # --- writes (docs/design/remote.md, the store's side 1) ---------------------
 
     def offer(self, records: Sequence[tuple[bytes, bytes | bytearray]],
               evicted_s: Sequence[float] | None = None) -> int:
@@ -232,7 +214,7 @@ class RemoteLink:
                 self._lock.wait(remaining)
         return True
 
-    # --- reads (decisions 2 and 3) --------------------------------------------------------------
+    # --- reads (docs/design/remote.md, the store's side 2, 3) -------------------
 
     def _local_run_locked(self, state: NamespaceState, keys: Sequence[bytes], start: int
                           ) -> tuple[int, list[int]]:
@@ -403,7 +385,7 @@ class RemoteLink:
                 self.mover.write_block(Tier.HOST, location, staging)
         return num_good, actual
 
-    # --- the rest ---------------------------------------------------------------------------
+    # --- the rest --------------------------------
 
     def stats(self) -> RemoteStats:
         """The counters and the tier's own."""
@@ -427,20 +409,7 @@ class RemoteLink:
         self.remote.close()
 
 
-# --- what delete() and clear() took out of REMOTE lately ------------------------------------------
-# What ``delete()`` and ``clear()`` took out of the REMOTE tier lately: so that nothing brings
-# it back.
-#
-# Two things could: a fill that fetched a block from REMOTE before the delete reached Redis and
-# publishes it after the local copy was doomed, and an eviction whose record reaches REMOTE's
-# queue after the delete (a DISK record the disk writer reads later; a HOST block encoded while
-# the delete runs). One rule covers both, for a key and for its namespace: something that saw the
-# block at time ``t`` (a fill's fetch, an eviction) must drop it when a forget of it is running
-# now or ended at or after ``t``. A forget that ended before ``t`` already deleted REMOTE's copy,
-# so what ``t`` saw is a block put again since, and welcome.
-#
-# Owned by ``RemoteLink``; thread-safe.
-# How long a finished forget is remembered (a disk writer's job, a fill, take far less).
+# --- what delete() and clear() took out of REMOTE lately
 KEEP_S = 60.0
 # Finished forgets' keys remembered at most (the oldest go first): 64K x ~100 B. Running
 # forgets are always consulted in full.

@@ -1,33 +1,8 @@
-"""Chat sessions: named records that let a restarted process find a conversation's blocks.
-
-A session is ``(tenant, session_id) -> namespace, token ids, last use, TTL``. The blocks are
-stored by the caller (``write_through``, ``Priority.SESSION``); the record only lets a restarted
-process find them again: ``TieredStore.resume_session`` gives back the token ids and how many
-leading tokens are still cached, so the caller prefills only the rest.
-
-Decisions:
-1. Memory mirrors disk, per session. Operations on one session are serialized by a (striped)
-   lock that is held across the disk wait, so a record changes in memory only once its write is
-   durable, and a write that fails changes neither. Different sessions do not wait for each
-   other and share group commits. The store lock is never taken here.
-2. The disk writer applies jobs in the order they were queued, so a write that is not waited for
-   (a resume's new last use, the delete of an expired session), queued under the session's lock,
-   is never overtaken by a later operation on that session.
-3. An expired session (its TTL since last use ran out) is absent. It is dropped from memory and
-   deleted from disk lazily (resume, delete, list, open); if that delete fails, the record stays
-   on disk, still expired, and goes at the next open.
-4. Without a disk tier the records live in memory only and end with the process.
-5. Last use is wall-clock time (``time.time``): a TTL must survive a restart, which a monotonic
-   clock does not. A new last use is written in the background (``close`` waits for it).
-6. Record: key ``tenant (UTF-8) + NUL + session_id (UTF-8)``; value msgpack of the namespace
-   descriptor (as for the namespace DB), the token ids as little-endian uint32 (what the wire
-   carries), last use and TTL. On disk the value is sealed: a checksum over key and value,
-   written and verified by the disk tier (``tierkv.tiers.records.seal``). A record whose
-   checksum fails (a flipped bit, a torn write, the unsealed layout of earlier versions) is
-   never decoded: the session is absent (``SessionNotFoundError``) and the store counts it in
-   ``checksum_failures``. A wrong token id or a wrong model is never resumed.
+"""Chat sessions: ``(tenant, session_id) -> namespace, token ids, last use, TTL``, so that a
+restarted process finds a conversation's blocks. Memory mirrors disk per session under a
+striped lock held across the disk wait; the store lock is never taken.
+Design: docs/design/sessions.md
 """
-
 from __future__ import annotations
 
 import contextlib
@@ -287,7 +262,7 @@ class SessionTable:
     @property
     def num_sessions(self) -> int:
         """Session records held, every tenant's (an expired one counts until it is dropped:
-        lazily, see decision 3)."""
+        lazily, docs/design/sessions.md 3)."""
         with self._mutex:
             return sum(count for _, count in self._count_of.values())
 
@@ -305,7 +280,7 @@ class SessionTable:
             self._disk.submit(job).result()
 
     def _write_in_background(self, job: DiskWrite, what: str) -> None:
-        """Queue ``job`` without waiting; a failure is only logged (see decisions 3 and 5)."""
+        """Queue ``job`` without waiting; a failure is only logged (docs/design/sessions.md 3 and 5)."""
         if self._disk is None:
             return
 

@@ -1,20 +1,13 @@
-"""What ``TieredStore.stats()`` and ``namespace_stats()`` return: snapshots of the books and
-the counters.
-
-Decisions:
-1. Every figure is kept up to date where it changes (the books, the mover, the lease and session
-   tables), so a snapshot costs O(tiers + namespaces), never O(blocks): operators and the
-   metrics scrape read it often.
-2. ``bytes_moved`` counts payload bytes (a block's ``layout.bytes_per_block``; a disk record's
-   header is not counted), added once per batch a copy moved.
+"""What ``TieredStore.stats()`` and ``namespace_stats()`` return (the types: ``tierkv.types``):
+snapshots of the books and counters, costing O(tiers + namespaces), never O(blocks).
+Design: docs/design/operations.md#stats
 """
-
 from __future__ import annotations
 
 from collections.abc import Sized
 
 from tierkv.keys import Namespace
-from tierkv.store.books import StoreCore
+from tierkv.store.core import StoreCore
 from tierkv.types import NamespaceStats, RemoteStats, StoreStats, TierStats
 
 

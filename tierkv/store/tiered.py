@@ -30,16 +30,17 @@ from tierkv.errors import (
     TierKVError,
     UnknownNamespaceError,
 )
+from tierkv.eviction import EvictionPolicy
 from tierkv.hashing import DEFAULT_ALGORITHM, HashAlgorithm, block_hashes
 from tierkv.keys import Namespace
 from tierkv.shm.liveness import ClientWatch
 from tierkv.shm.presence import PresenceTable
 from tierkv.store import namespaces, recovery
-from tierkv.store.books import StoreCore
 from tierkv.store.clearing import Clearer, Progress, namespace_filter
+from tierkv.store.core import StoreCore
+from tierkv.store.index import NamespaceState, PagedLedger
 from tierkv.store.leases import Leases, LeaseWriter, ReadLease, WriteLease
-from tierkv.store.ledger import NamespaceState, PagedLedger
-from tierkv.store.moves import Mover
+from tierkv.store.migrate import Mover
 from tierkv.store.reads import Reader
 from tierkv.store.sessions import SessionTable, TokenIds
 from tierkv.store.stats import namespace_snapshot, snapshot
@@ -62,7 +63,9 @@ class TieredStore:
 
     Open it with a ``StoreConfig``; with a disk tier, blocks written there by an earlier process
     (``write_through``, or flushed at close) are served again. Close it (or use ``with``) to
-    flush HOST-only blocks to disk and release the shared-memory slab.
+    flush HOST-only blocks to disk and release the shared-memory slab. ``eviction``: the policy
+    that picks victims in every tier (default ``tierkv.eviction.EvictionPolicy``: LRU within
+    priority classes, lowest class first).
     """
 
     def __init__(
@@ -71,6 +74,7 @@ class TieredStore:
         *,
         clock: Callable[[], float] = time.monotonic,
         show_progress: bool = False,
+        eviction: EvictionPolicy | None = None,
     ) -> None:
         self.config = config
         self._closed = False
@@ -88,7 +92,7 @@ class TieredStore:
             if config.presence_slots:
                 self._presence = PresenceTable(config.presence_slots,
                                                f"{self._host.shm_name}-presence")
-            self._core = StoreCore(config, paged, self._disk, clock, self._presence)
+            self._core = StoreCore(config, paged, self._disk, clock, self._presence, eviction)
             self.num_recovered_blocks = recovery.recover(self._core, show_progress)
             self._sessions = SessionTable(self._disk)
         except BaseException:

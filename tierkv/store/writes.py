@@ -1,14 +1,7 @@
-"""The write path: ``put`` (write-back and write-through) and ``flush`` to disk.
-
-Decisions:
-1. Room is reserved before any byte is copied, and the blocks become visible (are published)
-   only after every copy, and for write-through the disk commit, has completed. On any failure
-   the reserved room is given back and nothing is visible: a failed put stores nothing.
-2. Put is idempotent: a key already held in the target tier (or a faster one) is not copied
-   again; it is only touched. Duplicate keys in one call are stored once.
-3. Chains are touched tail first, so the head of a prefix is the last to be evicted.
+"""The write path: ``put`` (write-back and write-through) and ``flush`` to disk. Room is reserved
+first and blocks are published only after every copy (and commit): a failed put stores
+nothing; put is idempotent. Design: docs/design/data-path.md#the-write-path
 """
-
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -21,9 +14,9 @@ from tierkv.checksums import block_checksums
 from tierkv.config import Priority, Tier, WritePolicy
 from tierkv.errors import IntegrityError, TierKVError
 from tierkv.paging import Location
-from tierkv.store.books import StoreCore
-from tierkv.store.ledger import DOOMED, Entry, NamespaceState
-from tierkv.store.moves import Mover
+from tierkv.store.core import StoreCore
+from tierkv.store.index import DOOMED, Entry, NamespaceState
+from tierkv.store.migrate import Mover
 from tierkv.tiers.records import encode_records
 
 _FLUSH_BATCH = 64

@@ -1,17 +1,8 @@
-"""The store's books: one ``Entry`` per stored key, one ledger per tier.
-
-Everything here is guarded by the store's lock and owned by the store alone; tiers never see it.
-
-Decisions:
-1. An ``Entry`` exists while at least one tier holds a complete copy of the block (or a reader
-   still uses one), so ``key in namespace.blocks`` means "a hit now".
-2. ``readers`` counts the copies in flight that read one of the entry's residencies (gets,
-   promotions, demotions). A busy entry is never evicted, and a deleted busy entry
-   (``priority == DOOMED``) gives its pages back only when its last reader is done.
-3. Keys are kept as plain ``bytes`` (not ``BlockHash``), which saves 16 bytes a block; the index
-   costs about 290 bytes per block at a million blocks.
+"""The index: one ``Entry`` per stored key (present while some tier holds a complete copy: a hit
+now), one ``NamespaceState`` per namespace, one ledger (budget, LRU, counters) per tier.
+Guarded by the store's lock and owned by the store alone; the tiers never see it.
+Design: docs/design/eviction.md#entries-and-busy-marks
 """
-
 from __future__ import annotations
 
 from dataclasses import dataclass, field

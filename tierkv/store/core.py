@@ -1,21 +1,9 @@
-"""The store's lock and books: namespaces, ledgers, pins, and the queue of disk writes.
-
-``StoreCore`` holds the state the store alone owns. Every method whose name ends in ``_locked``
-must be called with ``core.lock`` held; every other method takes the lock itself. Moving bytes
-between tiers is ``tierkv.store.moves``'s job.
-
-An entry is marked busy (``mark_busy_locked``) by every copy that reads it and released
-(``release_busy_locked``) when that copy is done; a copy that ends in the call that began it
-holds its marks in a ``busy()`` scope. Nothing else changes ``Entry.readers``.
-
-Decisions:
-1. Record deletes are queued and ride in the next disk write, in order and in the same
-   transaction as the puts that reuse their bytes, so the committed disk never exceeds its
-   budget; deletes with no write to ride on are submitted alone. A delete that fails is queued
-   again, never dropped: the index has already forgotten its record.
-2. Disk room is made by dropping LRU records, which needs no copy, so it is done under the lock.
+"""The store's lock and books: namespaces, per-tier ledgers, pins, busy marks, the eviction policy
+and the queue of disk writes. Methods ending in ``_locked`` need ``core.lock`` held; the others
+take it. Copies mark what they read busy (``mark_busy_locked``/``release_busy_locked``, or a
+``busy()`` scope); nothing else changes ``Entry.readers``. Moving bytes is ``Mover``'s job.
+Design: docs/design/eviction.md, docs/design/data-path.md#the-write-path
 """
-
 from __future__ import annotations
 
 import logging
@@ -26,17 +14,25 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 from tierkv.config import StoreConfig, Tier
+from tierkv.copy_engine import CopyEngine
 from tierkv.errors import CapacityError, TierKVError
-from tierkv.eviction import Residency
-from tierkv.migration import CopyEngine
+from tierkv.eviction import EvictionPolicy, Residency
 from tierkv.paging import Location
 from tierkv.shm.presence import PresenceTable, fingerprint
-from tierkv.store.ledger import DOOMED, DiskLedger, Entry, Ledger, NamespaceState, PagedLedger
+from tierkv.store.index import DOOMED, DiskLedger, Entry, Ledger, NamespaceState, PagedLedger
 from tierkv.store.pins import PinTable
 from tierkv.tiers.disk import DiskTier, DiskWrite
 from tierkv.tiers.records import RecordBuffers
 
 log = logging.getLogger(__name__)
+
+
+def _record_bytes(node: Residency[Entry]) -> int:
+    return node.owner.ns.record_bytes
+
+
+def _is_busy(entry: Entry) -> bool:
+    return entry.readers > 0
 
 
 class BusyMarks:
@@ -71,7 +67,8 @@ class GlobalCounters:
 
 
 class StoreCore:
-    """The lock, the books and the moves between tiers."""
+    """The lock and the books: namespaces, per-tier ledgers, pins, busy marks, the eviction
+    policy and the queue of disk writes (moving bytes between tiers is ``Mover``'s job)."""
 
     def __init__(
         self,
@@ -80,8 +77,10 @@ class StoreCore:
         disk: DiskTier | None,
         clock: Callable[[], float],
         presence: PresenceTable | None = None,
+        eviction: EvictionPolicy | None = None,
     ) -> None:
         self.config = config
+        self.eviction = eviction or EvictionPolicy()
         self.lock = threading.Lock()
         # Notified whenever room may have been freed (a reader finished, pages were released).
         self.changed = threading.Condition(self.lock)
@@ -97,7 +96,7 @@ class StoreCore:
         self.engine = CopyEngine()
         self.counters = GlobalCounters()
         # Entries whose demotion out of their paged tier failed, and when it last did (counted
-        # once, in ``failed_demotions``); ``tierkv.store.moves`` decision 4 says what becomes of
+        # once, in ``failed_demotions``); docs/design/eviction.md (moves, 4) says what becomes of
         # them. An entry leaves it with that tier's copy, or when it gets a copy below.
         self.undemotable: dict[Entry, float] = {}
         self.clock = clock
@@ -210,8 +209,9 @@ class StoreCore:
     # --- busy marks -------------------------------------------------------------------------
 
     def mark_busy_locked(self, entry: Entry) -> None:
-        """One more copy reads ``entry`` (``ledger`` decision 2): until it is released, none of
-        its copies is evicted and no page of it is freed or reused."""
+        """One more copy reads ``entry``: until it is released, none of its copies is evicted
+        and no page of it is freed or reused (docs/design/eviction.md, entries and busy marks,
+        2)."""
         entry.readers += 1
 
     def release_busy_locked(self, entry: Entry) -> None:
@@ -303,7 +303,8 @@ class StoreCore:
         self, puts: Sequence[tuple[bytes, bytes | bytearray]] = (),
         namespace_puts: Sequence[tuple[bytes, bytes]] = (),
     ) -> DiskWrite:
-        """Queue a disk write carrying every pending delete (order matters: see decision 3)."""
+        """Queue a disk write carrying every pending delete (order matters:
+        docs/design/data-path.md, the write path, 3)."""
         assert self.disk is not None
         job = DiskWrite(puts, self._pending_deletes, namespace_puts,
                         block_demotes=self._pending_demotes)
@@ -358,15 +359,10 @@ class StoreCore:
             return
         self.expire_pins_locked()
         shortfall = ledger.used_bytes + needed - ledger.capacity_bytes
-        victims: list[Entry] = []
-        for node in ledger.lru.iter_lru():
-            if shortfall <= 0:
-                break
-            if node.owner.readers or node.owner in exclude:
-                continue
-            victims.append(node.owner)
-            shortfall -= node.owner.ns.record_bytes
-        if shortfall > 0:
+        picked = self.eviction.pick_victims(ledger.lru, shortfall, _record_bytes,
+                                            exclude.__contains__, _is_busy)
+        victims = picked.owners
+        if picked.size < shortfall:
             raise CapacityError(
                 f"disk tier: no room for {num_records} record(s) of {record_bytes} B in "
                 f"{ledger.capacity_bytes} B: the rest is pinned or in use"

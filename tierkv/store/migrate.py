@@ -1,28 +1,8 @@
 """Moves between tiers: making room (eviction with demotion), promotion, copies, disk records.
-
-``Mover`` works on a ``StoreCore``'s books. It takes ``core.lock`` to change them and never holds
-it while bytes are copied.
-
-Decisions:
-1. Room is made by eviction from the LRU end of the lowest priority class. A victim with no copy
-   below is demoted (GPU -> HOST -> DISK) before its pages are freed; one that has a copy below,
-   or sits in the lowest tier, is dropped. A busy or pinned block is never a victim.
-2. A destination copy is published only after its bytes (and, for DISK, its commit) are
-   complete; the source stays readable until then.
-3. When the room a reservation needs is held by blocks being read or copied, it waits for them
-   (up to ``_RESERVE_WAIT_S``); when it is pinned, it fails at once.
-4. A victim whose demotion failed (every tier below full of pins, a full filesystem, a failing
-   disk) is counted once in ``failed_demotions`` and marked (``StoreCore.undemotable``). A put
-   or a REMOTE fill (new data beats old) drops it, after one more try for a marked one (the
-   disk may have room again); it had no copy below, so it was a ``write_back`` block, never
-   promised to a lower tier. A promotion keeps it (a promotion only makes a second copy of a
-   block, and must not destroy the only copy of another for that) and passes it over as a
-   victim for ``UNDEMOTABLE_RETRY_S``, then tries it once more (not counted again), so that
-   it does not fail again at every read: while the disk is full, reads of DISK blocks that
-   find HOST full of such blocks are served without promotion (the stream path; a same-host
-   client falls back to it). A mark goes with the block's copy, or once it has a DISK copy.
+``Mover`` takes ``core.lock`` to change the books and never holds it while bytes are copied; a
+destination copy is published only once complete. Victims come from ``core.eviction``.
+Design: docs/design/eviction.md#moves-between-tiers
 """
-
 from __future__ import annotations
 
 import logging
@@ -35,10 +15,11 @@ import torch
 
 from tierkv.config import Tier
 from tierkv.errors import CapacityError, TierKVError
+from tierkv.eviction import Residency
 from tierkv.logs import Throttle
 from tierkv.paging import Location, location_num_pages
-from tierkv.store.books import StoreCore
-from tierkv.store.ledger import DOOMED, Entry, NamespaceState, PagedLedger
+from tierkv.store.core import StoreCore
+from tierkv.store.index import DOOMED, Entry, NamespaceState, PagedLedger
 from tierkv.tiers.paged import PagedSlab
 from tierkv.tiers.records import RecordStatus, encode_record
 
@@ -46,11 +27,19 @@ log = logging.getLogger(__name__)
 FAILED_WRITE_LOG_INTERVAL_S = 10.0
 
 # How long promotions pass over a block whose demotion failed before they try it again (the
-# disk may have room by then); decision 4.
+# disk may have room by then); docs/design/eviction.md, moves 4.
 UNDEMOTABLE_RETRY_S = 30.0
 # How long a reservation waits for room held by in-flight reads and copies.
 _RESERVE_WAIT_S = 5.0
 _RESERVE_POLL_S = 0.02
+
+
+def _num_pages(node: Residency[Entry]) -> int:
+    return location_num_pages(node.location)
+
+
+def _is_busy(entry: Entry) -> bool:
+    return entry.readers > 0
 
 
 class Mover:
@@ -76,8 +65,8 @@ class Mover:
         (up to ``_RESERVE_WAIT_S``). Without it (a promotion or a REMOTE fill, which hold
         blocks themselves and could wait for their own), it fails at once. ``drop`` (default:
         as ``wait``): victims that cannot be demoted are dropped (a put, a REMOTE fill), else
-        kept and passed over from then on (a promotion; decision 4). Raises ``CapacityError``
-        when there is no room; nothing is then reserved.
+        kept and passed over from then on (a promotion; eviction.md, moves 4). Raises
+        ``CapacityError`` when there is no room; nothing is then reserved.
         """
         ledger = self.core.paged[tier]
         pages_needed = sum(ledger.pages_for(size) for size in sizes_bytes)
@@ -109,35 +98,28 @@ class Mover:
     ) -> tuple[list[Entry], int]:
         """Busy-marked victims worth ``pages_needed``, or ``([], pages that are busy now)``:
         pages held by readers or in-flight copies, which will be evictable later. Without
-        ``may_drop``, blocks whose demotion failed are passed over (decision 4)."""
-        self.core.expire_pins_locked()
-        undemotable = {} if may_drop else self.core.undemotable
-        retry_before_s = self.core.clock() - UNDEMOTABLE_RETRY_S
-        victims: list[Entry] = []
-        pages = busy_pages = linked_pages = 0
-        for node in ledger.lru.iter_lru():
-            num_pages = location_num_pages(node.location)
-            linked_pages += num_pages
-            if node.owner in exclude or undemotable.get(node.owner, -math.inf) > retry_before_s:
-                continue
-            if node.owner.readers:
-                busy_pages += num_pages
-                continue
-            self.core.mark_busy_locked(node.owner)
-            victims.append(node.owner)
-            pages += num_pages
-            if pages >= pages_needed:
-                return victims, 0
-        for entry in victims:
-            self.core.release_busy_locked(entry)
+        ``may_drop``, blocks whose demotion failed are passed over (docs/design/eviction.md, moves 4)."""
+        core = self.core
+        core.expire_pins_locked()
+        undemotable = {} if may_drop else core.undemotable
+        retry_before_s = core.clock() - UNDEMOTABLE_RETRY_S
+        picked = core.eviction.pick_victims(
+            ledger.lru, pages_needed, _num_pages,
+            lambda owner: owner in exclude or undemotable.get(owner, -math.inf) > retry_before_s,
+            _is_busy,
+        )
+        if picked.size >= pages_needed:
+            for entry in picked.owners:
+                core.mark_busy_locked(entry)
+            return picked.owners, 0
         pinned_pages = sum(
             location_num_pages(node.location)
             for node in (e.residency(ledger.tier) for e in self.core.pins.entries())
             if node is not None
         )
         used_pages = ledger.allocator.num_pages - ledger.allocator.num_free_pages
-        in_flight_pages = used_pages - linked_pages - pinned_pages
-        return [], busy_pages + pages + in_flight_pages
+        in_flight_pages = used_pages - picked.walked_size - pinned_pages
+        return [], picked.busy_size + picked.size + in_flight_pages
 
     # --- copies between tiers ----------------------------------------------------------------
 
@@ -149,7 +131,7 @@ class Mover:
         A victim someone started reading after it was picked keeps its pages (freeing them
         under a reader would hand it another block's bytes). A victim that does not fit the next
         tier down goes to the one below it. A victim whose demotion failed is counted (once)
-        and marked, then dropped if ``may_drop``, else kept (decision 4). ``wait``: demotions
+        and marked, then dropped if ``may_drop``, else kept (eviction.md, moves 4). ``wait``: demotions
         wait for room below held by copies.
         """
         tier = ledger.tier
