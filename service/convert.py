@@ -1,7 +1,6 @@
 """Request fields -> store arguments, server side: what only the server checks.
 
-Every wire table (enums, namespaces, leases, stats) is ``tierkv.wire``'s; the enum readers are
-named here too because the handlers read them with the other request fields. Only what the
+Every wire table (enums, namespaces, leases, stats) is ``tierkv.wire``'s. Only what the
 wire alone can get wrong is validated here; everything else is validated by the store (and
 mapped to status codes in ``errors``).
 """
@@ -15,11 +14,9 @@ from tierkv.errors import InvalidArgumentError, PermissionDeniedError
 from tierkv.keys import Namespace
 from tierkv.store import check_lookup_hashes
 from tierkv.wire import tierkv_pb2 as pb
-from tierkv.wire.enums import priority_from, write_policy_from
 from tierkv.wire.namespaces import namespace_from
 
-__all__ = ["ClearFilters", "clear_filters_from", "hashes_from", "hashes_within", "priority_from",
-           "ttl_from", "write_policy_from"]
+__all__ = ["ClearFilters", "clear_filters_from", "hashes_from", "hashes_within", "ttl_from"]
 
 
 def hashes_within(hashes: Sequence[bytes], max_hashes: int) -> Sequence[bytes]:

@@ -20,13 +20,13 @@ import grpc
 import torch
 
 import tierkv
+from tierkv.buffers import BufferPool
 from tierkv.codec import RawPutChunk
 from tierkv.config import Tier
 from tierkv.errors import CapacityError, DeadlineExceededError, InvalidArgumentError, TierKVError
 from tierkv.keys import Namespace
 from tierkv.service import convert
 from tierkv.service.auth import Authenticator, client_id_of
-from tierkv.service.buffers import BufferPool
 from tierkv.service.calls import (
     CALLER_TENANT,
     REFUSALS,
@@ -44,7 +44,15 @@ from tierkv.service.operator_calls import OperatorCalls
 from tierkv.store import LeaseWriter, TieredStore, WriteLease, check_ttl
 from tierkv.wire import tierkv_pb2 as pb
 from tierkv.wire import tierkv_pb2_grpc as pb_grpc
-from tierkv.wire.convert import lookup_to, read_lease_to, sessions_to, write_lease_to
+from tierkv.wire.convert import (
+    ServerInfo,
+    lookup_to,
+    read_lease_to,
+    server_info_to,
+    sessions_to,
+    write_lease_to,
+)
+from tierkv.wire.enums import priority_from, write_policy_from
 from tierkv.wire.limits import host_id
 from tierkv.wire.namespaces import namespace_to
 
@@ -139,16 +147,15 @@ class TierKVServicer(OperatorCalls, pb_grpc.TierKVServicer):
     async def Describe(self, request: pb.DescribeRequest, context: Any, caller: Caller) -> Any:
         store = self.store
         presence_name, presence_key = store.presence_info(caller.tenant)
-        return pb.DescribeResponse(
+        return server_info_to(ServerInfo(
             version=tierkv.__version__, shm_name=store.host_shm_name,
-            shm_size_bytes=store.stats().tiers[Tier.HOST].capacity_bytes,
-            page_bytes=store.config.host.page_bytes, host_id=self._host_id,
-            max_hashes_per_call=self.config.max_hashes_per_call,
+            shm_size_bytes=store.host_capacity_bytes, page_bytes=store.config.host.page_bytes,
+            host_id=self._host_id, max_hashes_per_call=self.config.max_hashes_per_call,
             max_chunk_bytes=self.config.chunk_bytes, hash_seed=self.config.hash_seed,
             presence_shm_name=presence_name, presence_key=presence_key,
             slab_id=store.host_slab_id, client_lock_prefix=store.client_lock_prefix,
             has_remote_tier=store.has_remote_tier,
-        )
+        ))
 
     @unary
     async def Lookup(self, request: pb.LookupRequest, context: Any, caller: Caller) -> Any:
@@ -301,8 +308,8 @@ class TierKVServicer(OperatorCalls, pb_grpc.TierKVServicer):
         mid-allocation."""
         allocation = asyncio.ensure_future(self._run(
             self.store.allocate_in_process, namespace, hashes, caller.owner,
-            priority=convert.priority_from(header.priority),
-            write_policy=convert.write_policy_from(header.write_policy),
+            priority=priority_from(header.priority),
+            write_policy=write_policy_from(header.write_policy),
         ))
         try:
             return await asyncio.shield(allocation)
@@ -410,8 +417,8 @@ class TierKVServicer(OperatorCalls, pb_grpc.TierKVServicer):
         namespace, hashes = self._blocks(request, caller)
         return write_lease_to(self.store.allocate(
             namespace, hashes, convert.ttl_from(request.lease_ttl_s), caller.owner,
-            priority=convert.priority_from(request.priority),
-            write_policy=convert.write_policy_from(request.write_policy),
+            priority=priority_from(request.priority),
+            write_policy=write_policy_from(request.write_policy),
             slab_id=request.slab_id, client_id=caller.client_id,
         ), self.store.host_slab_id)
 

@@ -28,7 +28,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "tierkv"
 # Modules any side may import: they define public types and stand-alone functions.
 PUBLIC = frozenset({
     "tierkv", "tierkv.errors", "tierkv.config", "tierkv.keys", "tierkv.checksums",
-    "tierkv.codec", "tierkv.layout", "tierkv.hashing", "tierkv.logs", "tierkv.types",
+    "tierkv.codec", "tierkv.layout", "tierkv.hashing", "tierkv.logs", "tierkv.types", "tierkv.buffers",
     "tierkv.checks",
 })
 # The server may use the store's public API (the package itself) as well.

@@ -88,7 +88,3 @@ class DeadlineExceededError(TierKVError, TimeoutError):
 
 class StoreClosedError(TierKVError):
     """The store was closed; no further operations are accepted."""
-
-
-class LayoutMismatchError(InvalidArgumentError):
-    """A namespace was registered with a layout that differs from the one stored on disk."""

@@ -13,6 +13,7 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
+from tierkv.buffers import BufferPool
 from tierkv.config import StoreConfig, Tier
 from tierkv.copy_engine import CopyEngine
 from tierkv.errors import CapacityError, TierKVError
@@ -22,7 +23,6 @@ from tierkv.shm.presence import PresenceTable, fingerprint
 from tierkv.store.index import DOOMED, DiskLedger, Entry, Ledger, NamespaceState, PagedLedger
 from tierkv.store.pins import PinTable
 from tierkv.tiers.disk import DiskTier, DiskWrite
-from tierkv.tiers.records import RecordBuffers
 
 log = logging.getLogger(__name__)
 
@@ -108,7 +108,7 @@ class StoreCore:
         self.demote_to_remote: Callable[[list[Entry]], object] | None = None
         self._pending_demotes: list[tuple[bytes, float]] = []  # (raw key, evicted at)
         # Set with a REMOTE tier: buffers of write-through records it has sent (no disk only).
-        self.record_buffers: RecordBuffers | None = None
+        self.record_buffers: BufferPool | None = None
 
     # --- books ----------------------------------------------------------------------------
 

@@ -153,10 +153,6 @@ class PagedLedger(Ledger):
         """Pages for blocks of the given sizes, adjacent when possible; None if not free now."""
         return self.allocator.try_allocate([self.pages_for(size) for size in sizes_bytes])
 
-    def free_bytes_after(self, num_bytes_evicted: int) -> int:
-        """Free bytes if ``num_bytes_evicted`` of blocks (their pages) were freed."""
-        return self.allocator.num_free_pages * self.slab.page_bytes + num_bytes_evicted
-
     def release(self, location: Location) -> None:
         """Give pages back."""
         self.allocator.free(location)

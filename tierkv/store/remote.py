@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from tierkv.buffers import BufferPool
 from tierkv.checksums import copy_with_checksums, value_digest
 from tierkv.config import Priority, Tier
 from tierkv.errors import CapacityError
@@ -25,7 +26,7 @@ from tierkv.store.core import StoreCore
 from tierkv.store.index import DOOMED, Entry, NamespaceState
 from tierkv.store.migrate import Mover
 from tierkv.store.writes import PutPlan, Writer
-from tierkv.tiers.records import RecordBuffers, encode_records, verify_header
+from tierkv.tiers.records import encode_records, verify_header
 from tierkv.tiers.remote import RemoteCounters, RemoteTier
 from tierkv.types import RemoteStats
 
@@ -68,7 +69,7 @@ class RemoteLink:
         # How long a forget waits for a batch being written (the tier's own deadline).
         self._deadline_s = remote.config.timeout_s + remote.config.max_fetch_bytes / 1e9
         # Buffers of records sent, for the next ones (REMOTE-only write-through: see books).
-        self.record_buffers = RecordBuffers(_WRITE_BATCH_BYTES * 2)
+        self.record_buffers = BufferPool(_WRITE_BATCH_BYTES * 2)
         # Block keys being fetched by a fill, and the event set when it is done.
         self._filling: dict[bytes, threading.Event] = {}
         self._thread = threading.Thread(target=self._write_loop, name="tierkv-remote-writer",

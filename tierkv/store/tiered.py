@@ -602,6 +602,11 @@ class TieredStore:
         return self._leases.num_quarantined_pages
 
     @property
+    def host_capacity_bytes(self) -> int:
+        """The HOST slab's size (what a same-host client maps)."""
+        return self._core.paged[Tier.HOST].capacity_bytes
+
+    @property
     def host_shm_name(self) -> str:
         """Name of the HOST slab's shared-memory segment (for same-host clients)."""
         return self._host.shm_name

@@ -46,15 +46,6 @@ def share_directory(path: Path) -> tuple[bool, int | None]:
     return False, fd
 
 
-def server_holds(path: Path) -> bool:
-    """Whether another process (a server) holds the directory lock of ``path`` now (a shared
-    lock taken for an instant)."""
-    running, fd = share_directory(path)
-    if fd is not None:
-        os.close(fd)  # closing releases the shared lock
-    return running
-
-
 class ReadOnlyStore:
     """A DISK tier's LMDB environment opened read-only (see the module docstring); use it in a
     ``with`` block. Raises ``NotAStoreError`` for a path that is not a readable tierkv store."""

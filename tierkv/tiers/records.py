@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import enum
 import struct
-import threading
 from collections.abc import Sequence
 
 import msgpack
 import numpy as np
 import xxhash
 
+from tierkv.buffers import BufferPool
 from tierkv.checksums import copy_with_checksum, copy_with_checksums, value_digest
 from tierkv.keys import RAW_BLOCK_KEY_BYTES
 from tierkv.layout import KVLayout
@@ -74,38 +74,8 @@ def encode_record(raw_key: bytes, fingerprint: str, payload: np.ndarray) -> tupl
     return record, value
 
 
-class RecordBuffers:
-    """Record buffers handed back once their record was sent, for the next records of the same
-    size: a fresh 2 MiB buffer is page-faulted and zeroed on first touch, which cost more than
-    the copy into it (~35 of ~54 ms for 64 MiB of records). Keeps at most ``max_bytes``.
-    Thread-safe. Only a buffer nothing else still reads may be given back."""
-
-    def __init__(self, max_bytes: int) -> None:
-        self.max_bytes = max_bytes
-        self._free: dict[int, list[bytearray]] = {}
-        self._free_bytes = 0
-        self._lock = threading.Lock()
-
-    def take(self, size: int) -> bytearray:
-        """A buffer of ``size`` bytes (its content is to be overwritten)."""
-        with self._lock:
-            free = self._free.get(size)
-            if free:
-                self._free_bytes -= size
-                return free.pop()
-        return bytearray(size)
-
-    def give(self, buffers: Sequence[bytes | bytearray]) -> None:
-        """Keep ``buffers`` (bytearrays only) for later records, up to ``max_bytes``."""
-        with self._lock:
-            for buffer in buffers:
-                if isinstance(buffer, bytearray) and self._free_bytes + len(buffer) <= self.max_bytes:
-                    self._free.setdefault(len(buffer), []).append(buffer)
-                    self._free_bytes += len(buffer)
-
-
 def encode_records(raw_keys: Sequence[bytes], fingerprint: str, payloads: Sequence[np.ndarray],
-                   buffers: RecordBuffers | None = None) -> list[tuple[bytearray, int]]:
+                   buffers: BufferPool | None = None) -> list[tuple[bytearray, int]]:
     """``encode_record`` of many blocks, their copies and hashes spread over every core (as
     ``copy_with_checksums`` does); each record's checksum is of its own copy. ``buffers``:
     where the records' buffers come from (default: new ones)."""
@@ -118,7 +88,7 @@ def encode_records(raw_keys: Sequence[bytes], fingerprint: str, payloads: Sequen
         start = _PREFIX.size + len(_header(raw, fingerprint, payload.size, bytes(8)))
         starts.append(start)
         size = start + payload.size
-        records.append(buffers.take(size) if buffers is not None else bytearray(size))
+        records.append(buffers.take(size, exact=True) if buffers is not None else bytearray(size))
     values = copy_with_checksums([
         [(np.frombuffer(record, np.uint8, offset=start), payload)]
         for record, start, payload in zip(records, starts, payloads, strict=True)
