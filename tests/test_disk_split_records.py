@@ -208,19 +208,19 @@ def test_lmdb_refuses_nothing_the_split_writes(tmp_path: Path) -> None:
 @pytest.mark.parametrize("payload_bytes", [512, 3072, 33_280, 65_536])
 def test_an_evicted_record_is_demoted_as_the_bytes_written(tmp_path: Path,
                                                            payload_bytes: int) -> None:
-    """DISK evictions hand REMOTE the whole record, head and body joined, byte for byte."""
+    """A take (what DISK evictions hand REMOTE) gives the whole record, head and body joined,
+    byte for byte."""
     tier = DiskTier(DiskTierConfig(tmp_path / "disk", 64 << 20))
     try:
-        demoted: list[tuple[bytes, bytes, float]] = []
-        tier.on_demote = demoted.extend
         records = {}
         for i in range(3):
             raw = bytes([i]) * 48
             payload = np.random.default_rng(i).integers(0, 256, payload_bytes, dtype=np.uint8)
             records[raw] = bytes(encode_record(raw, "fp", payload)[0])
         tier.submit(DiskWrite(block_puts=list(records.items()))).result(30)
-        tier.submit(DiskWrite(block_deletes=list(records),
-                              block_demotes=[(raw, 1.5) for raw in records])).result(30)
+        job = DiskWrite(block_deletes=list(records), block_takes=[(raw, 1.5) for raw in records])
+        tier.submit(job).result(30)
+        demoted = job.taken
         assert sorted(demoted) == sorted((raw, record, 1.5) for raw, record in records.items())
         out = np.zeros((1, payload_bytes), np.uint8)
         assert tier.read_into([(bytes(48), out[0])], "fp", payload_bytes)[0][0] is \

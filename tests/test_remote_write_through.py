@@ -44,7 +44,7 @@ def test_write_through_without_a_disk_reaches_remote_and_reused_buffers_stay_exa
             assert writer.flush_remote(10)  # each batch sent: the next reuses its buffers
         remote = writer.stats().remote
         assert remote is not None and remote.written == 96 and remote.write_failures == 0
-        assert writer._core.record_buffers is not None
+        assert writer._core.spill is not None and writer._core.spill.record_buffers.idle_bytes > 0
         for hashes, data in batches:
             got = reader.get(namespace, hashes)
             assert torch.equal(got.view(torch.uint8), data.view(torch.uint8))

@@ -5,7 +5,7 @@ puts, an ACL's refusal opening the breaker, no deadline for one slow node, reads
 namespace limit, the lookup script off for good after a reshard.
 
 Where a race needs one side to be slow, the test holds it at a gate on the store's own object
-(the REMOTE tier's ``get``, the disk writer's ``on_demote`` sink): the gate only stands for
+(the REMOTE tier's ``get``, the hand-over of DISK's evicted records to REMOTE): the gate only stands for
 ordinary scheduling delay (a GIL switch, an fsync of an earlier batch), never for other bytes.
 """
 
@@ -17,7 +17,7 @@ import socket
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import pytest
@@ -106,18 +106,17 @@ def test_a_demotion_racing_delete_writes_the_deleted_block_back(
     for i in range(4):  # DISK full; block 0 is its LRU
         assert store.put(namespace, hashes[i : i + 1], data[i : i + 1], write_policy=WT) == 1
     assert store.flush_remote(10.0)
-    disk = store._disk
-    assert disk is not None
+    link = store._remote
+    assert link is not None
     entered, go = threading.Event(), threading.Event()
-    real_sink = disk.on_demote
-    assert real_sink is not None
+    real_sink = link.offer_demoted
 
-    def slow_sink(records: list[tuple[bytes, bytes]]) -> None:
+    def slow_sink(records: Sequence[tuple[bytes, bytes | bytearray, float]]) -> None:
         entered.set()
         go.wait(10)  # the disk writer is busy a while (an fsync of an earlier batch)
         real_sink(records)
 
-    disk.on_demote = slow_sink
+    link.offer_demoted = slow_sink  # type: ignore[method-assign]
     putting = threading.Thread(target=store.put, args=(namespace, hashes[4:], data[4:]),
                                kwargs={"write_policy": WT})
     putting.start()  # its record evicts block 0 from DISK: demoted to REMOTE
@@ -128,7 +127,7 @@ def test_a_demotion_racing_delete_writes_the_deleted_block_back(
     go.set()
     for thread in (putting, deleting):
         thread.join(10)
-    disk.on_demote = real_sink
+    link.offer_demoted = real_sink  # type: ignore[method-assign]
     assert store.flush_remote(10.0)
     assert not held_in_redis(server, namespace, hashes[0]), "the deleted block is in REMOTE again"
     assert len(store.get(namespace, hashes[:1])) == 0

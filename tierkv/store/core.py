@@ -12,6 +12,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from tierkv.buffers import BufferPool
 from tierkv.config import StoreConfig, Tier
@@ -33,6 +34,23 @@ def _record_bytes(node: Residency[Entry]) -> int:
 
 def _is_busy(entry: Entry) -> bool:
     return entry.readers > 0
+
+
+class Spill(Protocol):
+    """The tier below the lowest local one (the REMOTE tier's link, ``tierkv.store.remote``):
+    where write-through records and the lowest local tier's evictions go, without blocking."""
+
+    record_buffers: BufferPool
+    """Buffers of records it has sent and nothing else reads, for the next records."""
+
+    def offer(self, records: Sequence[tuple[bytes, bytes | bytearray]]) -> object:
+        """Queue ``(raw key, record)`` pairs of write-through blocks."""
+
+    def offer_demoted(self, records: Sequence[tuple[bytes, bytes | bytearray, float]]) -> None:
+        """Queue records of DISK's victims, each with when it was evicted."""
+
+    def demote(self, entries: list[Entry]) -> None:
+        """Without a disk tier: HOST's busy-marked victims, about to be dropped."""
 
 
 class BusyMarks:
@@ -101,14 +119,14 @@ class StoreCore:
         self.undemotable: dict[Entry, float] = {}
         self.clock = clock
         self._pending_deletes: list[bytes] = []
-        # With a REMOTE tier: where write-through records go once durable (``RemoteLink.offer``),
-        # and the records of DISK evictions, which the disk writer reads before deleting them.
-        self.to_remote: Callable[[Sequence[tuple[bytes, bytes | bytearray]]], object] | None = None
-        # Without a disk tier: where HOST's busy-marked victims go (``RemoteLink.demote``).
-        self.demote_to_remote: Callable[[list[Entry]], object] | None = None
-        self._pending_demotes: list[tuple[bytes, float]] = []  # (raw key, evicted at)
-        # Set with a REMOTE tier: buffers of write-through records it has sent (no disk only).
-        self.record_buffers: BufferPool | None = None
+        # The tier past the lowest local one (REMOTE), if any: ``attach_spill``.
+        self.spill: Spill | None = None
+        self._pending_takes: list[tuple[bytes, float]] = []  # DISK victims: (raw key, evicted at)
+
+    def attach_spill(self, spill: Spill) -> None:
+        """Make ``spill`` the tier below the lowest local one (once, before any call)."""
+        assert self.spill is None
+        self.spill = spill
 
     # --- books ----------------------------------------------------------------------------
 
@@ -307,9 +325,12 @@ class StoreCore:
         docs/design/data-path.md, the write path, 3)."""
         assert self.disk is not None
         job = DiskWrite(puts, self._pending_deletes, namespace_puts,
-                        block_demotes=self._pending_demotes)
+                        block_takes=self._pending_takes)
         self._pending_deletes = []
-        self._pending_demotes = []
+        self._pending_takes = []
+        spill = self.spill
+        if job.block_takes and spill is not None:  # DISK's victims go on to the spill tier
+            job.future.add_done_callback(lambda _: spill.offer_demoted(job.taken))
         self.disk.submit(job)
         return job
 
@@ -370,8 +391,8 @@ class StoreCore:
         for entry in victims:
             self.drop_locked(entry, Tier.DISK)
             ledger.counters.evictions += 1
-            if self.to_remote is not None:  # DISK eviction demotes to REMOTE
-                self._pending_demotes.append((entry.raw_key, time.monotonic()))
+            if self.spill is not None:  # DISK eviction demotes to the spill tier
+                self._pending_takes.append((entry.raw_key, time.monotonic()))
         reserved = ledger.try_reserve_bytes(needed)
         assert reserved
 

@@ -153,10 +153,10 @@ class Mover:
             rest = [entry for entry in to_demote if entry not in demoted]
             if rest and further is not None:  # the next tier is full of pins: skip it
                 demoted |= self.copy_between(rest, tier, further, wait=wait, exclude=ours)
-        if lower is None and core.demote_to_remote is not None and tier is Tier.HOST:
+        if lower is None and core.spill is not None and tier is Tier.HOST:
             # No disk: the lowest local tier's evictions go to REMOTE (as DISK's do), and are
             # then dropped here as before.
-            core.demote_to_remote([e for e in victims if not self._has_copy_below(e, tier)])
+            core.spill.demote([e for e in victims if not self._has_copy_below(e, tier)])
         all_freed = True
         with core.lock:
             for entry in victims:

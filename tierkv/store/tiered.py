@@ -113,12 +113,7 @@ class TieredStore:
             from tierkv.tiers.remote import RemoteTier
 
             self._remote = RemoteLink(self._core, mover, self._writer, RemoteTier(config.remote))
-            self._core.to_remote = self._remote.offer
-            self._core.record_buffers = self._remote.record_buffers
-            if self._disk is not None:
-                self._disk.on_demote = self._remote.offer_demoted
-            else:
-                self._core.demote_to_remote = self._remote.demote
+            self._core.attach_spill(self._remote)
 
     # --- namespaces -----------------------------------------------------------------------
 
@@ -481,7 +476,7 @@ class TieredStore:
     # --- the same-host data plane: leases on HOST pages (the table: tierkv.store.leases) --
 
     def _writes_through(self) -> bool:
-        return self._core.disk is not None or self._core.to_remote is not None
+        return self._core.disk is not None or self._remote is not None
 
     def acquire(
         self, namespace: Namespace, hashes: Sequence[bytes], ttl_s: float | None = None,

@@ -154,8 +154,9 @@ class Writer:
         checksums: dict[int, int] = {}
         raw_keys = [state.id + keys[i] for i in indices]
         # Without a disk, REMOTE's writer is the records' only reader: it gives them back.
+        spill = core.spill
         encoded = encode_records(raw_keys, fingerprint, [payload_of(i) for i in indices],
-                                 core.record_buffers if core.disk is None else None)
+                                 spill.record_buffers if spill and core.disk is None else None)
         for i, raw_key, (record, value) in zip(indices, raw_keys, encoded, strict=True):
             checksums[i] = value
             records.append((raw_key, record))
@@ -167,11 +168,11 @@ class Writer:
                 f"{len(bad)} of {len(indices)} blocks differ from what their writer wrote "
                 f"(first: block {bad[0]}); nothing is stored"
             )
-        if core.to_remote is not None:
+        if spill is not None:
             # Write-through reaches REMOTE too, without waiting, and at once: its write then
             # runs while the disk commits. Should the commit fail, REMOTE still holds verified
             # bytes of these keys: a cache may hold a block its writer was told failed.
-            core.to_remote(records)
+            spill.offer(records)
         if core.disk is None:
             return checksums
         with core.lock:

@@ -13,7 +13,7 @@ import os
 import queue
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -52,9 +52,12 @@ class DiskWrite:
     session_puts: Sequence[tuple[bytes, bytes]] = ()
     session_deletes: Sequence[bytes] = ()
     namespace_deletes: Sequence[bytes] = ()
-    block_demotes: Sequence[tuple[bytes, float]] = ()
-    """Deleted block keys (with when they were evicted) whose records go to
-    ``DiskTier.on_demote`` first (DISK evictions)."""
+    block_takes: Sequence[tuple[bytes, float]] = ()
+    """Deleted block keys (each with a time the caller gets back) whose records are read just
+    before the delete, into ``taken``: a caller that hands evicted records on (a lower tier)."""
+    taken: list[tuple[bytes, bytes, float]] = field(default_factory=list)
+    """``(key, record, time)`` of each of ``block_takes`` that was there, head and body joined;
+    complete when ``future`` is done (whether or not the write succeeded)."""
     future: Future[None] = field(default_factory=Future)
 
     @property
@@ -110,9 +113,6 @@ class DiskTier:
         self._copiers = ThreadPoolExecutor(NUM_COPY_HELPERS, "tierkv-disk-copy")
         self._num_reads = 0
         self._reads_idle = threading.Condition()
-        self.on_demote: Callable[[list[tuple[bytes, bytes, float]]], object] | None = None
-        """Given the records of ``block_demotes`` (read before they are deleted), on the writer
-        thread; it must not block (the REMOTE tier's queue)."""
         self._closed = False
         self._error_lines = {kind: Throttle(DISK_ERROR_LOG_INTERVAL_S) for kind in _ERROR_KINDS}
         self._next_reader_check_s = time.monotonic() + READER_CHECK_INTERVAL_S
@@ -194,28 +194,26 @@ class DiskTier:
                 raise
             self._commit(batch)
 
-    def _hand_over_demoted(self, batch: list[DiskWrite]) -> None:
-        """Read the records of the batch's ``block_demotes`` (still there: only this thread
-        deletes) and give them to ``on_demote``."""
-        demotes = [demote for job in batch for demote in job.block_demotes]
-        sink = self.on_demote
-        if not demotes or sink is None:
+    def _read_takes(self, batch: list[DiskWrite]) -> None:
+        """Read the records of each job's ``block_takes`` (still there: only this thread
+        deletes) into its ``taken``."""
+        jobs = [job for job in batch if job.block_takes]
+        if not jobs:
             return
-        records: list[tuple[bytes, bytes, float]] = []
         try:
             with self._env.begin(buffers=True) as txn:
-                for key, evicted_s in demotes:
-                    body = txn.get(key, db=self._blocks)
-                    if body is not None:
-                        head = txn.get(key, db=self._heads)
-                        record = bytes(body) if head is None else b"".join((head, body))
-                        records.append((key, record, evicted_s))
-            sink(records)
-        except Exception as exc:  # demotion is best effort; the deletes must go on
-            self._log_error("demote", exc)
+                for job in jobs:
+                    for key, seen_s in job.block_takes:
+                        body = txn.get(key, db=self._blocks)
+                        if body is not None:
+                            head = txn.get(key, db=self._heads)
+                            record = bytes(body) if head is None else b"".join((head, body))
+                            job.taken.append((key, record, seen_s))
+        except Exception as exc:  # taking is best effort; the deletes must go on
+            self._log_error("take", exc)
 
     def _commit_group(self, batch: list[DiskWrite]) -> None:
-        self._hand_over_demoted(batch)
+        self._read_takes(batch)
         try:
             self._commit_with_reader_check(batch)
         except (lmdb.Error, OSError, DiskFullError) as exc:
