@@ -11,7 +11,7 @@ import secrets
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import xxhash
 
@@ -28,7 +28,7 @@ from tierkv.shm.liveness import ClientWatch, Liveness
 from tierkv.store.core import StoreCore
 from tierkv.store.index import DOOMED, Entry, NamespaceState
 from tierkv.store.migrate import Mover
-from tierkv.store.writes import PutPlan, Writer
+from tierkv.store.writes import Reservation, Writer
 
 DEFAULT_LEASE_TTL_S = 30.0
 MIN_LEASE_TTL_S = 0.1
@@ -84,14 +84,12 @@ class _Read:
 
 @dataclass(eq=False)
 class _Write:
+    """A write lease: a reservation its client (or this process's stream) fills by deadline."""
+
     owner: str
     client_id: str
     deadline_s: float
-    state: NamespaceState
-    keys: list[bytes]
-    priority: Priority
-    plan: PutPlan
-    locations: dict[int, Location] = field(default_factory=dict)
+    reservation: Reservation
     # False for a lease written by this process itself (the stream Put): it has no client
     # checksums to check, and the pages are hashed at commit instead.
     verify: bool = True
@@ -242,13 +240,10 @@ class Leases:
                 # their lock files now rather than what was found out a moment ago.
                 self.watch.forget_all()
             self._expire_locked()
-        plan = self.writer.plan(state, keys, priority, policy, Tier.HOST)
-        write_indices = sorted(set(plan.new_indices) | set(plan.disk_indices))
-        locations = self.mover.reserve_pages(
-            Tier.HOST, [state.block_bytes] * len(write_indices), plan.own
-        )
-        lease = _Write(owner, client_id, self._clock() + ttl, state, keys, priority, plan,
-                       dict(zip(write_indices, locations, strict=True)), verify=not in_process)
+        reservation = self.writer.reserve(state, keys, priority, policy, Tier.HOST,
+                                          pages_for_records=True)
+        write_indices, locations = list(reservation.locations), list(reservation.locations.values())
+        lease = _Write(owner, client_id, self._clock() + ttl, reservation, verify=not in_process)
         with self.core.lock:
             lease_id = self._new_id()
             self._active[lease_id] = lease
@@ -269,8 +264,9 @@ class Leases:
                     f"lease {lease_id.hex()} is a client's: only a lease of allocate_in_process "
                     "is written by the store"
                 )
-            indices, locations = list(lease.locations), list(lease.locations.values())
-            block_bytes, num_blocks = lease.state.block_bytes, len(lease.keys)
+            reservation = lease.reservation
+            indices, locations = list(reservation.locations), list(reservation.locations.values())
+            block_bytes, num_blocks = reservation.state.block_bytes, len(reservation.keys)
         spans = copy_spans(locations, host.page_bytes, block_bytes, indices)
         return LeaseWriter(host.tensor.numpy().data, spans, indices, block_bytes,
                            num_blocks * block_bytes)
@@ -283,24 +279,23 @@ class Leases:
         with self.core.lock:
             lease = self._take_locked(lease_id, owner, "committed")
             assert isinstance(lease, _Write)
-        state, slab = lease.state, self.core.paged[Tier.HOST].slab
+        reservation = lease.reservation
+        state, slab, locations = reservation.state, self.core.paged[Tier.HOST].slab, dict(
+            reservation.locations)
         try:
             verified = self._verified_checksums(lease, checksums)
-            if lease.plan.disk_indices:
-                # Each record is checked again on its own copy of the pages: what reaches the
-                # disk is what was verified, whatever writes into the pages meanwhile.
-                self.writer.write_records(
-                    state, lease.keys, lease.plan,
-                    lambda i: self.mover.host_view(slab, lease.locations[i], state.block_bytes),
-                    expected=verified,
-                )
+            # Each record is checked again on its own copy of the pages: what reaches the disk
+            # is what was verified, whatever writes into the pages meanwhile.
+            return self.writer.commit(
+                reservation, verified,
+                lambda i: self.mover.host_view(slab, locations[i], state.block_bytes),
+                expected=verified,
+            )
         except BaseException:
             self._give_back(lease)
             with self.core.lock:  # a retry is told what happened, not "already committed"
                 self._remember_locked(lease_id, owner, "refused at its commit")
             raise
-        return self.writer.publish(state, lease.keys, lease.priority, Tier.HOST, lease.plan,
-                                   lease.locations, verified)
 
     def _verified_checksums(
         self, lease: _Write, checksums: Sequence[int] | None
@@ -310,18 +305,19 @@ class Leases:
         this process wrote itself (``verify`` off) takes the checksums it computed while
         writing, or its pages' when it gives none."""
         slab = self.core.paged[Tier.HOST].slab
-        block_bytes = lease.state.block_bytes
-        indices = sorted(lease.locations)
+        reservation = lease.reservation
+        block_bytes = reservation.state.block_bytes
+        indices = sorted(reservation.locations)
         if checksums is None or len(checksums) != len(indices):
             if lease.verify:
                 raise InvalidArgumentError(
                     f"commit needs one checksum per written block ({len(indices)}), got "
                     f"{0 if checksums is None else len(checksums)}"
                 )
-            checksums = slab.checksums([lease.locations[i] for i in indices], block_bytes)
+            checksums = slab.checksums([reservation.locations[i] for i in indices], block_bytes)
         if not lease.verify:
             return dict(zip(indices, checksums, strict=True))
-        values = slab.checksums([lease.locations[i] for i in indices], block_bytes)
+        values = slab.checksums([reservation.locations[i] for i in indices], block_bytes)
         actual = dict(zip(indices, values, strict=True))
         bad = [i for i, claimed in zip(indices, checksums, strict=True) if actual[i] != claimed]
         if bad:
@@ -342,9 +338,7 @@ class Leases:
         self._give_back(lease)
 
     def _give_back(self, lease: _Write) -> None:
-        with self.core.lock:
-            for location in lease.locations.values():
-                self.core.release_pages_locked(Tier.HOST, location)
+        self.writer.abort(lease.reservation)
 
     # --- bookkeeping
 
@@ -378,9 +372,9 @@ class Leases:
                     self._expired_counts.popitem(last=False)
             elif lease.verify and state_of(lease.client_id) is Liveness.ALIVE:
                 self._quarantine.append(_Quarantined(lease.client_id, now + QUARANTINE_S,
-                                                     list(lease.locations.values())))
+                                                     list(lease.reservation.locations.values())))
             else:
-                for location in lease.locations.values():
+                for location in lease.reservation.locations.values():
                     self.core.release_pages_locked(Tier.HOST, location)
         if self._quarantine:
             kept: list[_Quarantined] = []

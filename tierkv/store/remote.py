@@ -25,7 +25,7 @@ from tierkv.paging import Location
 from tierkv.store.core import StoreCore
 from tierkv.store.index import DOOMED, Entry, NamespaceState
 from tierkv.store.migrate import Mover
-from tierkv.store.writes import PutPlan, Writer
+from tierkv.store.writes import Writer
 from tierkv.tiers.records import encode_records, verify_header
 from tierkv.tiers.remote import RemoteCounters, RemoteTier
 from tierkv.types import RemoteStats
@@ -328,17 +328,17 @@ class RemoteLink:
         block_bytes = state.block_bytes
         with core.lock:
             own = frozenset(entry for key in keys if (entry := state.blocks.get(key)) is not None)
+        indices = [index for index, _, _ in wanted]
         try:
-            locations = self.mover.reserve_pages(Tier.HOST, [block_bytes] * len(wanted), own,
-                                                 wait=False, drop=True)
+            reservation = self.writer.reserve_indices(state, list(keys), indices, Priority.NORMAL,
+                                                      Tier.HOST, own, wait=False, drop=True)
         except CapacityError:
             return 0, 0, False
+        locations = list(reservation.locations.values())
         try:
             num_good, actual = self._copy_verified(locations, wanted, block_bytes)
         except BaseException:
-            with core.lock:  # nothing is published: every page comes back
-                for location in locations:
-                    core.release_pages_locked(Tier.HOST, location)
+            self.writer.abort(reservation)  # nothing is published: every page comes back
             raise
         bad_payload = num_good < len(wanted)
         with self.forgotten.lock:  # a forget that begins now waits for this publish
@@ -346,17 +346,12 @@ class RemoteLink:
                 if self.forgotten.forbids_locked(state.id + keys[index], started_s):
                     num_good = number  # deleted meanwhile: the run ends before it
                     break
-            with core.lock:
-                for location in locations[num_good:]:
-                    core.release_pages_locked(Tier.HOST, location)
+            self.writer.release(reservation, indices[num_good:])
+            reservation.plan.new_indices = indices[:num_good]
             if not num_good:
                 return 0, 0, bad_payload
-            indices = [index for index, _, _ in wanted[:num_good]]
-            plan = PutPlan(new_indices=indices)
-            by_index: dict[int, Location] = dict(zip(indices, locations, strict=False))
             checksums = dict(zip(indices, actual, strict=False))
-            num_new = self.writer.publish(state, list(keys), Priority.NORMAL, Tier.HOST, plan,
-                                          by_index, checksums, count_put=False)
+            num_new = self.writer.commit(reservation, checksums, count_put=False)
         return num_good, num_new, bad_payload
 
     def _copy_verified(self, locations: list[Location], wanted: list[tuple[int, memoryview, bytes]],

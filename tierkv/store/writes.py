@@ -1,6 +1,8 @@
-"""The write path: ``put`` (write-back and write-through) and ``flush`` to disk. Room is reserved
-first and blocks are published only after every copy (and commit): a failed put stores
-nothing; put is idempotent. Design: docs/design/data-path.md#the-write-path
+"""The write path, one for every write: reserve -> fill -> ``commit(checksums)``. An embedded
+``put`` is a reservation filled in process, a same-host write lease one with a TTL, a stream
+Put one fed chunk by chunk, a REMOTE fill one filled from Redis. Nothing is visible before the
+commit; a failed write stores nothing; writes are idempotent. ``flush`` writes disk records.
+Design: docs/design/data-path.md#the-write-path
 """
 from __future__ import annotations
 
@@ -36,8 +38,23 @@ class PutPlan:
         return frozenset(self.new_indices)
 
 
+@dataclass(eq=False)
+class Reservation:
+    """Room for one write, reserved before any byte moves: HOST or GPU pages for the blocks in
+    ``locations`` (block index -> pages), and the plan's records still to write. Its writer
+    fills the pages, then ``Writer.commit``s it with their checksums, or ``Writer.abort``s it;
+    the lease table holds the reservations filled by clients (with a deadline)."""
+
+    state: NamespaceState
+    keys: list[bytes]
+    priority: Priority
+    target: Tier
+    plan: PutPlan
+    locations: dict[int, Location]
+
+
 class Writer:
-    """Writes for a ``TieredStore``."""
+    """Writes for a ``TieredStore``: every write is a ``Reservation`` committed here."""
 
     def __init__(self, core: StoreCore, mover: Mover) -> None:
         self.core = core
@@ -52,35 +69,86 @@ class Writer:
         policy: WritePolicy,
         target: Tier,
     ) -> int:
-        """See ``TieredStore.put``."""
-        core = self.core
+        """See ``TieredStore.put``: a reservation filled in process, from ``flat``."""
         block_bytes = state.block_bytes
-        plan = self.plan(state, keys, priority, policy, target)
-        locations: list[Location] = []
+        reservation = self.reserve(state, keys, priority, policy, target)
         checksums: dict[int, int] = {}
-        if plan.new_indices:
-            locations = self.mover.reserve_pages(
-                target, [block_bytes] * len(plan.new_indices), plan.own
-            )
         try:
-            if plan.new_indices:
-                slab = core.paged[target].slab
-                spans = slab.plan(locations, block_bytes, plan.new_indices)
-                core.engine.copy(lambda nb: slab.write(spans, flat, nb), slab.device, flat.device)
+            if reservation.locations:
+                indices, locations = list(reservation.locations), list(reservation.locations.values())
+                slab = self.core.paged[target].slab
+                spans = slab.plan(locations, block_bytes, indices)
+                self.core.engine.copy(lambda nb: slab.write(spans, flat, nb), slab.device,
+                                      flat.device)
                 if target is Tier.HOST:
-                    checksums = self._host_checksums(flat, block_bytes, plan.new_indices, locations)
-            if plan.disk_indices:
+                    checksums = self._host_checksums(flat, block_bytes, indices, locations)
+            array = None
+            if reservation.plan.disk_indices:
                 array = (flat if flat.device.type == "cpu" else flat.cpu()).numpy()
-                self.write_records(
-                    state, keys, plan, lambda i: array[i * block_bytes : (i + 1) * block_bytes]
-                )
+            return self.commit(reservation, checksums, None if array is None else
+                               lambda i: array[i * block_bytes : (i + 1) * block_bytes])
         except BaseException:
-            with core.lock:
-                for location in locations:
-                    core.release_pages_locked(target, location)
+            self.abort(reservation)
             raise
-        return self.publish(state, keys, priority, target, plan,
-                            dict(zip(plan.new_indices, locations, strict=True)), checksums)
+
+    # --- reservations -----------------------------------------------------------------------
+
+    def reserve(
+        self, state: NamespaceState, keys: list[bytes], priority: Priority, policy: WritePolicy,
+        target: Tier, *, pages_for_records: bool = False,
+    ) -> Reservation:
+        """Plan the write of ``keys`` and reserve its pages in ``target`` (evicting as needed;
+        ``CapacityError`` and nothing reserved when they do not fit). ``pages_for_records``:
+        blocks that need only a disk record get pages too (a lease: its writer's bytes land in
+        pages, and the records are written from there)."""
+        plan = self.plan(state, keys, priority, policy, target)
+        indices = plan.new_indices
+        if pages_for_records:
+            indices = sorted(set(plan.new_indices) | set(plan.disk_indices))
+        return self.reserve_indices(state, keys, indices, priority, target, plan.own, plan=plan)
+
+    def reserve_indices(
+        self, state: NamespaceState, keys: list[bytes], indices: list[int], priority: Priority,
+        target: Tier, own: frozenset[Entry], *, plan: PutPlan | None = None, wait: bool = True,
+        drop: bool | None = None,
+    ) -> Reservation:
+        """Pages in ``target`` for the blocks ``indices`` of ``keys`` (a REMOTE fill names its
+        own), never evicting ``own``; ``wait`` and ``drop`` as ``Mover.reserve_pages``."""
+        locations = self.mover.reserve_pages(
+            target, [state.block_bytes] * len(indices), own, wait=wait, drop=drop
+        ) if indices else []
+        return Reservation(state, keys, priority, target,
+                           plan if plan is not None else PutPlan(new_indices=list(indices)),
+                           dict(zip(indices, locations, strict=True)))
+
+    def release(self, reservation: Reservation, indices: list[int]) -> None:
+        """Give back the pages of ``indices`` (blocks the writer will not commit)."""
+        with self.core.lock:
+            for index in indices:
+                location = reservation.locations.pop(index, None)
+                if location is not None:
+                    self.core.release_pages_locked(reservation.target, location)
+
+    def abort(self, reservation: Reservation) -> None:
+        """Give back every page of ``reservation``: nothing of it becomes visible."""
+        self.release(reservation, list(reservation.locations))
+
+    def commit(
+        self, reservation: Reservation, checksums: dict[int, int],
+        payload_of: Callable[[int], np.ndarray] | None = None,
+        expected: dict[int, int] | None = None, count_put: bool = True,
+    ) -> int:
+        """Make a filled reservation visible: the plan's disk records first (durable, their
+        bytes from ``payload_of``, each checked against ``expected`` when given), then the
+        pages (``checksums``: of each block in HOST, by index). Returns the blocks newly stored.
+        On failure it raises with nothing visible; the caller gives the pages back."""
+        state, keys, plan = reservation.state, reservation.keys, reservation.plan
+        if plan.disk_indices:
+            assert payload_of is not None
+            self.write_records(state, keys, plan, payload_of, expected)
+        locations, reservation.locations = reservation.locations, {}  # published: not ours
+        return self.publish(state, keys, reservation.priority, reservation.target, plan,
+                            locations, checksums, count_put)
 
     def _host_checksums(
         self, flat: torch.Tensor, block_bytes: int, indices: list[int], locations: list[Location]
