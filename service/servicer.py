@@ -355,15 +355,20 @@ class TierKVServicer(OperatorCalls, pb_grpc.TierKVServicer):
                     ) -> tuple[int, int, bool, bytearray | None]:
         """``(bytes, blocks, more, buffer)``: the leading stored blocks of the request, read
         into a buffer of the pool (the caller gives it back; None when nothing was read);
-        ``more``: the stored run goes on past them (cut at ``max_put_bytes``)."""
-        namespace, hashes = await self._run(self._read_blocks, request, caller)
+        ``more``: the stored run goes on past them (cut at ``max_put_bytes``). One hop to a
+        worker thread for the whole read."""
+        return await self._run(self._read_sync, request, caller)
+
+    def _read_sync(self, request: pb.BlocksRequest, caller: Caller
+                   ) -> tuple[int, int, bool, bytearray | None]:
+        namespace, hashes = self._read_blocks(request, caller)
         if namespace is None:
             return 0, 0, False, None
         layout = namespace.layout
         # Sized by the cached run, never by the hashes asked for (65,536 hashes of 32 MiB
         # blocks would be 2 TiB); a run longer than max_put_bytes is cut, and the client is
         # told to ask again for the rest.
-        num_stored = await self._run(self.store.lookup, namespace, hashes)
+        num_stored = self.store.lookup(namespace, hashes)
         num_cached = min(num_stored, max(1, self.config.max_put_bytes // layout.bytes_per_block))
         # A run that ends before the hashes do ends in a miss, which the store counts.
         missed_after = num_cached == num_stored < len(hashes)
@@ -374,8 +379,7 @@ class TierKVServicer(OperatorCalls, pb_grpc.TierKVServicer):
             flat = (torch.frombuffer(buffer, dtype=torch.uint8, count=total_bytes) if total_bytes
                     else torch.empty(0, dtype=torch.uint8))
             out = flat.view(layout.torch_dtype).reshape(len(hashes), *layout.block_shape)
-            num_blocks = await self._run(self.store.get_into, namespace, hashes, out,
-                                         missed_after=missed_after)
+            num_blocks = self.store.get_into(namespace, hashes, out, missed_after=missed_after)
             del out, flat  # the tensor views pin the buffer's export
         except (TierKVError, ValueError):
             # Only then: a cancelled call's copy may still be running in the worker thread, so
