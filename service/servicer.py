@@ -40,16 +40,18 @@ from tierkv.service.calls import (
 )
 from tierkv.service.config import ServiceConfig
 from tierkv.service.namespaces import NamespaceBook
-from tierkv.service.operator_calls import OperatorCalls
 from tierkv.store import LeaseWriter, TieredStore, WriteLease, check_ttl
 from tierkv.wire import tierkv_pb2 as pb
 from tierkv.wire import tierkv_pb2_grpc as pb_grpc
 from tierkv.wire.convert import (
     ServerInfo,
+    clear_progress_to,
+    clear_result_to,
     lookup_to,
     read_lease_to,
     server_info_to,
     sessions_to,
+    stats_to,
     write_lease_to,
 )
 from tierkv.wire.enums import priority_from, write_policy_from
@@ -76,7 +78,40 @@ def _silent_stream(idle_s: float) -> DeadlineExceededError:
 
 
 
-class TierKVServicer(OperatorCalls, pb_grpc.TierKVServicer):
+DEFAULT_STATS_NAMESPACES = 20
+"""Namespaces a Stats call reports when it does not say how many."""
+
+
+class ClearProgress:
+    """Carries a clear's ``progress(done, total)`` calls from its worker thread to the call's
+    event loop, in order; iterating ends once ``finish`` was called (the clear ended)."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self._queue: asyncio.Queue[tuple[int, int] | None] = asyncio.Queue()
+        self.total = 0
+
+    def put(self, num_blocks_done: int, num_blocks_total: int) -> None:
+        """The clear's progress callback (any thread)."""
+        self._loop.call_soon_threadsafe(self._queue.put_nowait, (num_blocks_done, num_blocks_total))
+
+    def finish(self, clearing: asyncio.Future[Any]) -> None:
+        """The clear ended (its done callback, on the loop). Its error is marked retrieved
+        here: the call awaits it, unless the caller went away first."""
+        if not clearing.cancelled():
+            clearing.exception()
+        self._queue.put_nowait(None)
+
+    def __aiter__(self) -> AsyncIterator[tuple[int, int]]:
+        return self._items()
+
+    async def _items(self) -> AsyncIterator[tuple[int, int]]:
+        while (item := await self._queue.get()) is not None:
+            self.total = item[1]
+            yield item
+
+
+class TierKVServicer(pb_grpc.TierKVServicer):
     """Serves one ``TieredStore`` (set with ``attach`` once its disk index is recovered)."""
 
     def __init__(self, config: ServiceConfig) -> None:
@@ -463,3 +498,47 @@ class TierKVServicer(OperatorCalls, pb_grpc.TierKVServicer):
     async def ListSessions(self, request: pb.ListSessionsRequest, context: Any,
                            caller: Caller) -> Any:
         return sessions_to(await self._run(self.store.list_sessions, caller.tenant))
+
+    # --- the operator's calls: a caller reaches its own tenant's namespaces, an admin tenant
+    # (``ServiceConfig.admin_tenants``, or every caller of a server without tokens) every one
+
+    @unary
+    async def Stats(self, request: pb.StatsRequest, context: Any, caller: Caller) -> Any:
+        limit = request.max_namespaces or DEFAULT_STATS_NAMESPACES
+        stats = await self._run(self.store.stats)
+        namespaces = await self._run(self.store.namespace_stats,
+                                     None if caller.is_admin else caller.tenant)
+        holding = [n for n in namespaces if n.num_blocks or n.num_sessions]
+        return stats_to(stats, holding[:limit])
+
+    async def Clear(self, request: pb.ClearRequest, context: Any
+                    ) -> AsyncIterator[pb.ClearProgress]:
+        """Progress messages as the store's clear goes (on a worker thread), then the counts.
+        A clear that began runs to its end even if the caller goes (its deletes are durable
+        batch by batch; stopping halfway would leave a namespace half cleared for no gain)."""
+        status: tuple[grpc.StatusCode, str] | None = None
+        try:
+            caller = await self._caller(context)
+            check_parsed(request)
+            filters = convert.clear_filters_from(request, caller.tenant, caller.is_admin)
+        except REFUSALS as exc:
+            status = status_of_refusal(exc)
+        if status is not None:
+            end_call(context, status)
+            return
+        progress = ClearProgress(asyncio.get_running_loop())
+        clearing = asyncio.ensure_future(self._run(
+            self.store.clear, tenant=filters.tenant, model_id=filters.model_id,
+            namespace=filters.namespace, progress=progress.put,
+        ))
+        clearing.add_done_callback(progress.finish)
+        async for done, total in progress:
+            yield clear_progress_to(done, total)
+        try:
+            result = await clearing
+        except REFUSALS as exc:
+            status = status_of_refusal(exc)
+        if status is not None:
+            end_call(context, status)
+            return
+        yield clear_result_to(result, progress.total)
