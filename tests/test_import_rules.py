@@ -19,7 +19,10 @@ from pathlib import Path
 
 import pytest
 
-PACKAGE = Path(__file__).resolve().parent.parent / "tierkv"
+ROOT = Path(__file__).resolve().parent.parent
+# Where each package's files are: tierkv/, except the server's, which is the top-level service/
+# folder (installed as tierkv.service; pyproject.toml's package-dir).
+FOLDERS = {"tierkv": ROOT / "tierkv", "tierkv.service": ROOT / "service"}
 
 # Modules any side may import: they define public types and stand-alone functions.
 PUBLIC = frozenset({
@@ -28,14 +31,27 @@ PUBLIC = frozenset({
 })
 
 
+def _folder(name: str) -> Path:
+    """Where the package or module ``name`` would be (its folder, or its file less ``.py``)."""
+    base = max((p for p in FOLDERS if _within(name, p)), key=len)
+    return FOLDERS[base].joinpath(*name.split(".")[base.count(".") + 1:])
+
+
+def _all_modules() -> Iterator[tuple[str, Path]]:
+    """``(dotted name, path)`` of every module of tierkv, the server's included."""
+    for base, folder in FOLDERS.items():
+        for path in sorted(folder.rglob("*.py")):
+            parts = path.relative_to(folder).with_suffix("").parts
+            if parts[-1] == "__init__":
+                parts = parts[:-1]
+            yield ".".join((base, *parts)), path
+
+
 def _modules(package: str) -> Iterator[tuple[str, Path]]:
-    """``(dotted name, path)`` of every module of ``package`` (links followed)."""
-    root = PACKAGE.joinpath(*package.split(".")[1:])
-    for path in sorted(root.rglob("*.py")):
-        parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
-        if parts[-1] == "__init__":
-            parts = parts[:-1]
-        yield ".".join(parts), path
+    """``(dotted name, path)`` of every module of ``package``."""
+    found = [(name, path) for name, path in _all_modules() if _within(name, package)]
+    assert found, f"no modules of {package}"
+    yield from found
 
 
 def _imports(module: str, path: Path) -> Iterator[tuple[int, str]]:
@@ -55,10 +71,11 @@ def _imports(module: str, path: Path) -> Iterator[tuple[int, str]]:
             else:
                 name = node.module or ""
             # `from tierkv.store import leases` imports the module tierkv.store.leases.
-            folder = PACKAGE.parent.joinpath(*name.split("."))
+            folder = _folder(name) if _within(name, "tierkv") else None
             names = {
                 f"{name}.{alias.name}"
-                if folder.joinpath(alias.name + ".py").exists() or folder.joinpath(alias.name).is_dir()
+                if folder is not None and (folder.joinpath(alias.name + ".py").exists()
+                                           or folder.joinpath(alias.name).is_dir())
                 else name
                 for alias in node.names
             }
@@ -80,14 +97,14 @@ def _violations(package: str, allowed: tuple[str, ...], also: frozenset[str]) ->
                 continue
             if any(_within(name, p) for p in (package, *allowed)):
                 continue
-            found.append(f"{path.relative_to(PACKAGE.parent)}:{line}: {name}")
+            found.append(f"{path.relative_to(ROOT)}:{line}: {name}")
     return found
 
 
 def _forbidden(package: str, forbidden: tuple[str, ...]) -> list[str]:
     """Imports by ``package`` of anything inside ``forbidden`` packages."""
     return [
-        f"{path.relative_to(PACKAGE.parent)}:{line}: {name}"
+        f"{path.relative_to(ROOT)}:{line}: {name}"
         for module, path in _modules(package)
         for line, name in _imports(module, path)
         if any(_within(name, p) for p in forbidden)
@@ -120,3 +137,12 @@ def test_the_rules_see_imports_inside_functions_and_from_imports_of_modules(
     path.write_text("def f():\n    from tierkv.store import leases\n    import tierkv.paging\n")
     assert [name for _, name in _imports("tierkv.client.probe", path)] == [
         "tierkv.store.leases", "tierkv.paging"]
+
+
+def test_the_rules_see_the_servers_modules_under_their_installed_names() -> None:
+    # service/ is the package tierkv.service: its modules are checked, named as they import.
+    modules = dict(_modules("tierkv.service"))
+    assert modules["tierkv.service"] == ROOT / "service" / "__init__.py"
+    assert modules["tierkv.service.server"] == ROOT / "service" / "server.py"
+    assert len(modules) == len(list((ROOT / "service").rglob("*.py")))
+    assert not any(_within(name, "tierkv.service") for name, _ in _modules("tierkv.client"))
