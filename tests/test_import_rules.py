@@ -23,13 +23,16 @@ from pathlib import Path
 
 import pytest
 
-PACKAGE = Path(__file__).resolve().parent.parent / "tierkv"
+ROOT = Path(__file__).resolve().parent.parent
+# Where each package's files are: tierkv/, except the server's, which is the top-level service/
+# folder (installed as tierkv.service; pyproject.toml's package-dir).
+FOLDERS = {"tierkv": ROOT / "tierkv", "tierkv.service": ROOT / "service"}
 
 # Modules any side may import: they define public types and stand-alone functions.
 PUBLIC = frozenset({
     "tierkv", "tierkv.errors", "tierkv.config", "tierkv.keys", "tierkv.checksums",
-    "tierkv.codec", "tierkv.layout", "tierkv.hashing", "tierkv.logs", "tierkv.types", "tierkv.buffers",
-    "tierkv.checks",
+    "tierkv.codec", "tierkv.layout", "tierkv.hashing", "tierkv.logs", "tierkv.types",
+    "tierkv.buffers", "tierkv.checks",
 })
 # The server may use the store's public API (the package itself) as well.
 SERVER_PUBLIC = PUBLIC | {"tierkv.store"}
@@ -37,14 +40,27 @@ BELOW_BOTH_SIDES = ("tierkv.store", "tierkv.tiers", "tierkv.client", "tierkv.ser
                     "tierkv.integrations", "tierkv.cli")
 
 
+def _folder(name: str) -> Path:
+    """Where the package or module ``name`` would be (its folder, or its file less ``.py``)."""
+    base = max((p for p in FOLDERS if _within(name, p)), key=len)
+    return FOLDERS[base].joinpath(*name.split(".")[base.count(".") + 1:])
+
+
+def _all_modules() -> Iterator[tuple[str, Path]]:
+    """``(dotted name, path)`` of every module of tierkv, the server's included."""
+    for base, folder in FOLDERS.items():
+        for path in sorted(folder.rglob("*.py")):
+            parts = path.relative_to(folder).with_suffix("").parts
+            if parts[-1] == "__init__":
+                parts = parts[:-1]
+            yield ".".join((base, *parts)), path
+
+
 def _modules(package: str) -> Iterator[tuple[str, Path]]:
-    """``(dotted name, path)`` of every module of ``package`` (links followed)."""
-    root = PACKAGE.joinpath(*package.split(".")[1:])
-    for path in sorted(root.rglob("*.py")):
-        parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
-        if parts[-1] == "__init__":
-            parts = parts[:-1]
-        yield ".".join(parts), path
+    """``(dotted name, path)`` of every module of ``package``."""
+    found = [(name, path) for name, path in _all_modules() if _within(name, package)]
+    assert found, f"no modules of {package}"
+    yield from found
 
 
 def _imports(module: str, path: Path) -> Iterator[tuple[int, str]]:
@@ -64,10 +80,11 @@ def _imports(module: str, path: Path) -> Iterator[tuple[int, str]]:
             else:
                 name = node.module or ""
             # `from tierkv.store import leases` imports the module tierkv.store.leases.
-            folder = PACKAGE.parent.joinpath(*name.split("."))
+            folder = _folder(name) if _within(name, "tierkv") else None
             names = {
                 f"{name}.{alias.name}"
-                if folder.joinpath(alias.name + ".py").exists() or folder.joinpath(alias.name).is_dir()
+                if folder is not None and (folder.joinpath(alias.name + ".py").exists()
+                                           or folder.joinpath(alias.name).is_dir())
                 else name
                 for alias in node.names
             }
@@ -89,14 +106,14 @@ def _violations(package: str, allowed: tuple[str, ...], also: frozenset[str]) ->
                 continue
             if any(_within(name, p) for p in (package, *allowed)):
                 continue
-            found.append(f"{path.relative_to(PACKAGE.parent)}:{line}: {name}")
+            found.append(f"{path.relative_to(ROOT)}:{line}: {name}")
     return found
 
 
 def _forbidden(package: str, forbidden: tuple[str, ...]) -> list[str]:
     """Imports by ``package`` of anything inside ``forbidden`` packages."""
     return [
-        f"{path.relative_to(PACKAGE.parent)}:{line}: {name}"
+        f"{path.relative_to(ROOT)}:{line}: {name}"
         for module, path in _modules(package)
         for line, name in _imports(module, path)
         if any(_within(name, p) for p in forbidden)
@@ -124,7 +141,7 @@ def test_the_service_uses_the_stores_public_api_only() -> None:
 
 @pytest.mark.parametrize("module", ["tierkv.types", "tierkv.checks"])
 def test_the_result_types_and_the_checks_sit_below_both_sides(module: str) -> None:
-    path = PACKAGE / (module.split(".")[1] + ".py")
+    path = ROOT / "tierkv" / (module.split(".")[1] + ".py")
     assert [name for _, name in _imports(module, path)
             if any(_within(name, p) for p in BELOW_BOTH_SIDES)] == []
 
@@ -166,3 +183,12 @@ def test_a_probe_that_breaks_a_rule_is_caught(tmp_path: Path, module: str, line:
     else:
         broken = [n for n in names if any(_within(n, p) for p in BELOW_BOTH_SIDES)]
     assert broken, f"{line!r} should break the {rule} rule"
+
+
+def test_the_rules_see_the_servers_modules_under_their_installed_names() -> None:
+    # service/ is the package tierkv.service: its modules are checked, named as they import.
+    modules = dict(_modules("tierkv.service"))
+    assert modules["tierkv.service"] == ROOT / "service" / "__init__.py"
+    assert modules["tierkv.service.server"] == ROOT / "service" / "server.py"
+    assert len(modules) == len(list((ROOT / "service").rglob("*.py")))
+    assert not any(_within(name, "tierkv.service") for name, _ in _modules("tierkv.client"))
