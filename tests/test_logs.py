@@ -24,9 +24,10 @@ from typing import Any
 import grpc
 import lmdb
 import pytest
-from fake_clock import FakeClock
-from harness import SidecarFactory
 
+from tests.support.fake_clock import FakeClock
+from tests.support.harness import SidecarFactory
+from tests.support.tiny_blocks import StoreFactory, blocks, keys
 from tierkv import Namespace
 from tierkv.cli.serve_cmd import EvictionStormWatch, show_progress
 from tierkv.config import DiskTierConfig, MiB
@@ -36,7 +37,6 @@ from tierkv.service.auth import AUTH_FAILURE_LOG_INTERVAL_S, Authenticator
 from tierkv.tiers.disk import DiskTier, DiskWrite
 from tierkv.wire import tierkv_pb2 as pb
 from tierkv.wire import tierkv_pb2_grpc as pb_grpc
-from tiny_blocks import StoreFactory, blocks, keys
 
 GOOD_TOKEN = "g" * 32
 

@@ -9,12 +9,12 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from harness import ALICE_TOKEN, BOB_TOKEN, BackgroundServer
 
+from tests.support.harness import ALICE_TOKEN, BOB_TOKEN, BackgroundServer
+from tests.support.tiny_blocks import BLOCK_BYTES, TINY_LAYOUT, blocks, keys, same_bytes
 from tierkv import AsyncClient, Client, InvalidArgumentError, KVLayout, Namespace, WritePolicy
 from tierkv.errors import PermissionDeniedError
 from tierkv.store import ClearResult
-from tiny_blocks import BLOCK_BYTES, TINY_LAYOUT, blocks, keys, same_bytes
 
 ADMIN_TOKEN = "v" * 32
 TOKENS = {ALICE_TOKEN: "alice", BOB_TOKEN: "bob", ADMIN_TOKEN: "ops"}

@@ -22,20 +22,20 @@ from typing import Any
 
 import grpc
 import pytest
-from client_harness import AnyClient, LiveServer, ServerFactory, ns
-from harness import BOB_TOKEN, free_port, serve, serving
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.samples import Sample
-from rpc_calls import NS, Code, expect, put
-from service_fixtures import ALICE, bearer, get_blocks, payload, wire_namespace
 
+from tests.support.client_harness import AnyClient, LiveServer, ServerFactory, ns
+from tests.support.harness import BOB_TOKEN, free_port, serve, serving
+from tests.support.rpc_calls import NS, Code, expect, put
+from tests.support.service_fixtures import ALICE, bearer, get_blocks, payload, wire_namespace
+from tests.support.tiny_blocks import BLOCK_BYTES, TINY_LAYOUT, blocks, keys
 from tierkv import ConfigError, KVLayout, Tier
 from tierkv.service.config import ServiceConfig
 from tierkv.service.metrics import DURATION_BUCKETS_S, MAX_TOKEN_SERIES, OTHER_MODEL
 from tierkv.service.servicer import TierKVServicer
 from tierkv.wire import tierkv_pb2 as pb
 from tierkv.wire import tierkv_pb2_grpc as pb_grpc
-from tiny_blocks import BLOCK_BYTES, TINY_LAYOUT, blocks, keys
 
 TINY_TOKENS = TINY_LAYOUT.block_size
 

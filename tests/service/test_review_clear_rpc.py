@@ -9,13 +9,13 @@ import itertools
 from pathlib import Path
 
 import grpc
-from harness import ALICE_TOKEN, BOB_TOKEN, BackgroundServer
 
+from tests.support.harness import ALICE_TOKEN, BOB_TOKEN, BackgroundServer
+from tests.support.tiny_blocks import TINY_LAYOUT, blocks, keys, same_bytes
 from tierkv import Client, KVLayout, Namespace, WritePolicy
 from tierkv.wire import tierkv_pb2 as pb
 from tierkv.wire import tierkv_pb2_grpc as pb_grpc
 from tierkv.wire.namespaces import namespace_to
-from tiny_blocks import TINY_LAYOUT, blocks, keys, same_bytes
 
 ADMIN_TOKEN = "v" * 32
 TOKENS = {ALICE_TOKEN: "alice", BOB_TOKEN: "bob", ADMIN_TOKEN: "ops"}

@@ -17,10 +17,12 @@ from typing import Any
 
 import grpc
 import pytest
-from harness import BackgroundServer, free_port, serve, serving
 from prometheus_client import CollectorRegistry
-from rpc_calls import BIG_LAYOUT, NS, Code, put
-from service_fixtures import (
+
+from tests.service.test_metrics import requests_by, scrape, tokens_by
+from tests.support.harness import BackgroundServer, free_port, serve, serving
+from tests.support.rpc_calls import BIG_LAYOUT, NS, Code, put
+from tests.support.service_fixtures import (
     ALICE,
     ALL_RPCS,
     ALLOWED_ERRORS,
@@ -29,15 +31,13 @@ from service_fixtures import (
     request_for,
     wire_namespace,
 )
-from test_metrics import requests_by, scrape, tokens_by
-
+from tests.support.tiny_blocks import keys
 from tierkv import ConfigError, TieredStore
 from tierkv.service.config import ServiceConfig
 from tierkv.service.metrics_http import ScrapeServer
 from tierkv.service.server import TierKVServer
 from tierkv.wire import tierkv_pb2 as pb
 from tierkv.wire import tierkv_pb2_grpc as pb_grpc
-from tiny_blocks import keys
 
 WAIT_S = 30.0  # a bound on waits for something that must happen, never a timing assertion
 
@@ -310,7 +310,7 @@ async def test_refused_calls_are_answered_alike_with_metrics_on_and_off(tmp_path
 
 @pytest.mark.asyncio
 async def test_a_scrape_before_attach_and_after_the_store_closed_answers(tmp_path: Path) -> None:
-    from harness import short_socket_dir, store_config
+    from tests.support.harness import short_socket_dir, store_config
 
     socket_dir = short_socket_dir()
     config = ServiceConfig(listen=(f"unix://{socket_dir}/s.sock",), metrics_port=free_port())

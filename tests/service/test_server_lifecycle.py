@@ -16,8 +16,9 @@ import grpc
 import pytest
 import pytest_asyncio
 import torch
-from harness import Served, serve, serving, store_config
-from rpc_calls import (
+
+from tests.support.harness import Served, serve, serving, store_config
+from tests.support.rpc_calls import (
     BIG_LAYOUT,
     NS,
     Code,
@@ -27,12 +28,11 @@ from rpc_calls import (
     stats,
     tier,
 )
-from service_fixtures import ALICE, bearer, get_blocks, payload, put_chunks, wire_namespace
-
+from tests.support.service_fixtures import ALICE, bearer, get_blocks, payload, put_chunks, wire_namespace
+from tests.support.tiny_blocks import BLOCK_BYTES, TINY_LAYOUT, keys
 from tierkv import KVLayout, Namespace, StoreClosedError, TieredStore
 from tierkv.config import MiB
 from tierkv.wire import tierkv_pb2 as pb
-from tiny_blocks import BLOCK_BYTES, TINY_LAYOUT, keys
 
 # --- big requests that must not exhaust the server ------------------------------------------------
 

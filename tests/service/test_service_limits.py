@@ -17,15 +17,15 @@ from typing import Any
 
 import grpc
 import pytest
-from harness import ALICE_TOKEN, TOKENS, Served, serving
-from service_fixtures import ALICE, BOB, code_of, invoke, payload, put_chunks, wire_namespace
 
+from tests.support.harness import ALICE_TOKEN, TOKENS, Served, serving
+from tests.support.service_fixtures import ALICE, BOB, code_of, invoke, payload, put_chunks, wire_namespace
+from tests.support.tiny_blocks import BLOCK_BYTES, keys
 from tierkv.codec import RawPutChunk
 from tierkv.errors import ConfigError, TierKVError
 from tierkv.service.auth import Authenticator
 from tierkv.service.config import ServiceConfig, load_tokens
 from tierkv.wire import tierkv_pb2 as pb
-from tiny_blocks import BLOCK_BYTES, keys
 
 Code = grpc.StatusCode
 NS = wire_namespace()

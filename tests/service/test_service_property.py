@@ -20,15 +20,24 @@ from typing import Any
 
 import grpc
 import pytest
-from harness import CHANNEL_OPTIONS, BackgroundServer
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
-from service_fixtures import ALICE, ALL_RPCS, ALLOWED_ERRORS, BOB, bearer, payload, put_chunks, wire_namespace
 
+from tests.support.harness import CHANNEL_OPTIONS, BackgroundServer
+from tests.support.service_fixtures import (
+    ALICE,
+    ALL_RPCS,
+    ALLOWED_ERRORS,
+    BOB,
+    bearer,
+    payload,
+    put_chunks,
+    wire_namespace,
+)
+from tests.support.tiny_blocks import TINY_LAYOUT, keys
 from tierkv import KVLayout
 from tierkv.wire import tierkv_pb2 as pb
 from tierkv.wire import tierkv_pb2_grpc as pb_grpc
-from tiny_blocks import TINY_LAYOUT, keys
 
 Code = grpc.StatusCode
 TIMEOUT_S = 30.0
