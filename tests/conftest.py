@@ -90,7 +90,7 @@ def tmpfs(tmp_path: Path) -> Iterator[Callable[[int], Path]]:
 @pytest.fixture
 def sidecar_factory(tmp_path: Path) -> Iterator[SidecarFactory]:
     """``start(*flags, disk_path=None, socket_dir=None)``: a started ``tierkv serve`` (the
-    subprocess harness, ``tests/service/harness.py``); every one is stopped at the end of the
+    subprocess harness, ``tests/support/harness.py``); every one is stopped at the end of the
     test."""
     pool = SidecarPool(tmp_path)
     yield pool.start

@@ -1,11 +1,23 @@
 """``tierkv inspect``: a disk store's namespaces, blocks, bytes and sessions, read offline
 without changing a byte (or an mtime) of it; bad records counted and listed, never a crash;
-a path that is no store is a clear error; a store a server is running on reads too."""
+a path that is no store is a clear error; a store a server is running on reads too.
+
+A store a busy server is writing reads as one snapshot (never good blocks reported bad, never
+a healthy store reported damaged); flipped bits at the bytes LMDB and the parsers trust, and
+paths that are no store, give a report or a clear error: never a crash, a changed byte or wrong
+numbers.
+"""
 
 from __future__ import annotations
 
 import hashlib
 import json
+import os
+import random
+import shutil
+import subprocess
+import sys
+import threading
 from pathlib import Path
 
 import lmdb
@@ -17,6 +29,9 @@ from tests.support.tiny_blocks import BLOCK_BYTES, PAGE_BYTES, TINY_LAYOUT, bloc
 from tierkv import DiskTierConfig, HostTierConfig, KVLayout, Namespace, StoreConfig, TieredStore
 from tierkv import WritePolicy as Policy
 from tierkv.cli.main import main
+from tierkv.errors import ConfigError
+from tierkv.store import inspect_disk
+from tierkv.tiers.lmdb_readonly import NotAStoreError, ReadOnlyStore
 
 ALICE = Namespace("model-a", TINY_LAYOUT, tenant="alice")
 BOB = Namespace("model-b", KVLayout(2, 2, 8, 8), tenant="bob")  # blocks of 1 KiB
@@ -179,4 +194,242 @@ def test_inspect_reads_a_store_while_a_server_runs_on_it(
                    write_policy=Policy.WRITE_THROUGH)  # the server still writes
         assert client.lookup(ALICE.with_tenant("default"), keys(5)) == 5
         assert inspect_json(sidecar.disk_path, capsys)["num_blocks"] == 5
+    assert sidecar.alive
+
+
+# --- a busy store, flipped bits, paths that are no store ---------------------------------------
+
+
+BUSY_FLAGS = ("--disk-bytes", str(256 << 20), "--max-namespaces-per-tenant", "4096")
+
+
+def test_a_store_is_read_from_one_snapshot_while_a_server_writes(
+        sidecar_factory: SidecarFactory) -> None:
+    """Every DB of an inspection comes from the snapshot of its start: a namespace and blocks
+    stored after it began appear in none of them (they were read one transaction per DB, so
+    blocks of a namespace stored in between had no namespace: good blocks listed as bad)."""
+    sidecar = sidecar_factory(*BUSY_FLAGS)
+    first, later = (Namespace(model, TINY_LAYOUT) for model in ("first", "later"))
+    with stream_client(sidecar) as client:
+        client.put(first, keys(2), blocks(2), write_policy=Policy.WRITE_THROUGH)
+        with ReadOnlyStore(sidecar.disk_path) as store:
+            assert store.server_running
+            client.put(later, keys(3), blocks(3), write_policy=Policy.WRITE_THROUGH)
+            client.put(first, keys(2, start=2), blocks(2), write_policy=Policy.WRITE_THROUGH)
+            namespace_ids = [key for key, _ in store.records(1)]
+            block_keys = [key for key, _ in store.records(0)]
+        assert namespace_ids == [bytes(first.id)]
+        assert sorted(block_keys) == sorted(bytes(first.id) + k for k in keys(2))
+        report = inspect_disk(sidecar.disk_path)
+        assert (report.num_blocks, report.num_bad_records, len(report.namespaces)) == (7, 0, 2)
+
+
+def test_inspecting_a_busy_server_never_reports_good_blocks_bad_or_the_store_damaged(
+        sidecar_factory: SidecarFactory) -> None:
+    """Writers store new namespaces and blocks (write-through: one commit each) as fast as
+    they can while the store is inspected again and again: every inspection is clean and counts
+    at least the blocks acknowledged before it began and at most those sent by its end. (Before
+    the one-snapshot read, most inspections listed blocks of new namespaces as bad, and some
+    called the store damaged: the check walked pages the server's commits had recycled.)"""
+    sidecar = sidecar_factory(*BUSY_FLAGS)
+    stop = threading.Event()
+    lock = threading.Lock()
+    counts = {"sent": 0, "acked": 0}
+    errors: list[BaseException] = []
+
+    def writer(index: int) -> None:
+        try:
+            with stream_client(sidecar) as client:
+                round_ = 0
+                while not stop.is_set() and round_ < 900:  # 4 x 900 namespaces: under 4096
+                    namespace = Namespace(f"w{index}-{round_}", TINY_LAYOUT)
+                    with lock:
+                        counts["sent"] += 2
+                    client.put(namespace, keys(2, salt=f"{index}-{round_}"), blocks(2, seed=round_),
+                               write_policy=Policy.WRITE_THROUGH)
+                    with lock:
+                        counts["acked"] += 2
+                    round_ += 1
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=writer, args=(i,)) for i in range(4)]
+    for thread in threads:
+        thread.start()
+    try:
+        while counts["acked"] < 200 and not errors:
+            stop.wait(0.05)
+        for _ in range(25):
+            with lock:
+                acked_before = counts["acked"]
+            report = inspect_disk(sidecar.disk_path)
+            with lock:
+                sent_after = counts["sent"]
+            assert report.server_running and report.bad_records == []
+            assert acked_before <= report.num_blocks <= sent_after
+    finally:
+        stop.set()
+        for thread in threads:
+            thread.join()
+    assert errors == []
+    assert sidecar.alive
+
+
+def small_store(path: Path) -> Path:
+    """A closed store of 3 namespaces (3 tenants), 20 blocks and a session each."""
+    config = StoreConfig(host=HostTierConfig(64 * BLOCK_BYTES, PAGE_BYTES),
+                         disk=DiskTierConfig(path, 1 << 20))
+    with TieredStore(config) as store:
+        for index in range(3):
+            ns = Namespace(f"m{index}", TINY_LAYOUT, tenant=f"t{index}")
+            store.register(ns)
+            store.put(ns, keys(20, salt=str(index)), blocks(20, seed=index),
+                      write_policy=Policy.WRITE_THROUGH)
+            store.save_session(ns, f"s{index}", list(range(50)))
+    return path
+
+
+def test_flipped_bits_give_the_same_figures_a_bad_record_or_a_clear_error(
+        tmp_path: Path) -> None:
+    """A bit flipped in a page header, a node or anywhere in the used pages (a sample): the
+    report is the store's own figures (the flip was in dead space), lists bad records, or the
+    store is refused as damaged; never a crash (LMDB aborts on pages it trusts), never other
+    figures without a bad record."""
+    source = small_store(tmp_path / "source")
+    flipped = tmp_path / "flipped"
+    flipped.mkdir()
+    baseline = inspect_disk(source).as_dict()
+    baseline.pop("path")
+    assert (baseline["num_blocks"], baseline["num_sessions"]) == (60, 3)
+    env = lmdb.open(str(source), readonly=True, lock=False, max_dbs=4)
+    page_bytes, used_pages = int(env.stat()["psize"]), int(env.info()["last_pgno"]) + 1
+    env.close()
+    used_bytes = used_pages * page_bytes  # the file is sparse past them (the map size)
+    data = (source / "data.mdb").read_bytes()[:used_bytes]
+    (flipped / "data.mdb").write_bytes(data)
+    rng = random.Random(7)
+    offsets = {page * page_bytes + rng.randrange(48) for page in range(used_pages)}
+    offsets |= set(rng.sample(range(used_bytes), 120))
+    outcomes = {"same": 0, "bad": 0, "refused": 0}
+    fd = os.open(flipped / "data.mdb", os.O_RDWR)
+    try:
+        for offset in sorted(offsets):
+            os.pwrite(fd, bytes([data[offset] ^ (1 << rng.randrange(8))]), offset)
+            try:
+                report = inspect_disk(flipped)
+            except NotAStoreError:  # anything else fails the test
+                outcomes["refused"] += 1
+            else:
+                figures = report.as_dict()
+                figures.pop("path")
+                if report.num_bad_records:
+                    outcomes["bad"] += 1
+                else:
+                    assert figures == baseline, f"offset {offset}"
+                    outcomes["same"] += 1
+            os.pwrite(fd, data[offset : offset + 1], offset)
+    finally:
+        os.close(fd)
+    assert all(outcomes.values()), outcomes  # each outcome was reached
+
+
+@pytest.mark.parametrize("kind", ["empty", "a file", "a folder", "a fifo", "zeros", "random"])
+def test_a_data_file_that_is_no_store_is_a_clear_error(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], kind: str) -> None:
+    path = tmp_path / "store"
+    path.mkdir()
+    data_file = path / "data.mdb"
+    if kind == "empty":
+        data_file.touch()
+    elif kind == "a file":
+        shutil.rmtree(path)
+        path.write_text("not a folder")
+    elif kind == "a folder":
+        data_file.mkdir()
+    elif kind == "a fifo":
+        os.mkfifo(data_file)
+    else:
+        data_file.write_bytes(bytes(16384) if kind == "zeros" else random.Random(1).randbytes(9000))
+    assert main(["inspect", "--disk-path", str(path)]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("tierkv inspect: ") and "Traceback" not in err
+    if kind == "empty":
+        assert "empty (0 B)" in err
+
+
+def test_a_store_without_its_lmdb_lock_file_is_read_and_none_is_created(tmp_path: Path) -> None:
+    path = small_store(tmp_path / "store")
+    (path / "lock.mdb").unlink(missing_ok=True)
+    (path / "tierkv.lock").unlink(missing_ok=True)
+    before = sorted(p.name for p in path.iterdir())
+    report = inspect_disk(path)
+    assert (report.num_blocks, report.num_sessions, report.num_bad_records) == (60, 3, 0)
+    assert sorted(p.name for p in path.iterdir()) == before
+
+
+def test_a_server_cannot_start_on_a_store_an_offline_inspection_is_reading(
+        tmp_path: Path) -> None:
+    """An offline inspection is no LMDB reader a server can see: a server that started on the
+    store halfway through and rewrote its blocks recycled the pages being read, and LMDB
+    aborted the inspecting process (``mdb_cursor_sibling`` assertion). Now the inspection
+    holds the directory lock shared, so the server is refused until it ends, and the figures
+    are the store's."""
+    path = small_store(tmp_path / "store")
+    config = StoreConfig(host=HostTierConfig(64 * BLOCK_BYTES, PAGE_BYTES),
+                         disk=DiskTierConfig(path, 1 << 20))
+    refusals: list[str] = []
+
+    def start_a_server(num_bytes: int) -> None:
+        if not refusals:
+            with pytest.raises(ConfigError, match="another tierkv process holds it") as refused:
+                TieredStore(config).close()
+            refusals.append(str(refused.value))
+
+    report = inspect_disk(path, progress=start_a_server)
+    assert refusals and not report.server_running
+    assert (report.num_blocks, report.num_sessions, report.num_bad_records) == (60, 3, 0)
+    with TieredStore(config) as store:  # the lock went with the inspection
+        assert store.num_recovered_blocks == 60
+
+
+HOLD_A_SNAPSHOT = """
+import sys, time
+from tierkv.tiers.lmdb_readonly import ReadOnlyStore
+store = ReadOnlyStore(sys.argv[1])
+assert store.server_running
+print("holding", flush=True)
+time.sleep(600)
+"""
+
+
+def test_an_inspection_killed_on_a_live_store_does_not_pin_its_pages_for_good(
+        sidecar_factory: SidecarFactory) -> None:
+    """An inspection killed with SIGKILL left its LMDB reader slot (and snapshot) behind; the
+    server clears dead readers only when it opens the store, so it could reuse no page freed
+    since: measured, its file grew by every rewrite until the map was full and puts were
+    refused. The next inspection clears the dead slot."""
+    sidecar = sidecar_factory(*BUSY_FLAGS)
+    with stream_client(sidecar) as client:
+        client.put(Namespace("m", TINY_LAYOUT), keys(2), blocks(2),
+                   write_policy=Policy.WRITE_THROUGH)
+    holder = subprocess.Popen([sys.executable, "-c", HOLD_A_SNAPSHOT, str(sidecar.disk_path)],
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout is not None and holder.stdout.readline() == "holding\n"
+    finally:
+        holder.kill()
+        holder.wait()
+        if holder.stdout is not None:
+            holder.stdout.close()
+
+    def reader_pids() -> str:
+        env = lmdb.open(str(sidecar.disk_path), readonly=True, lock=True, max_dbs=4)
+        try:
+            return str(env.readers())
+        finally:
+            env.close()
+
+    assert f" {holder.pid} " in reader_pids()  # the dead process still holds a slot
+    assert inspect_disk(sidecar.disk_path).num_blocks == 2
+    assert f" {holder.pid} " not in reader_pids()
     assert sidecar.alive

@@ -45,7 +45,7 @@ from tierkv.errors import (
 from tierkv.hashing import default_seed
 from tierkv.store import SessionInfo
 
-# --- lookup, prefetch, pin, delete, stats -----------------------------------------------------
+# --- lookup, prefetch, pin, delete, stats ------------------------------------------------------
 
 
 def test_lookup_detail_counts_each_tier_and_prefetch_brings_blocks_into_host(
@@ -160,7 +160,7 @@ def test_describe_reports_the_server_and_its_slab(server: LiveServer, client: An
     assert server.spy.methods_of(client.settings.client_id)["Describe"] == 1
 
 
-# --- sessions ---------------------------------------------------------------------------------
+# --- sessions ----------------------------------------------------------------------------------
 
 
 def test_sessions_save_resume_list_delete(

@@ -56,7 +56,7 @@ from tierkv.errors import (
 )
 from tierkv.wire import tierkv_pb2 as pb
 
-# --- context managers -------------------------------------------------------------------------
+# --- context managers --------------------------------------------------------------------------
 
 
 def test_client_context_manager_maps_the_slab_and_unmaps_it(server: LiveServer, path: str) -> None:
@@ -111,7 +111,7 @@ async def test_async_client_runs_concurrent_calls_exactly(
         assert await client.uses_shared_memory() is (path == "shm")
 
 
-# --- typed errors -----------------------------------------------------------------------------
+# --- typed errors ------------------------------------------------------------------------------
 
 
 def test_bad_shape_or_dtype_raise_invalid_argument_before_anything_is_sent(

@@ -35,7 +35,7 @@ from tests.support.client_harness import (
 from tests.support.harness import BOB_TOKEN
 from tests.support.tiny_blocks import BLOCK_BYTES, TINY_LAYOUT, keys, same_bytes
 
-# --- round trips ------------------------------------------------------------------------------
+# --- round trips -------------------------------------------------------------------------------
 
 
 def test_put_get_and_get_into_round_trip_bit_exact(

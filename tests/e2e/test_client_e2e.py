@@ -97,7 +97,7 @@ def test_two_client_processes_share_blocks_through_one_server(
         assert client.stats().num_leases == 0
 
 
-# --- 2. SIGKILL and restart on the same disk --------------------------------------------------
+# --- 2. SIGKILL and restart on the same disk ---------------------------------------------------
 
 
 def content(salt: str, index: int) -> torch.Tensor:

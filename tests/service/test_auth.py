@@ -39,7 +39,7 @@ from tests.support.service_fixtures import (
 from tests.support.tiny_blocks import BLOCK_BYTES, keys
 from tierkv.wire import tierkv_pb2 as pb
 
-# --- authentication and tenants ------------------------------------------------------------------
+# --- authentication and tenants ----------------------------------------------------------------
 
 BAD_CREDENTIALS = {
     "none": (),

@@ -54,7 +54,7 @@ from tests.support.tiny_blocks import BLOCK_BYTES, keys
 from tierkv.config import MiB
 from tierkv.wire import tierkv_pb2 as pb
 
-# --- bad input -----------------------------------------------------------------------------------
+# --- bad input ---------------------------------------------------------------------------------
 
 
 @pytest.mark.asyncio

@@ -41,7 +41,7 @@ from tierkv.service.server import TierKVServer
 from tierkv.wire import tierkv_pb2 as pb
 from tierkv.wire import tierkv_pb2_grpc as pb_grpc
 
-# --- health and reflection -----------------------------------------------------------------------
+# --- health and reflection ---------------------------------------------------------------------
 
 
 async def health_status(channel: grpc.aio.Channel, service: str = "") -> int:
@@ -110,7 +110,7 @@ async def test_reflection_lists_the_service(served: Served) -> None:
     assert responses[0].file_descriptor_response.file_descriptor_proto
 
 
-# --- sessions ------------------------------------------------------------------------------------
+# --- sessions ----------------------------------------------------------------------------------
 
 
 @pytest.mark.asyncio

@@ -38,7 +38,7 @@ from tests.support.tiny_blocks import BLOCK_BYTES, keys
 from tierkv.config import MiB
 from tierkv.wire import tierkv_pb2 as pb
 
-# --- the shared-memory lease path ----------------------------------------------------------------
+# --- the shared-memory lease path --------------------------------------------------------------
 
 
 @pytest.mark.asyncio

@@ -58,7 +58,7 @@ def test_the_helpers_cover_every_rpc() -> None:
     }
 
 
-# --- the stream data path ------------------------------------------------------------------------
+# --- the stream data path ----------------------------------------------------------------------
 
 
 @pytest.mark.asyncio

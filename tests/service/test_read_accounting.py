@@ -198,7 +198,7 @@ def check_read(name: str, shm: Client, stream: Client, store: TieredStore, names
         assert missed == (num_got < len(chain)), f"{name}: {missed} misses for {num_got}/{len(chain)}"
 
 
-# --- what a Release says the client kept ---------------------------------------------------
+# --- what a Release says the client kept -------------------------------------------------------
 
 
 def stored_chain(server: BackgroundServer, name: str, num_blocks: int, num_keys: int | None = None

@@ -34,7 +34,7 @@ from tierkv import KVLayout, Namespace, StoreClosedError, TieredStore
 from tierkv.config import MiB
 from tierkv.wire import tierkv_pb2 as pb
 
-# --- big requests that must not exhaust the server ------------------------------------------------
+# --- big requests that must not exhaust the server ---------------------------------------------
 
 
 @pytest_asyncio.fixture
@@ -67,7 +67,7 @@ async def test_a_get_of_many_hashes_of_big_blocks_answers(roomy: Served) -> None
     await stub.Describe(pb.DescribeRequest(), metadata=ALICE)
 
 
-# --- graceful stop -------------------------------------------------------------------------------
+# --- graceful stop -----------------------------------------------------------------------------
 
 
 @pytest.mark.asyncio
@@ -130,7 +130,7 @@ async def test_stop_lets_an_in_flight_put_finish_then_flushes_and_closes(tmp_pat
 
 
 
-# --- more of the server's own settings -----------------------------------------------------------
+# --- more of the server's own settings ---------------------------------------------------------
 
 
 @pytest.mark.asyncio

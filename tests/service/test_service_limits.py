@@ -41,7 +41,7 @@ async def num_namespaces(served: Served) -> int:
     return int((await served.stub().Stats(pb.StatsRequest(), metadata=ALICE)).num_namespaces)
 
 
-# --- 8: a Put stream that never sends its header ----------------------------------------------
+# --- 8: a Put stream that never sends its header -----------------------------------------------
 
 
 @pytest.mark.asyncio
@@ -60,7 +60,7 @@ async def test_a_put_stream_that_sends_nothing_is_dropped(tmp_path: Path) -> Non
         assert response.num_leases == 0 and response.num_namespaces == 0
 
 
-# --- 9: refused calls keep nothing alive ------------------------------------------------------
+# --- 9: refused calls keep nothing alive -------------------------------------------------------
 
 
 def _servicer_garbage(garbage: list[Any]) -> list[str]:

@@ -85,7 +85,7 @@ def shm_size(stub: pb_grpc.TierKVStub) -> int:
     return int(stub.Describe(pb.DescribeRequest(), metadata=ALICE).shm_size_bytes)
 
 
-# --- strategies ----------------------------------------------------------------------------------
+# --- strategies --------------------------------------------------------------------------------
 
 u32 = st.one_of(
     st.integers(0, 8),
@@ -234,7 +234,7 @@ def test_every_rpc_has_a_strategy() -> None:
     assert set(REQUESTS) == set(ALL_RPCS)
 
 
-# --- the property --------------------------------------------------------------------------------
+# --- the property ------------------------------------------------------------------------------
 
 
 def call(stub: pb_grpc.TierKVStub, rpc: str, request: Any, metadata: Any) -> Any:

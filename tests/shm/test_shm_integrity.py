@@ -202,7 +202,7 @@ def test_a_new_store_removes_the_segments_of_servers_that_are_gone() -> None:
         (shm / live).unlink(missing_ok=True)
 
 
-# --- lock files: only the one a live client locked counts ---------------------------------------
+# --- lock files: only the one a live client locked counts --------------------------------------
 
 
 @pytest.mark.asyncio
@@ -240,7 +240,7 @@ def test_a_client_closed_in_the_middle_of_a_lease_reads_as_gone_not_unknown() ->
     (Path("/dev/shm") / f"{prefix}swapped").unlink(missing_ok=True)
 
 
-# --- damaged blocks brought up a tier -----------------------------------------------------------
+# --- damaged blocks brought up a tier ----------------------------------------------------------
 
 
 @pytest.mark.parametrize("num_damaged", [1, 3])

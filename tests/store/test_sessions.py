@@ -62,7 +62,7 @@ def ids(store: TieredStore, tenant: str = "default") -> list[str]:
     return [info.session_id for info in store.list_sessions(tenant)]
 
 
-# --- save and resume ----------------------------------------------------------------------------
+# --- save and resume ---------------------------------------------------------------------------
 
 
 def test_resume_gives_back_tokens_and_the_cached_prefix(
@@ -154,7 +154,7 @@ def test_sessions_and_their_blocks_survive_a_restart(
     assert listed[0].last_use_unix_s >= saved["chat"].last_use_unix_s  # resumed: updated
 
 
-# --- tenants, list, delete, replace -------------------------------------------------------------
+# --- tenants, list, delete, replace ------------------------------------------------------------
 
 
 def test_tenants_are_isolated(make_store: StoreFactory, namespace: Namespace) -> None:
@@ -286,7 +286,7 @@ def test_ttl_counts_from_last_use_and_expired_sessions_are_absent(
     assert ids(store) == ["forever"]
 
 
-# --- bad input ----------------------------------------------------------------------------------
+# --- bad input ---------------------------------------------------------------------------------
 
 
 BAD_SAVES: list[tuple[str, dict[str, Any]]] = [
@@ -366,7 +366,7 @@ def test_bad_ids_are_refused_by_resume_and_delete(
         store.list_sessions(not_a_tenant)
 
 
-# --- a full disk, no disk, threads --------------------------------------------------------------
+# --- a full disk, no disk, threads -------------------------------------------------------------
 
 
 def test_a_save_the_disk_cannot_hold_fails_whole_and_keeps_the_old_session(

@@ -192,7 +192,7 @@ def test_delete_of_a_block_in_every_tier(make_store: StoreFactory, namespace: Na
     assert all(s.num_blocks == 0 and s.used_bytes == 0 for s in store.stats().tiers.values())
 
 
-# --- bad input: a clear error naming what is wrong, and nothing stored ---------------------------
+# --- bad input: a clear error naming what is wrong, and nothing stored -------------------------
 
 
 def assert_nothing_stored(store: TieredStore) -> None:

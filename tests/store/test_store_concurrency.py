@@ -203,7 +203,7 @@ def test_many_threads_hammer_one_store(
     close_within(store)
 
 
-# --- 2. asyncio ---------------------------------------------------------------------------------
+# --- 2. asyncio --------------------------------------------------------------------------------
 
 ASYNC_LAYOUT = KVLayout(8, 8, 64, block_size=16)  # 256 KiB a block
 ASYNC_BATCH = 16  # 4 MiB a call
@@ -328,7 +328,7 @@ def test_concurrent_puts_of_the_same_keys_store_one_copy(
     )
 
 
-# --- 4. reads racing deletes -----------------------------------------------------------------
+# --- 4. reads racing deletes -------------------------------------------------------------------
 
 
 def test_get_racing_delete_returns_exact_blocks_or_fewer(

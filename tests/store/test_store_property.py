@@ -482,7 +482,7 @@ def test_random_puts_into_a_three_block_host_stay_in_budget(puts: list[tuple[int
         store.close(flush=False)
 
 
-# --- regression cases: minimal forms of what the machine found ----------------------------------
+# --- regression cases: minimal forms of what the machine found ---------------------------------
 
 
 def test_put_does_not_evict_its_own_chain() -> None:

@@ -97,7 +97,7 @@ class LiveServer(BackgroundServer):
 ServerFactory = Callable[..., LiveServer]
 
 
-# --- clients ----------------------------------------------------------------------------------
+# --- clients -----------------------------------------------------------------------------------
 
 
 class AsyncFacade:

@@ -86,7 +86,7 @@ def build(path: Path) -> None:
         store.close()
 
 
-# --- damage ---------------------------------------------------------------------------------
+# --- damage ------------------------------------------------------------------------------------
 
 
 def _flip(data_file: Path, offsets: list[int], rng: random.Random) -> list[int]:
@@ -208,7 +208,7 @@ DAMAGES: dict[str, Callable[[Path, random.Random], Any]] = {
 }
 
 
-# --- checks ---------------------------------------------------------------------------------
+# --- checks ------------------------------------------------------------------------------------
 
 
 def check(path: Path) -> dict[str, Any]:
@@ -248,7 +248,7 @@ def check(path: Path) -> dict[str, Any]:
     return result
 
 
-# --- the parent's side (pytest) -------------------------------------------------------------
+# --- the parent's side (pytest) ----------------------------------------------------------------
 
 
 def run_in_subprocess(*args: str, timeout_s: float = 300) -> list[dict[str, Any]]:

@@ -7,8 +7,8 @@
 * A subprocess: a ``Sidecar`` is one real ``tierkv serve`` process, listening on a Unix socket in
   its own short folder and on ``127.0.0.1:0``; ``SidecarPool`` starts them and stops every one.
 
-The fixtures over them are in ``tests/conftest.py`` (``sidecar_factory``, which tests outside
-this folder use too) and ``tests/service/conftest.py``.
+The fixtures over them are in ``tests/conftest.py`` (``sidecar_factory``, for every folder),
+``tests/service/conftest.py`` and ``tests/support/client_fixtures.py``.
 """
 
 from __future__ import annotations

@@ -282,7 +282,7 @@ class StallingListener:
         self.close()
 
 
-# --- stores on a REMOTE tier ------------------------------------------------------------------
+# --- stores on a REMOTE tier -------------------------------------------------------------------
 
 TIMEOUT_S = 5.0  # healthy Redis on a busy 2-core machine is never a miss
 

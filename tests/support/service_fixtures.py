@@ -122,7 +122,7 @@ async def aiter_of(messages: Iterable[Any]) -> AsyncIterator[Any]:
         yield message
 
 
-# --- every RPC, uniformly -----------------------------------------------------------------------
+# --- every RPC, uniformly ----------------------------------------------------------------------
 
 SERVICE = pb.DESCRIPTOR.services_by_name["TierKV"]
 ALL_RPCS: tuple[str, ...] = tuple(method.name for method in SERVICE.methods)
@@ -185,7 +185,7 @@ async def code_of(stub: pb_grpc.TierKVStub, rpc: str, request: Any, metadata: An
     return grpc.StatusCode.OK
 
 
-# --- the shared-memory slab, as a same-host client maps it ------------------------------------
+# --- the shared-memory slab, as a same-host client maps it -------------------------------------
 
 
 @contextlib.contextmanager

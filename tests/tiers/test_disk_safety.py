@@ -63,7 +63,7 @@ def truncate_mid_page(data_file: Path) -> int:
     return size
 
 
-# --- unreadable stores ----------------------------------------------------------------------
+# --- unreadable stores -------------------------------------------------------------------------
 
 
 def test_a_truncated_store_is_moved_aside_and_a_fresh_one_serves(tmp_path: Path) -> None:
@@ -112,7 +112,7 @@ def test_the_on_corrupt_setting_is_validated_and_set_by_flag_or_environment(
     assert "--disk-on-corrupt" in capsys.readouterr().err
 
 
-# --- sealed session and namespace records ---------------------------------------------------
+# --- sealed session and namespace records ------------------------------------------------------
 
 
 def damage(disk: Path, db_name: bytes, key: bytes, new_key: bytes | None = None,
@@ -196,7 +196,7 @@ def test_a_lost_namespace_descriptor_drops_its_blocks_counted_and_logged(
                                                                        strict=True))
 
 
-# --- one process per directory --------------------------------------------------------------
+# --- one process per directory -----------------------------------------------------------------
 
 
 def test_a_second_store_on_the_same_disk_path_is_refused_until_the_first_closes(
@@ -247,7 +247,7 @@ def test_a_second_tierkv_serve_on_the_same_disk_path_is_refused(tmp_path: Path) 
         assert first.wait(30) == 0
 
 
-# --- a full filesystem ----------------------------------------------------------------------
+# --- a full filesystem -------------------------------------------------------------------------
 
 
 @pytest.fixture

@@ -50,7 +50,7 @@ from tierkv.tiers.records import encode_record
 WRITE_THROUGH = WritePolicy.WRITE_THROUGH
 
 
-# --- helpers ------------------------------------------------------------------------------------
+# --- helpers -----------------------------------------------------------------------------------
 
 
 def raw_key(namespace: Namespace, block_hash: bytes) -> bytes:
@@ -93,7 +93,7 @@ def disk_stats(store: TieredStore) -> tuple[int, int, int]:
     return tier.used_bytes, tier.capacity_bytes, tier.num_blocks
 
 
-# --- 1. SIGKILL during write-through puts ---------------------------------------------------------
+# --- 1. SIGKILL during write-through puts ------------------------------------------------------
 
 
 @pytest.mark.slow
@@ -202,7 +202,7 @@ def test_write_through_survives_sigkill(tmp_path: Path) -> None:
     )
 
 
-# --- 2. corrupted records --------------------------------------------------------------------
+# --- 2. corrupted records ----------------------------------------------------------------------
 
 
 def test_corrupt_records_are_dropped_counted_and_never_served(
@@ -296,7 +296,7 @@ def test_corrupt_records_are_dropped_counted_and_never_served(
     assert store.stats().checksum_failures == 0
 
 
-# --- 3. a record is never served under another layout or namespace ---------------------------
+# --- 3. a record is never served under another layout or namespace -----------------------------
 
 
 def test_record_is_never_served_under_another_layout_or_namespace(
@@ -354,7 +354,7 @@ def test_record_is_never_served_under_another_layout_or_namespace(
     assert store.stats().checksum_failures == 0
 
 
-# --- 4. reopening after a clean close --------------------------------------------------------
+# --- 4. reopening after a clean close ----------------------------------------------------------
 
 
 def test_reopen_serves_write_through_blocks_and_flushed_write_back_blocks(
@@ -394,7 +394,7 @@ def test_reopen_serves_write_through_blocks_and_flushed_write_back_blocks(
                       torch.cat([through_data, back_data]))
 
 
-# --- 5. reopening with a smaller disk budget --------------------------------------------------
+# --- 5. reopening with a smaller disk budget ---------------------------------------------------
 
 
 def test_reopen_with_smaller_budget_drops_surplus_and_stays_within_it(
@@ -444,7 +444,7 @@ def test_reopen_with_smaller_budget_drops_surplus_and_stays_within_it(
         assert same_bytes(read_back(store, namespace, [h])[0], everything[h])
 
 
-# --- 6. LMDB's map fills up before the byte budget ------------------------------------------
+# --- 6. LMDB's map fills up before the byte budget ---------------------------------------------
 
 
 def _tiny_map_store(disk: Path) -> TieredStore:

@@ -139,7 +139,7 @@ def test_status_messages_are_cut_and_unknown_errors_are_internal(
     assert "boom" in caplog.text and "store error: disk" in caplog.text
 
 
-# --- enums ---------------------------------------------------------------------------------
+# --- enums -------------------------------------------------------------------------------------
 
 
 def test_write_policies_round_trip_and_cover_the_proto() -> None:
@@ -170,7 +170,7 @@ def test_tiers_round_trip_and_cover_the_proto() -> None:
         enums.tier_from_label("tape")
 
 
-# --- namespaces ----------------------------------------------------------------------------
+# --- namespaces --------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("namespace", [
@@ -194,7 +194,7 @@ def test_unset_namespace_fields_take_the_defaults_and_bad_ones_are_named() -> No
         namespace_from(pb.Namespace(model_id="m", num_layers=1, head_dim=1), "")
 
 
-# --- leases, lookups, stats, describe -------------------------------------------------------
+# --- leases, lookups, stats, describe ----------------------------------------------------------
 
 BLOCKS = [[(0, 4096)], [(8192, 1024), (16384, 3072)], [(2**40, 4096)]]
 

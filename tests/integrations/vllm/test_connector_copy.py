@@ -135,7 +135,7 @@ def new_worker(target: str, geometry: BlockGeometry = GEOMETRY, **settings: Any)
     return WorkerSide(ConnectorSettings(address=target, **settings), geometry, tp_rank=0)
 
 
-# --- bit-exact copies -------------------------------------------------------------------------
+# --- bit-exact copies --------------------------------------------------------------------------
 
 
 def test_scattered_blocks_of_several_requests_save_and_load_bit_exact(
@@ -230,7 +230,7 @@ def test_caches_whose_pages_do_not_fit_wide_rows_copy_bit_exact(
             loader.close()
 
 
-# --- partial loads and reused load buffers ------------------------------------------------------
+# --- partial loads and reused load buffers -----------------------------------------------------
 
 
 @pytest.mark.parametrize("asynchronous", [False, True], ids=["sync", "async"])
@@ -289,7 +289,7 @@ def test_a_larger_load_after_a_smaller_one_lands_whole(server: BackgroundServer)
         loader.close()
 
 
-# --- reused save buffers ------------------------------------------------------------------------
+# --- reused save buffers -----------------------------------------------------------------------
 
 
 class GatedPuts:

@@ -52,7 +52,7 @@ def server(tmp_path: Path) -> Iterator[BackgroundServer]:
     background.close()
 
 
-# --- vLLM, played by hand ------------------------------------------------------------------------
+# --- vLLM, played by hand ----------------------------------------------------------------------
 
 
 def vllm_config(extra: dict[str, Any], tp_size: int = 1) -> Any:
@@ -157,7 +157,7 @@ def holds(target: str, namespace: Namespace, hashes: list[bytes]) -> int:
         return client.lookup(namespace, hashes)
 
 
-# --- 1. a failed load poisons the saves of its step ----------------------------------------------
+# --- 1. a failed load poisons the saves of its step --------------------------------------------
 
 
 def test_blocks_computed_on_top_of_a_failed_load_are_not_saved(server: BackgroundServer) -> None:
@@ -248,7 +248,7 @@ def test_layerwise_loads_are_not_skipped_by_full_cuda_graphs(server: BackgroundS
         worker.close()
 
 
-# --- 2. a hung sidecar: hits offered from shared memory, loads that each wait out a timeout -----
+# --- 2. a hung sidecar: hits offered from shared memory, loads that each wait out a timeout ----
 
 
 def hung_engine(sidecar_factory: SidecarFactory, load_mode: str = "sync"
@@ -387,7 +387,7 @@ def test_a_request_aborted_while_its_async_load_runs_is_not_reported_twice(
         engine.close()
 
 
-# --- 3. a client error that is not a TierKVError --------------------------------------------------
+# --- 3. a client error that is not a TierKVError -----------------------------------------------
 
 
 def close_the_slab_once_in(thread_prefix: str, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -460,7 +460,7 @@ def test_a_load_that_fails_with_another_error_is_reported_not_raised_into_the_fo
         worker.close(timeout_s=1.0)
 
 
-# --- 4. a dropped save followed by an accepted one -------------------------------------------------
+# --- 4. a dropped save followed by an accepted one ---------------------------------------------
 
 
 def test_after_a_save_is_dropped_later_blocks_of_the_prefix_are_not_stored_unreachable(
@@ -488,7 +488,7 @@ def test_after_a_save_is_dropped_later_blocks_of_the_prefix_are_not_stored_unrea
         worker.close()
 
 
-# --- 5. namespace ---------------------------------------------------------------------------------
+# --- 5. namespace ------------------------------------------------------------------------------
 
 
 def test_an_engine_that_quantizes_its_weights_does_not_share_blocks_with_one_that_does_not(

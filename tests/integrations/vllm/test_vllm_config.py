@@ -63,7 +63,7 @@ def namespace(model: Path, kv_dtype: torch.dtype = torch.bfloat16, tp_rank: int 
     return namespace_of(vllm_config, kv, geometry_of(vllm_config, kv), tp_rank)
 
 
-# --- settings -----------------------------------------------------------------------------------
+# --- settings ----------------------------------------------------------------------------------
 
 
 def test_settings_defaults_and_values(tmp_path: Path) -> None:
@@ -95,7 +95,7 @@ def test_bad_settings_are_refused_by_name(extra: dict[str, Any], named: str) -> 
     assert named in str(info.value)
 
 
-# --- namespace ----------------------------------------------------------------------------------
+# --- namespace ---------------------------------------------------------------------------------
 
 
 def test_the_same_engine_config_gives_the_same_namespace(model: Path) -> None:
@@ -132,7 +132,7 @@ def test_the_namespace_names_the_hash_scheme_tierkv_computes_by_default(model: P
     assert f"hash=sha256_cbor:{none_hash(algorithm='sha256_cbor').hex()[:16]}" in cbor.model_id
 
 
-# --- geometry -----------------------------------------------------------------------------------
+# --- geometry ----------------------------------------------------------------------------------
 
 
 def test_layers_are_in_model_order() -> None:

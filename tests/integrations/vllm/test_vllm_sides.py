@@ -77,7 +77,7 @@ def step(new: list[tuple[str, list[int], int, int]] = (),  # type: ignore[assign
     )
 
 
-# --- scheduler ----------------------------------------------------------------------------------
+# --- scheduler ---------------------------------------------------------------------------------
 
 
 def test_offers_whole_stored_blocks_beyond_what_vllm_has_never_the_last_token(
@@ -175,7 +175,7 @@ def test_a_sidecar_that_hangs_answers_zero_within_the_lookup_deadline(
         side.close()
 
 
-# --- worker -------------------------------------------------------------------------------------
+# --- worker ------------------------------------------------------------------------------------
 
 
 def caches(device: str = "cpu", fill: bool = True) -> dict[str, torch.Tensor]:
@@ -345,7 +345,7 @@ def test_a_failed_async_load_reports_its_blocks_before_the_request(tmp_path: Pat
         worker.close()
 
 
-# --- several KV cache groups (vLLM's hybrid allocator) ------------------------------------------
+# --- several KV cache groups (vLLM's hybrid allocator) -----------------------------------------
 
 WINDOW = 70  # tokens: a hit of P tokens needs blocks (P - 69) // 32 to P // 32 - 1
 SLIDING = ("model.layers.0.self_attn.attn", "model.layers.2.self_attn.attn")
