@@ -8,11 +8,11 @@ from __future__ import annotations
 import subprocess
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
-from harness import ALICE_TOKEN, BOB_TOKEN, BackgroundServer, SidecarFactory, SidecarPool
 
+from tests.support.harness import SidecarFactory, SidecarPool
+from tests.support.tiny_blocks import BLOCK_BYTES, PAGE_BYTES, RECORD_BYTES, TINY_LAYOUT, StoreFactory
 from tierkv import (
     DiskTierConfig,
     GpuTierConfig,
@@ -21,7 +21,6 @@ from tierkv import (
     StoreConfig,
     TieredStore,
 )
-from tiny_blocks import BLOCK_BYTES, PAGE_BYTES, RECORD_BYTES, TINY_LAYOUT, StoreFactory
 
 
 @pytest.fixture
@@ -91,38 +90,8 @@ def tmpfs(tmp_path: Path) -> Iterator[Callable[[int], Path]]:
 @pytest.fixture
 def sidecar_factory(tmp_path: Path) -> Iterator[SidecarFactory]:
     """``start(*flags, disk_path=None, socket_dir=None)``: a started ``tierkv serve`` (the
-    subprocess harness, ``tests/service/harness.py``); every one is stopped at the end of the
+    subprocess harness, ``tests/support/harness.py``); every one is stopped at the end of the
     test."""
     pool = SidecarPool(tmp_path)
     yield pool.start
     pool.close()
-
-
-@pytest.fixture(params=["store", "shm", "stream"])
-def open_blocks(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Callable[[str], Any]]:
-    """``open_blocks(tenant)``: a transformers ``BlockStore`` of an in-process TieredStore, or
-    of a sidecar ``Client`` on its shared-memory path or its stream path (as from another
-    host); the same tests run through all three."""
-    # Imported here: the rest of the suite need not import the transformers integration.
-    from tiny_llama import kv_store_config
-
-    from tierkv import Client
-    from tierkv.integrations.transformers import blocks_of
-
-    if request.param == "store":
-        store = TieredStore(kv_store_config(tmp_path))
-        yield lambda tenant: blocks_of(store, tenant)
-        store.close(flush=False)
-        return
-    server = BackgroundServer(tmp_path, host_bytes=8 << 20, disk_bytes=32 << 20, page_bytes=4096)
-    clients: list[Client] = []
-
-    def open_client(tenant: str) -> Any:
-        token = {"alice": ALICE_TOKEN, "bob": BOB_TOKEN}[tenant]
-        clients.append(Client(server.unix_target, token=token, use_shm=request.param == "shm"))
-        return blocks_of(clients[-1])
-
-    yield open_client
-    for client in clients:
-        client.close()
-    server.close()

@@ -7,10 +7,10 @@ from typing import TypeVar
 
 import pytest
 
+from tests.support.tiny_blocks import BLOCK_BYTES, PAGE_BYTES, block_for, key, same_bytes
 from tierkv import Namespace, TieredStore
 from tierkv.config import HostTierConfig, Priority, StoreConfig
 from tierkv.eviction import EvictionPolicy, PriorityLru, Residency, Victims
-from tiny_blocks import BLOCK_BYTES, PAGE_BYTES, block_for, key, same_bytes
 
 T = TypeVar("T")
 

@@ -1,6 +1,11 @@
 """Structured logs: the JSON and text formats, the throttle that keeps hot paths to one line per
 interval, and the events a real ``tierkv serve`` writes: start, recovery, ready, auth_failure,
-shutdown, stopped; disk_error from the disk tier; eviction_storm from the serve loop's watch."""
+shutdown, stopped; disk_error from the disk tier; eviction_storm from the serve loop's watch.
+
+A JSON line stays one valid line whatever a record holds, a text line does not lose its record
+either, the throttle counts every occurrence under threads, and the eviction-storm watch neither
+flaps nor takes a gap between samples for a storm.
+"""
 
 from __future__ import annotations
 
@@ -24,19 +29,21 @@ from typing import Any
 import grpc
 import lmdb
 import pytest
-from fake_clock import FakeClock
-from harness import SidecarFactory
 
+from tests.support.fake_clock import FakeClock
+from tests.support.harness import SidecarFactory
+from tests.support.tiny_blocks import StoreFactory, blocks, keys
 from tierkv import Namespace
 from tierkv.cli.serve_cmd import EvictionStormWatch, show_progress
-from tierkv.config import DiskTierConfig, MiB
+from tierkv.config import DiskTierConfig, MiB, Tier
 from tierkv.errors import DiskFullError
-from tierkv.logs import Throttle, event_of, fields_of, log_event, setup_logging
+from tierkv.logs import JsonFormatter, TextFormatter, Throttle, event_of, fields_of, log_event, setup_logging
 from tierkv.service.auth import AUTH_FAILURE_LOG_INTERVAL_S, Authenticator
+from tierkv.store import StoreStats
 from tierkv.tiers.disk import DiskTier, DiskWrite
+from tierkv.types import TierStats
 from tierkv.wire import tierkv_pb2 as pb
 from tierkv.wire import tierkv_pb2_grpc as pb_grpc
-from tiny_blocks import StoreFactory, blocks, keys
 
 GOOD_TOKEN = "g" * 32
 
@@ -59,7 +66,7 @@ def events(records: list[logging.LogRecord], name: str) -> list[dict[str, Any]]:
     return [fields_of(record) for record in records if event_of(record) == name]
 
 
-# --- formats -------------------------------------------------------------------------------------
+# --- formats -----------------------------------------------------------------------------------
 
 
 def test_json_logs_are_one_object_a_line_with_the_event_fields(log_stream: io.StringIO) -> None:
@@ -124,7 +131,7 @@ def test_the_throttle_lets_one_line_through_an_interval_and_counts_the_rest() ->
     assert throttle.admit() == 1
 
 
-# --- auth failures -------------------------------------------------------------------------------
+# --- auth failures -----------------------------------------------------------------------------
 
 
 def test_a_burst_of_bad_tokens_is_one_auth_failure_line(caplog: pytest.LogCaptureFixture) -> None:
@@ -144,7 +151,7 @@ def test_a_burst_of_bad_tokens_is_one_auth_failure_line(caplog: pytest.LogCaptur
         ("unknown bearer token", 1), ("no bearer token", 50)]
 
 
-# --- disk errors ---------------------------------------------------------------------------------
+# --- disk errors -------------------------------------------------------------------------------
 
 
 def test_disk_write_failures_are_one_disk_error_line(
@@ -185,7 +192,7 @@ def test_a_failing_disk_under_write_back_logs_a_few_lines_not_one_per_batch(
     assert len(events(caplog.records, "disk_error")) == 1
 
 
-# --- eviction storms -----------------------------------------------------------------------------
+# --- eviction storms ---------------------------------------------------------------------------
 
 
 def test_an_eviction_storm_is_logged_once_when_it_starts_and_once_when_it_ends(
@@ -218,7 +225,7 @@ def test_an_eviction_storm_is_logged_once_when_it_starts_and_once_when_it_ends(
     assert len(events(caplog.records, "eviction_storm")) == 1
 
 
-# --- a real `tierkv serve` -----------------------------------------------------------------------
+# --- a real `tierkv serve` ---------------------------------------------------------------------
 
 
 def test_serve_logs_its_life_as_json_lines(
@@ -308,3 +315,177 @@ def test_start_up_progress_bars_show_on_a_terminal_only(tmp_path: Path) -> None:
     finally:
         os.close(master)
     assert b"pre-faulting host slab" in b"".join(seen)
+
+
+# --- hostile records, threads, and the storm watch at its edges --------------------------------
+
+
+# A logger of its own, outside logging's tree: pytest's capture handlers, which raise where
+# logging would not, never see its records.
+log = logging.Logger("tierkv.review", logging.DEBUG)
+
+
+@pytest.fixture
+def logged(capsys: pytest.CaptureFixture[str]) -> Iterator[tuple[io.StringIO, io.StringIO]]:
+    """(json stream, text stream): every record of ``log`` goes to both formatters."""
+    as_json, as_text = io.StringIO(), io.StringIO()
+    handlers = [logging.StreamHandler(as_json), logging.StreamHandler(as_text)]
+    handlers[0].setFormatter(JsonFormatter())
+    handlers[1].setFormatter(TextFormatter())
+    for handler in handlers:
+        log.addHandler(handler)
+    yield as_json, as_text
+    for handler in handlers:
+        log.removeHandler(handler)
+    assert "Logging error" not in capsys.readouterr().err  # no record failed to format
+
+
+def strict_json(line: str) -> dict[str, Any]:
+    def refuse(constant: str) -> Any:
+        raise AssertionError(f"{constant} is not JSON")
+
+    value = json.loads(line, parse_constant=refuse)
+    assert isinstance(value, dict)
+    return value
+
+
+class Unprintable:
+    def __str__(self) -> str:
+        raise RuntimeError("no text for this one")
+
+    __repr__ = __str__
+
+
+def _cycle() -> list[Any]:
+    items: list[Any] = []
+    items.append(items)
+    return items
+
+
+HOSTILE_FIELDS: dict[str, Any] = {
+    "tuple_keys": {(1, 2): 3, None: "none"},
+    "nested_nan": [float("nan"), {"x": float("-inf")}],
+    "cycle": _cycle(),
+    "unprintable": Unprintable(),
+    "raw": b"\xff\x00\n",
+    "a_set": {1},
+    "text": 'line one\nline "two"\r\n\x00\u2028',
+}
+
+
+@pytest.mark.parametrize("name", sorted(HOSTILE_FIELDS))
+def test_any_field_is_one_valid_json_line_and_never_loses_the_record(
+    logged: tuple[io.StringIO, io.StringIO], name: str,
+) -> None:
+    """Non-text keys, cycles and a failing __str__ made json.dumps raise: the record was
+    lost and logging wrote a traceback on stderr; a NaN in a list was written as NaN."""
+    as_json, as_text = logged
+    log_event(log, logging.WARNING, "odd", "odd\nfield",
+              **{name: HOSTILE_FIELDS[name]}, ts="a field named like a key")
+    (line,) = as_json.getvalue().splitlines()
+    record = strict_json(line)
+    assert record["event"] == "odd" and record["message"] == "odd\nfield"
+    assert name in record and record["field_ts"] == "a field named like a key"
+    assert f" {name}=" in as_text.getvalue()
+
+
+def test_a_text_line_stays_one_line_and_carries_no_terminal_escape(
+    logged: tuple[io.StringIO, io.StringIO],
+) -> None:
+    """A client's model id (any 256 characters) reaches log messages and fields: the text
+    format wrote it raw, so a newline forged a second line and an escape moved the cursor."""
+    _, as_text = logged
+    hostile = "m\x1b[2J\nforged line\u2028\x85\x7f"
+    log_event(log, logging.WARNING, "odd", f"model {hostile}", model=hostile, plain=hostile[:1])
+    (line,) = as_text.getvalue().splitlines()
+    assert line.isprintable()
+    assert "\\x1b[2J" in line and "\\n" in line and "plain=m" in line
+
+
+def test_a_format_that_does_not_fit_its_arguments_is_still_one_line(
+    logged: tuple[io.StringIO, io.StringIO],
+) -> None:
+    as_json, as_text = logged
+    log.error("%d blocks", "many")
+    (line,) = as_json.getvalue().splitlines()
+    message = strict_json(line)["message"]
+    assert message.startswith("%d blocks") and "many" in message
+    assert "%d blocks" in as_text.getvalue()
+
+
+def test_tracebacks_and_stacks_stay_inside_the_json_line(
+    logged: tuple[io.StringIO, io.StringIO],
+) -> None:
+    as_json, _ = logged
+    try:
+        raise ValueError("first line\nsecond line")
+    except ValueError:
+        log.exception("failed\nbadly", extra={"event": "boom", "fields": {"n": 1}})
+    log.warning("where", stack_info=True)
+    failed, where = (strict_json(line) for line in as_json.getvalue().splitlines())
+    assert failed["event"] == "boom" and failed["n"] == 1
+    assert "ValueError: first line\nsecond line" in failed["exception"]
+    assert "test_tracebacks_and_stacks_stay_inside_the_json_line" in where["stack"]
+
+
+def test_every_occurrence_is_counted_once_by_the_throttle_under_threads() -> None:
+    throttle = Throttle(3600.0)
+    reported: list[int] = []
+    lock = threading.Lock()
+
+    def hammer() -> None:
+        for _ in range(2000):
+            count = throttle.admit()
+            if count:
+                with lock:
+                    reported.append(count)
+
+    threads = [threading.Thread(target=hammer) for _ in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert reported == [1]  # the first line only, within the interval
+    clock = iter([0.0, 1.0, 2.0, 10.0, 10.5, 25.0])
+    timed = Throttle(10.0, lambda: next(clock))
+    assert [timed.admit() for _ in range(6)] == [1, 0, 0, 3, 0, 2]
+
+
+# --- eviction storms ---------------------------------------------------------------------------
+
+
+def _stats(evictions: int, num_blocks: int = 8) -> StoreStats:
+    host = TierStats(Tier.HOST, 8 * 4096, num_blocks * 4096, num_blocks, 0, 0, evictions, 0, 0)
+    return StoreStats({Tier.HOST: host}, 1, 0, 0, 0, 0, 0, 0, 0, {}, 0, 0, 0)
+
+
+def _storm_lines(caplog: pytest.LogCaptureFixture) -> list[tuple[str, dict[str, Any]]]:
+    return [(event_of(r), fields_of(r)) for r in caplog.records
+            if event_of(r).startswith("eviction_storm")]
+
+
+def test_a_storm_that_flickers_for_an_hour_is_two_lines(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO)
+    watch = EvictionStormWatch(window_s=10.0, quiet_s=60.0, min_evictions=100)
+    evictions = 0
+    for second in range(3600):
+        if (second // 20) % 2 == 0:  # 20 s hot, 20 s calm, for an hour
+            evictions += 50
+        watch.observe(float(second), _stats(evictions))
+    for second in range(3600, 3700):  # then calm for good
+        watch.observe(float(second), _stats(evictions))
+    lines = _storm_lines(caplog)
+    assert [event for event, _ in lines] == ["eviction_storm", "eviction_storm_end"]
+    assert evictions - 100 <= lines[1][1]["num_evictions"] <= evictions
+
+
+def test_a_gap_between_samples_is_not_taken_for_a_storm(caplog: pytest.LogCaptureFixture) -> None:
+    """1,000 evictions over 300 s (3.3 a second, under the 10 a second of 100 in 10 s) were
+    compared against a window of 10 s when the next sample came 300 s late."""
+    caplog.set_level(logging.INFO)
+    watch = EvictionStormWatch(window_s=10.0, quiet_s=60.0, min_evictions=100)
+    watch.observe(0.0, _stats(0))
+    watch.observe(300.0, _stats(1000))
+    assert _storm_lines(caplog) == []
+    watch.observe(301.0, _stats(1200))  # 200 in one second: that is a storm
+    assert [event for event, _ in _storm_lines(caplog)] == ["eviction_storm"]

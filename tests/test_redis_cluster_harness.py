@@ -17,7 +17,8 @@ import redis
 from redis.backoff import NoBackoff
 from redis.crc import key_slot
 from redis.retry import Retry
-from redis_cluster import RedisCluster, RedisServer, StallingListener, free_ports
+
+from tests.support.redis_cluster import RedisCluster, RedisServer, StallingListener, free_ports
 
 _SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "redis-cluster"
 _KEYS = [f"block-{i}".encode() for i in range(48)]

@@ -11,8 +11,9 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from harness import ALICE_TOKEN, Served
-from rpc_calls import (
+
+from tests.support.harness import ALICE_TOKEN, Served
+from tests.support.rpc_calls import (
     NS,
     Code,
     expect,
@@ -20,7 +21,7 @@ from rpc_calls import (
     put,
     stats,
 )
-from service_fixtures import (
+from tests.support.service_fixtures import (
     ALICE,
     ALL_RPCS,
     BOB,
@@ -35,11 +36,10 @@ from service_fixtures import (
     request_for,
     write_extents,
 )
-
+from tests.support.tiny_blocks import BLOCK_BYTES, keys
 from tierkv.wire import tierkv_pb2 as pb
-from tiny_blocks import BLOCK_BYTES, keys
 
-# --- authentication and tenants ------------------------------------------------------------------
+# --- authentication and tenants ----------------------------------------------------------------
 
 BAD_CREDENTIALS = {
     "none": (),

@@ -18,8 +18,9 @@ from typing import Any
 
 import grpc
 import pytest
-from harness import Served, serving
-from rpc_calls import (
+
+from tests.support.harness import Served, serving
+from tests.support.rpc_calls import (
     INVALID,
     NS,
     Bench,
@@ -32,7 +33,7 @@ from rpc_calls import (
     stats,
     unchanged,
 )
-from service_fixtures import (
+from tests.support.service_fixtures import (
     ALICE,
     ALL_RPCS,
     BOB,
@@ -49,12 +50,11 @@ from service_fixtures import (
     wire_namespace,
     write_extents,
 )
-
+from tests.support.tiny_blocks import BLOCK_BYTES, keys
 from tierkv.config import MiB
 from tierkv.wire import tierkv_pb2 as pb
-from tiny_blocks import BLOCK_BYTES, keys
 
-# --- bad input -----------------------------------------------------------------------------------
+# --- bad input ---------------------------------------------------------------------------------
 
 
 @pytest.mark.asyncio

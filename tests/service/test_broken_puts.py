@@ -14,8 +14,9 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
-from harness import Served, serving
-from rpc_calls import (
+
+from tests.support.harness import Served, serving
+from tests.support.rpc_calls import (
     NS,
     Bench,
     Code,
@@ -26,11 +27,10 @@ from rpc_calls import (
     tier,
     unchanged,
 )
-from service_fixtures import ALICE, aiter_of, payload, put_chunks, wire_namespace
-
+from tests.support.service_fixtures import ALICE, aiter_of, payload, put_chunks, wire_namespace
+from tests.support.tiny_blocks import BLOCK_BYTES, keys
 from tierkv.config import MiB
 from tierkv.wire import tierkv_pb2 as pb
-from tiny_blocks import BLOCK_BYTES, keys
 
 
 @pytest.mark.asyncio

@@ -16,23 +16,32 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
-from harness import TOKENS, Served, short_socket_dir, store_config
-from rpc_calls import (
+
+from tests.support.harness import TOKENS, Served, short_socket_dir, store_config
+from tests.support.rpc_calls import (
     NS,
     Code,
     expect,
     put,
 )
-from service_fixtures import ALICE, ALL_RPCS, BOB, aiter_of, code_of, get_blocks, payload, request_for
-
+from tests.support.service_fixtures import (
+    ALICE,
+    ALL_RPCS,
+    BOB,
+    aiter_of,
+    code_of,
+    get_blocks,
+    payload,
+    request_for,
+)
+from tests.support.tiny_blocks import TINY_LAYOUT, keys
 from tierkv import StoreClosedError, TieredStore, block_hashes
 from tierkv.service.config import ServiceConfig
 from tierkv.service.server import TierKVServer
 from tierkv.wire import tierkv_pb2 as pb
 from tierkv.wire import tierkv_pb2_grpc as pb_grpc
-from tiny_blocks import TINY_LAYOUT, keys
 
-# --- health and reflection -----------------------------------------------------------------------
+# --- health and reflection ---------------------------------------------------------------------
 
 
 async def health_status(channel: grpc.aio.Channel, service: str = "") -> int:
@@ -101,7 +110,7 @@ async def test_reflection_lists_the_service(served: Served) -> None:
     assert responses[0].file_descriptor_response.file_descriptor_proto
 
 
-# --- sessions ------------------------------------------------------------------------------------
+# --- sessions ----------------------------------------------------------------------------------
 
 
 @pytest.mark.asyncio

@@ -12,8 +12,9 @@ import os
 from pathlib import Path
 
 import pytest
-from harness import Served
-from rpc_calls import (
+
+from tests.support.harness import Served
+from tests.support.rpc_calls import (
     NS,
     Code,
     expect,
@@ -22,7 +23,7 @@ from rpc_calls import (
     stats,
     tier,
 )
-from service_fixtures import (
+from tests.support.service_fixtures import (
     ALICE,
     LEASE_RPCS,
     commit_request,
@@ -33,12 +34,11 @@ from service_fixtures import (
     read_extents,
     write_extents,
 )
-
+from tests.support.tiny_blocks import BLOCK_BYTES, keys
 from tierkv.config import MiB
 from tierkv.wire import tierkv_pb2 as pb
-from tiny_blocks import BLOCK_BYTES, keys
 
-# --- the shared-memory lease path ----------------------------------------------------------------
+# --- the shared-memory lease path --------------------------------------------------------------
 
 
 @pytest.mark.asyncio

@@ -20,15 +20,15 @@ from typing import Any
 
 import grpc
 import pytest
-from harness import BackgroundServer, free_port
-from rpc_calls import NS
-from service_fixtures import ALICE, payload
-from test_grafana_dashboard import as_promql, dashboard_expressions
 
+from tests.e2e.test_grafana_dashboard import as_promql, dashboard_expressions
+from tests.support.harness import BackgroundServer, free_port
+from tests.support.rpc_calls import NS
+from tests.support.service_fixtures import ALICE, payload
+from tests.support.tiny_blocks import BLOCK_BYTES, TINY_LAYOUT, keys
 from tierkv import Tier
 from tierkv.wire import tierkv_pb2 as pb
 from tierkv.wire import tierkv_pb2_grpc as pb_grpc
-from tiny_blocks import BLOCK_BYTES, TINY_LAYOUT, keys
 
 pytestmark = pytest.mark.slow
 

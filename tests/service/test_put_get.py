@@ -14,8 +14,9 @@ from pathlib import Path
 
 import pytest
 import pytest_asyncio
-from harness import Served, serving
-from rpc_calls import (
+
+from tests.support.harness import Served, serving
+from tests.support.rpc_calls import (
     BIG_LAYOUT,
     NS,
     Code,
@@ -26,12 +27,19 @@ from rpc_calls import (
     stats,
     tier,
 )
-from service_fixtures import ALICE, ALL_RPCS, aiter_of, get_blocks, payload, put_chunks, wire_namespace
-
+from tests.support.service_fixtures import (
+    ALICE,
+    ALL_RPCS,
+    aiter_of,
+    get_blocks,
+    payload,
+    put_chunks,
+    wire_namespace,
+)
+from tests.support.tiny_blocks import BLOCK_BYTES, keys
 from tierkv import KVLayout
 from tierkv.config import MiB
 from tierkv.wire import tierkv_pb2 as pb
-from tiny_blocks import BLOCK_BYTES, keys
 
 
 @pytest_asyncio.fixture
@@ -50,7 +58,7 @@ def test_the_helpers_cover_every_rpc() -> None:
     }
 
 
-# --- the stream data path ------------------------------------------------------------------------
+# --- the stream data path ----------------------------------------------------------------------
 
 
 @pytest.mark.asyncio

@@ -16,8 +16,9 @@ import grpc
 import pytest
 import pytest_asyncio
 import torch
-from harness import Served, serve, serving, store_config
-from rpc_calls import (
+
+from tests.support.harness import Served, serve, serving, store_config
+from tests.support.rpc_calls import (
     BIG_LAYOUT,
     NS,
     Code,
@@ -27,14 +28,13 @@ from rpc_calls import (
     stats,
     tier,
 )
-from service_fixtures import ALICE, bearer, get_blocks, payload, put_chunks, wire_namespace
-
+from tests.support.service_fixtures import ALICE, bearer, get_blocks, payload, put_chunks, wire_namespace
+from tests.support.tiny_blocks import BLOCK_BYTES, TINY_LAYOUT, keys
 from tierkv import KVLayout, Namespace, StoreClosedError, TieredStore
 from tierkv.config import MiB
 from tierkv.wire import tierkv_pb2 as pb
-from tiny_blocks import BLOCK_BYTES, TINY_LAYOUT, keys
 
-# --- big requests that must not exhaust the server ------------------------------------------------
+# --- big requests that must not exhaust the server ---------------------------------------------
 
 
 @pytest_asyncio.fixture
@@ -67,7 +67,7 @@ async def test_a_get_of_many_hashes_of_big_blocks_answers(roomy: Served) -> None
     await stub.Describe(pb.DescribeRequest(), metadata=ALICE)
 
 
-# --- graceful stop -------------------------------------------------------------------------------
+# --- graceful stop -----------------------------------------------------------------------------
 
 
 @pytest.mark.asyncio
@@ -130,7 +130,7 @@ async def test_stop_lets_an_in_flight_put_finish_then_flushes_and_closes(tmp_pat
 
 
 
-# --- more of the server's own settings -----------------------------------------------------------
+# --- more of the server's own settings ---------------------------------------------------------
 
 
 @pytest.mark.asyncio

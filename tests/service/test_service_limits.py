@@ -17,15 +17,15 @@ from typing import Any
 
 import grpc
 import pytest
-from harness import ALICE_TOKEN, TOKENS, Served, serving
-from service_fixtures import ALICE, BOB, code_of, invoke, payload, put_chunks, wire_namespace
 
+from tests.support.harness import ALICE_TOKEN, TOKENS, Served, serving
+from tests.support.service_fixtures import ALICE, BOB, code_of, invoke, payload, put_chunks, wire_namespace
+from tests.support.tiny_blocks import BLOCK_BYTES, keys
 from tierkv.codec import RawPutChunk
 from tierkv.errors import ConfigError, TierKVError
 from tierkv.service.auth import Authenticator
 from tierkv.service.config import ServiceConfig, load_tokens
 from tierkv.wire import tierkv_pb2 as pb
-from tiny_blocks import BLOCK_BYTES, keys
 
 Code = grpc.StatusCode
 NS = wire_namespace()
@@ -41,7 +41,7 @@ async def num_namespaces(served: Served) -> int:
     return int((await served.stub().Stats(pb.StatsRequest(), metadata=ALICE)).num_namespaces)
 
 
-# --- 8: a Put stream that never sends its header ----------------------------------------------
+# --- 8: a Put stream that never sends its header -----------------------------------------------
 
 
 @pytest.mark.asyncio
@@ -60,7 +60,7 @@ async def test_a_put_stream_that_sends_nothing_is_dropped(tmp_path: Path) -> Non
         assert response.num_leases == 0 and response.num_namespaces == 0
 
 
-# --- 9: refused calls keep nothing alive ------------------------------------------------------
+# --- 9: refused calls keep nothing alive -------------------------------------------------------
 
 
 def _servicer_garbage(garbage: list[Any]) -> list[str]:

@@ -20,15 +20,24 @@ from typing import Any
 
 import grpc
 import pytest
-from harness import CHANNEL_OPTIONS, BackgroundServer
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
-from service_fixtures import ALICE, ALL_RPCS, ALLOWED_ERRORS, BOB, bearer, payload, put_chunks, wire_namespace
 
+from tests.support.harness import CHANNEL_OPTIONS, BackgroundServer
+from tests.support.service_fixtures import (
+    ALICE,
+    ALL_RPCS,
+    ALLOWED_ERRORS,
+    BOB,
+    bearer,
+    payload,
+    put_chunks,
+    wire_namespace,
+)
+from tests.support.tiny_blocks import TINY_LAYOUT, keys
 from tierkv import KVLayout
 from tierkv.wire import tierkv_pb2 as pb
 from tierkv.wire import tierkv_pb2_grpc as pb_grpc
-from tiny_blocks import TINY_LAYOUT, keys
 
 Code = grpc.StatusCode
 TIMEOUT_S = 30.0
@@ -76,7 +85,7 @@ def shm_size(stub: pb_grpc.TierKVStub) -> int:
     return int(stub.Describe(pb.DescribeRequest(), metadata=ALICE).shm_size_bytes)
 
 
-# --- strategies ----------------------------------------------------------------------------------
+# --- strategies --------------------------------------------------------------------------------
 
 u32 = st.one_of(
     st.integers(0, 8),
@@ -225,7 +234,7 @@ def test_every_rpc_has_a_strategy() -> None:
     assert set(REQUESTS) == set(ALL_RPCS)
 
 
-# --- the property --------------------------------------------------------------------------------
+# --- the property ------------------------------------------------------------------------------
 
 
 def call(stub: pb_grpc.TierKVStub, rpc: str, request: Any, metadata: Any) -> Any:

@@ -20,9 +20,9 @@ from pathlib import Path
 
 import grpc
 import pytest
-from harness import CHANNEL_OPTIONS, SidecarFactory
-from service_fixtures import wire_namespace
 
+from tests.support.harness import CHANNEL_OPTIONS, SidecarFactory
+from tests.support.service_fixtures import wire_namespace
 from tierkv import KVLayout
 from tierkv.config import MiB
 from tierkv.wire import tierkv_pb2 as pb

@@ -1,0 +1,161 @@
+"""The client SDK (``Client`` and ``AsyncClient``): round trips on both data paths.
+
+Every test starts its own server: ``create_server`` on a background event loop, listening on a
+Unix socket and ``127.0.0.1:0``, in front of a real ``TieredStore`` (shared-memory HOST slab,
+LMDB disk tier in ``tmp_path``) with bearer tokens. Clients take one of two data paths:
+
+* ``shm``: the Unix socket with ``use_shm`` left to the client (same host: the slab is mapped,
+  bulk bytes go through leases: Allocate/Commit, Acquire/Release);
+* ``stream``: TCP with ``use_shm=False`` (bulk bytes go through the Put and Get streams).
+
+The server's servicer is a spy that records which RPCs each client id made, so a test can tell
+which path a client really took, and that a call refused client side sent nothing. The
+``AsyncClient`` runs the same test bodies through ``AsyncFacade`` (each call awaited on a
+private event loop); a few tests drive it natively with ``async with`` and ``asyncio.gather``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from tests.support.client_harness import (
+    BIG_BLOCK_BYTES,
+    BIG_LAYOUT,
+    BIG_PAGE_BYTES,
+    BIG_RECORD_BYTES,
+    AnyClient,
+    LiveServer,
+    ServerFactory,
+    check_path,
+    ns,
+    patterned_blocks,
+)
+from tests.support.harness import BOB_TOKEN
+from tests.support.tiny_blocks import BLOCK_BYTES, TINY_LAYOUT, keys, same_bytes
+
+# --- round trips -------------------------------------------------------------------------------
+
+
+def test_put_get_and_get_into_round_trip_bit_exact(
+    server: LiveServer, client: AnyClient, path: str
+) -> None:
+    namespace, hashes = ns(), keys(12, salt="round-trip")
+    data = patterned_blocks(12, seed=1)
+    assert client.put(namespace, hashes, data) == 12
+    assert client.put(namespace, hashes, data) == 0  # idempotent: nothing new
+    got = client.get(namespace, hashes)
+    assert got.shape == (12, *TINY_LAYOUT.block_shape) and got.dtype == TINY_LAYOUT.torch_dtype
+    assert same_bytes(got, data)
+    out = torch.zeros((15, *TINY_LAYOUT.block_shape), dtype=TINY_LAYOUT.torch_dtype)
+    assert client.get_into(namespace, hashes, out) == 12
+    assert same_bytes(out[:12], data)
+    for index in (0, 5, 11):  # any single block, any sub-chain
+        assert same_bytes(client.get(namespace, hashes[index : index + 1]), data[index : index + 1])
+    assert same_bytes(client.get(namespace, hashes[3:9]), data[3:9])
+    check_path(server, client, path)
+
+
+def test_a_put_from_one_path_is_read_exactly_from_the_other(
+    server: LiveServer, open_client: Callable[..., AnyClient], kind: str
+) -> None:
+    shm = open_client(server, "shm", kind)
+    stream = open_client(server, "stream", kind)
+    namespace = ns()
+    first, second = keys(6, salt="shm-put"), keys(6, salt="stream-put")
+    data_a, data_b = patterned_blocks(6, seed=2), patterned_blocks(6, seed=3)
+    assert shm.put(namespace, first, data_a) == 6
+    assert stream.put(namespace, second, data_b) == 6
+    assert same_bytes(stream.get(namespace, first), data_a)
+    assert same_bytes(shm.get(namespace, second), data_b)
+    check_path(server, shm, "shm")
+    check_path(server, stream, "stream")
+
+
+def test_get_of_a_partly_cached_chain_returns_the_leading_run(client: AnyClient) -> None:
+    namespace, hashes = ns(), keys(6, salt="partial")
+    data = patterned_blocks(6, seed=4)
+    assert client.put(namespace, hashes[:3], data[:3]) == 3
+    assert client.put(namespace, hashes[4:], data[4:]) == 2  # block 3 is missing
+    assert client.lookup(namespace, hashes) == 3
+    got = client.get(namespace, hashes)
+    assert got.shape[0] == 3 and same_bytes(got, data[:3])
+    out = torch.zeros((6, *TINY_LAYOUT.block_shape), dtype=TINY_LAYOUT.torch_dtype)
+    assert client.get_into(namespace, hashes, out) == 3
+    assert same_bytes(out[:3], data[:3])
+    missing_head = client.get(namespace, hashes[3:])
+    assert missing_head.shape == (0, *TINY_LAYOUT.block_shape)
+    assert client.get(namespace, keys(4, salt="never-stored")).shape[0] == 0
+
+
+def test_blocks_of_other_namespaces_and_tenants_are_misses(
+    server: LiveServer, open_client: Callable[..., AnyClient], kind: str, path: str
+) -> None:
+    alice = open_client(server, path, kind)
+    bob = open_client(server, path, kind, token=BOB_TOKEN)
+    hashes, data = keys(4, salt="tenancy"), patterned_blocks(4, seed=5)
+    assert alice.put(ns("model-a"), hashes, data) == 4
+    assert alice.lookup(ns("model-b"), hashes) == 0
+    assert alice.get(ns("model-b"), hashes).shape[0] == 0
+    assert bob.lookup(ns("model-a"), hashes) == 0  # same model and keys, another tenant
+    assert bob.get(ns("model-a"), hashes).shape[0] == 0
+    assert same_bytes(alice.get(ns("model-a"), hashes), data)
+
+
+def test_batches_bigger_than_a_stream_chunk_round_trip_in_one_call(
+    make_server: ServerFactory, open_client: Callable[..., AnyClient], kind: str, path: str
+) -> None:
+    server = make_server(host_bytes=16 << 20, page_bytes=BIG_PAGE_BYTES, disk_bytes=0)
+    client = open_client(server, path, kind)
+    namespace, hashes = ns("big-model", BIG_LAYOUT), keys(40, salt="big")
+    data = patterned_blocks(40, seed=6, layout=BIG_LAYOUT)
+    assert data.numel() * data.element_size() == 40 * BIG_BLOCK_BYTES == 5 << 20
+    assert client.put(namespace, hashes, data) == 40
+    assert same_bytes(client.get(namespace, hashes), data)
+    check_path(server, client, path)
+    methods = server.spy.methods_of(client.settings.client_id)
+    assert methods["Put" if path == "stream" else "Allocate"] == 1  # one call, not a split
+    assert methods["Get" if path == "stream" else "Acquire"] == 1
+
+
+def test_get_of_a_chain_bigger_than_the_host_tier_round_trips_exactly(
+    make_server: ServerFactory, open_client: Callable[..., AnyClient], kind: str, path: str
+) -> None:
+    # 1 MiB of HOST holds 8 of the 40 blocks; the rest are demoted to disk. On the shm path the
+    # client must acquire, copy and release HOST-sized parts of the chain in turn.
+    server = make_server(host_bytes=1 << 20, page_bytes=BIG_PAGE_BYTES,
+                         disk_bytes=64 * BIG_RECORD_BYTES)
+    client = open_client(server, path, kind)
+    namespace, hashes = ns("big-model", BIG_LAYOUT), keys(40, salt="bigger-than-host")
+    data = patterned_blocks(40, seed=7, layout=BIG_LAYOUT)
+    for start in range(0, 40, 4):
+        assert client.put(namespace, hashes[start : start + 4], data[start : start + 4]) == 4
+    detail = client.lookup_detail(namespace, hashes)
+    assert detail.num_cached == 40 and detail.num_host <= 8 and detail.num_disk >= 32
+    got = client.get(namespace, hashes)
+    assert got.shape[0] == 40, f"got {got.shape[0]} of 40 cached blocks"
+    assert same_bytes(got, data)
+    assert client.stats().num_leases == 0
+    check_path(server, client, path)
+
+
+def test_get_acquires_the_rest_of_the_chain_after_releasing_the_first_part(
+    make_server: ServerFactory, open_client: Callable[..., AnyClient], kind: str, path: str
+) -> None:
+    # HOST holds 8 blocks: blocks 0-7 are there, 8-11 were demoted to disk. The first lease can
+    # only cover 0-7 (they are being read, nothing can make room for 8-11); the second, after
+    # the release, covers 8-11.
+    server = make_server(host_bytes=8 * BLOCK_BYTES)
+    client = open_client(server, path, kind)
+    namespace, hashes = ns(), keys(12, salt="two-leases")
+    data = patterned_blocks(12, seed=8)
+    assert client.put(namespace, hashes[8:], data[8:]) == 4
+    assert client.put(namespace, hashes[:8], data[:8]) == 8
+    detail = client.lookup_detail(namespace, hashes)
+    assert (detail.num_cached, detail.num_host, detail.num_disk) == (12, 8, 4)
+    assert same_bytes(client.get(namespace, hashes), data)
+    methods = server.spy.methods_of(client.settings.client_id)
+    if path == "shm":
+        assert methods["Acquire"] == methods["Release"] == 2
+    assert client.stats().num_leases == 0

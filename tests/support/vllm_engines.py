@@ -1,0 +1,152 @@
+"""One harness for real vLLM engines in tests: each engine is a fresh process running
+``tierkv.integrations.vllm.engine_run`` against a spec, as a restarted inference worker is."""
+
+from __future__ import annotations
+
+import json
+import random
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from tests.support import child_env
+
+ENGINE_TIMEOUT_S = 600.0
+BLOCK_SIZE = 32  # the CPU backend's smallest: more blocks, and partial ones, in short prompts
+ALPHA, BETA = "alpha-token-0123456789", "beta-token-0123456789"
+TOKENS = f"{ALPHA} tenant-a\n{BETA} tenant-b\n"
+
+
+@dataclass
+class EngineResult:
+    """What one engine process produced, per round."""
+
+    tokens: list[list[list[int]]]
+    num_cached_tokens: list[list[int]]
+    counters: dict[str, float]
+    raw: dict[str, Any]
+
+
+def run_engine(workdir: Path, name: str, spec: dict[str, Any],
+               env: dict[str, str] | None = None) -> EngineResult:
+    """Run one engine to completion; its log is ``workdir/<name>.log``."""
+    out_path = workdir / f"{name}.out.json"
+    log_path = workdir / f"{name}.log"
+    process = start_engine(workdir, name, spec, env)
+    try:
+        code = process.wait(timeout=ENGINE_TIMEOUT_S)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+    assert code == 0 and out_path.exists(), (
+        f"engine {name} exited with {code}:\n{log_path.read_text()[-6000:]}"
+    )
+    return result_of(workdir, name)
+
+
+def start_engine(workdir: Path, name: str, spec: dict[str, Any],
+                 env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
+    """Start one engine process (see ``run_engine``); ``result_of`` reads what it wrote."""
+    spec_path = workdir / f"{name}.json"
+    spec_path.write_text(json.dumps(spec))
+    environment = {**child_env(), "VLLM_CPU_KVCACHE_SPACE": "1", **(env or {})}
+    environment.pop("PYTHONHASHSEED", None)  # vLLM's default seed, as tierkv's default assumes
+    with (workdir / f"{name}.log").open("wb") as log:
+        return subprocess.Popen(
+            [sys.executable, "-m", "tierkv.integrations.vllm.engine_run", str(spec_path),
+             str(workdir / f"{name}.out.json")],
+            stdout=log, stderr=subprocess.STDOUT, env=environment,
+        )
+
+
+def result_of(workdir: Path, name: str) -> EngineResult:
+    raw = json.loads((workdir / f"{name}.out.json").read_text())
+    return EngineResult(
+        tokens=[r["tokens"] for r in raw["rounds"]],
+        num_cached_tokens=[r["num_cached_tokens"] for r in raw["rounds"]],
+        counters=raw.get("counters", {}), raw=raw,
+    )
+
+
+def spec(model: Path, address: str | None, rounds: list[list[dict[str, Any]]], *,
+         token: str = ALPHA, write_policy: str | None = None,
+         connector: str | None = "tierkv", extra: dict[str, Any] | None = None,
+         **fields: Any) -> dict[str, Any]:
+    """An engine spec: ``rounds`` of prompts; the connector talks to ``address`` (with more
+    ``extra`` config)."""
+    extra_config: dict[str, Any] = {}
+    if connector == "tierkv" or (connector and ":" in connector):
+        extra_config = {"address": address, "token": token, **(extra or {})}
+        if write_policy:
+            extra_config["write_policy"] = write_policy
+    return {
+        "model": str(model), "connector": connector, "extra_config": extra_config,
+        "block_size": BLOCK_SIZE, "max_tokens": 12, "max_model_len": 2048,
+        "rounds": [{"prompts": r} if isinstance(r, list) else r for r in rounds], **fields,
+    }
+
+
+def prompt_set(seed: int = 1) -> list[dict[str, Any]]:
+    """Prompts that share prefixes: whole blocks, a partial last block, a prompt of exactly
+    three blocks (the last token is always computed, so only two can be loaded), and one
+    shorter than a block."""
+    rnd = random.Random(seed)
+
+    def tokens(n: int) -> list[int]:
+        return [rnd.randrange(100, 32000) for _ in range(n)]
+
+    base = tokens(200)
+    return [
+        {"tokens": base[:160] + tokens(7)},
+        {"tokens": base + tokens(30)},
+        {"tokens": tokens(96)},
+        {"tokens": tokens(20)},
+    ]
+
+
+def loadable_tokens(prompt: dict[str, Any]) -> int:
+    """Tokens of a prompt a connector can load when every full block is stored."""
+    return (len(prompt["tokens"]) - 1) // BLOCK_SIZE * BLOCK_SIZE
+
+
+def salted(prompts: list[dict[str, Any]], salt: str) -> list[dict[str, Any]]:
+    """The prompts, each with its own cache salt (one salt for all would let prompts that share
+    a prefix share blocks among themselves, as they should)."""
+    return [{**p, "cache_salt": f"{salt}-{i}"} for i, p in enumerate(prompts)]
+
+
+def crowd(seed: int, num_prompts: int = 12) -> list[dict[str, Any]]:
+    """Prompts of exactly three blocks sharing their first two: every request needs a new block
+    on its first output token, so a small cache must preempt some."""
+    rnd = random.Random(seed)
+    shared = [rnd.randrange(100, 32000) for _ in range(2 * BLOCK_SIZE)]
+    return [{"tokens": shared + [rnd.randrange(100, 32000) for _ in range(BLOCK_SIZE)]}
+            for _ in range(num_prompts)]
+
+
+CHAT_TEMPLATE = (
+    "{% for message in messages %}<|{{ message['role'] }}|> {{ message['content'] }} "
+    "{% endfor %}{% if add_generation_prompt %}<|assistant|> {% endif %}"
+)
+
+
+def save_word_tokenizer(model: Path, num_words: int = 2000) -> list[str]:
+    """Give ``model`` a word-level tokenizer (``w0`` .. ``w<n>``, one token a word) and a chat
+    template, built with ``tokenizers`` (nothing is downloaded): enough for ``vllm serve``.
+    Returns the vocabulary's words."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<unk>", "<s>", "</s>", "<|system|>", "<|user|>", "<|assistant|>"]
+    words = [f"w{i}" for i in range(num_words)]
+    vocab = {token: index for index, token in enumerate(specials + words)}
+    core = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=core, unk_token="<unk>",
+                                        bos_token="<s>", eos_token="</s>")
+    tokenizer.chat_template = CHAT_TEMPLATE
+    tokenizer.save_pretrained(model)
+    return words
