@@ -122,8 +122,9 @@ def _borrowed_paths() -> list[str]:
     borrowed = []
     for entry in (sysconfig.get_path("purelib"), sysconfig.get_path("platlib"), *sys.path):
         path = Path(entry or ".").resolve()
-        if path.is_dir() and not path.is_relative_to(ROOT) and (
-                not path.is_relative_to(stdlib) or "site-packages" in path.parts):
+        # Any site-packages (the checkout's .venv too); else nothing of the stdlib or checkout.
+        if path.is_dir() and ("site-packages" in path.parts or not (
+                path.is_relative_to(stdlib) or path.is_relative_to(ROOT))):
             borrowed.append(str(path))
     return list(dict.fromkeys(borrowed))
 

@@ -497,8 +497,7 @@ def test_an_engine_that_quantizes_its_weights_does_not_share_blocks_with_one_tha
     """``--quantization fp8`` on a bf16 checkpoint changes the weights, so the KV of every
     prefix, but not the HF config: both engines get one namespace, and each loads the other's
     blocks as its own."""
-    from test_vllm_config import namespace
-
+    from tests.integrations.vllm.test_vllm_config import namespace
     from tierkv.bench.models import TINY, build_llama
 
     model = build_llama(tmp_path / "tiny", TINY)
