@@ -119,7 +119,7 @@ class TieredStore:
         """Make ``namespace`` usable (idempotent). With a disk tier its descriptor is stored, so
         a reopened store knows it. Raises ``ConfigError`` if one block does not fit a tier."""
         self._check_open()
-        state = recovery.namespace_state(namespace)
+        state = namespaces.namespace_state(namespace)
         for ledger in self._core.ledgers.values():
             size = state.record_bytes if ledger.tier is Tier.DISK else state.block_bytes
             if not ledger.fits(size):
@@ -136,7 +136,7 @@ class TieredStore:
             self._core.namespaces[namespace.id] = state
             job = None
             if self._core.disk is not None:
-                descriptor = recovery.namespace_descriptor(namespace)
+                descriptor = namespaces.namespace_descriptor(namespace)
                 job = self._core.submit_disk_locked(namespace_puts=[(namespace.id, descriptor)])
         if job is not None:
             job.future.result()
