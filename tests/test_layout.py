@@ -267,7 +267,7 @@ def test_layouts_with_a_v_head_size_cross_every_boundary_unchanged() -> None:
     """The wire, a stored namespace descriptor and a layout label all keep ``head_dim_v``."""
     from tierkv.keys import Namespace
     from tierkv.store import layout_label, parse_layout_label
-    from tierkv.store.recovery import namespace_descriptor, namespace_from_descriptor
+    from tierkv.store.namespaces import namespace_descriptor, namespace_from_descriptor
     from tierkv.wire.namespaces import namespace_from, namespace_to
 
     for layout in (KVLayout(2, 1, 576, 16, DType.BF16, 0), KVLayout(2, 4, 192, 16, "fp16", 128),

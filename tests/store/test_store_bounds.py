@@ -20,8 +20,8 @@ from tierkv import Namespace, TieredStore
 from tierkv.config import HostTierConfig, Priority, StoreConfig
 from tierkv.errors import ConfigError
 from tierkv.store.index import Entry
+from tierkv.store.namespaces import namespace_state
 from tierkv.store.pins import PinTable
-from tierkv.store.recovery import namespace_state
 
 
 def entries(namespace: Namespace, n: int) -> list[Entry]:

@@ -10,7 +10,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -24,6 +24,7 @@ from tierkv.shm.presence import PresenceTable, fingerprint
 from tierkv.store.index import DOOMED, DiskLedger, Entry, Ledger, NamespaceState, PagedLedger
 from tierkv.store.pins import PinTable
 from tierkv.tiers.disk import DiskTier, DiskWrite
+from tierkv.types import RemoteStats
 
 log = logging.getLogger(__name__)
 
@@ -37,8 +38,10 @@ def _is_busy(entry: Entry) -> bool:
 
 
 class Spill(Protocol):
-    """The tier below the lowest local one (the REMOTE tier's link, ``tierkv.store.remote``):
-    where write-through records and the lowest local tier's evictions go, without blocking."""
+    """The tier below the lowest local one (REMOTE; its one implementation is
+    ``tierkv.store.remote.RemoteLink``), as the store calls it: records go down without
+    blocking (write-through, and the lowest local tier's evictions), the miss path fetches back
+    into HOST, and a delete or clear forgets."""
 
     record_buffers: BufferPool
     """Buffers of records it has sent and nothing else reads, for the next records."""
@@ -51,6 +54,28 @@ class Spill(Protocol):
 
     def demote(self, entries: list[Entry]) -> None:
         """Without a disk tier: HOST's busy-marked victims, about to be dropped."""
+
+    def fetch(self, state: NamespaceState, keys: Sequence[bytes]) -> int:
+        """The miss path: bring the blocks of ``keys``' leading run that only this tier holds
+        into HOST, verified; how many it brought."""
+
+    def lookup_suffix(self, state: NamespaceState, keys: Sequence[bytes], num_local: int) -> int:
+        """How many leading ``keys`` are held locally or here, the first ``num_local`` being
+        held locally."""
+
+    def forgetting(self, raw_keys: Sequence[bytes] = (), namespace_ids: Sequence[bytes] = ()
+                   ) -> AbstractContextManager[None]:
+        """Around a delete's or a clear's doom of the local copies: this tier's copies go too,
+        and nothing in flight brings them back."""
+
+    def flush(self, timeout_s: float | None = None) -> bool:
+        """Wait until what was offered so far has been sent; False on timeout."""
+
+    def stats(self) -> RemoteStats:
+        """Its figures."""
+
+    def close(self) -> None:
+        """Send what is queued (briefly), then stop."""
 
 
 class BusyMarks:

@@ -5,6 +5,7 @@ Design: docs/design/eviction.md#entries-and-busy-marks
 """
 from __future__ import annotations
 
+import abc
 from dataclasses import dataclass, field
 from functools import cached_property
 
@@ -103,7 +104,7 @@ class TierCounters:
     demotions_in: int = 0
 
 
-class Ledger:
+class Ledger(abc.ABC):
     """What the store knows of one tier: its budget, its LRU and its counters."""
 
     def __init__(self, tier: Tier, capacity_bytes: int) -> None:
@@ -115,13 +116,13 @@ class Ledger:
         self.counters = TierCounters()
 
     @property
+    @abc.abstractmethod
     def used_bytes(self) -> int:
         """Bytes held, reserved in-flight copies included."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def fits(self, num_bytes: int) -> bool:
         """Whether one block (or record) of ``num_bytes`` could ever fit."""
-        raise NotImplementedError
 
 
 class PagedLedger(Ledger):

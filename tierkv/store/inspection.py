@@ -17,7 +17,7 @@ from typing import Any
 
 from tierkv.checksums import checksum_of_parts, digest_value
 from tierkv.keys import NAMESPACE_ID_BYTES, RAW_BLOCK_KEY_BYTES, Namespace
-from tierkv.store.recovery import parse_descriptor
+from tierkv.store.namespaces import parse_descriptor
 from tierkv.store.sessions import UNPARSABLE, parse_session
 from tierkv.tiers.lmdb_readonly import ReadOnlyStore
 from tierkv.tiers.records import try_unseal, verify_record

@@ -242,7 +242,7 @@ class RemoteLink:
         first_missing = int(np.argmin(held)) if not held.all() else len(absent)
         return absent[first_missing] if first_missing < len(absent) else len(keys)
 
-    def fill(self, state: NamespaceState, keys: Sequence[bytes]) -> int:
+    def fetch(self, state: NamespaceState, keys: Sequence[bytes]) -> int:
         """Bring the blocks of ``keys``' leading run that only REMOTE holds into HOST (up to
         what one fetch and HOST can take); returns how many were brought.
 

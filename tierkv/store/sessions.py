@@ -23,7 +23,7 @@ import torch
 from tierkv.checks import check_ttl
 from tierkv.errors import InvalidArgumentError, SessionNotFoundError, TierKVError
 from tierkv.keys import Namespace
-from tierkv.store.recovery import namespace_descriptor, namespace_from_descriptor
+from tierkv.store.namespaces import namespace_descriptor, namespace_from_descriptor
 from tierkv.tiers.disk import DiskTier, DiskWrite
 from tierkv.types import SessionInfo
 

@@ -16,7 +16,7 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar
+from typing import Any, ParamSpec, TypeVar
 
 import torch
 
@@ -37,7 +37,7 @@ from tierkv.shm.liveness import ClientWatch
 from tierkv.shm.presence import PresenceTable
 from tierkv.store import namespaces, recovery
 from tierkv.store.clearing import Clearer, Progress, namespace_filter
-from tierkv.store.core import StoreCore
+from tierkv.store.core import Spill, StoreCore
 from tierkv.store.index import NamespaceState, PagedLedger
 from tierkv.store.leases import Leases, LeaseWriter, ReadLease, WriteLease
 from tierkv.store.migrate import Mover
@@ -49,9 +49,6 @@ from tierkv.tiers.disk import DiskTier
 from tierkv.tiers.gpu import DeviceSlab
 from tierkv.tiers.host import HostSlab
 from tierkv.types import ClearResult, NamespaceStats, ResumedSession, SessionInfo, StoreStats
-
-if TYPE_CHECKING:
-    from tierkv.store.remote import RemoteLink
 
 log = logging.getLogger(__name__)
 P = ParamSpec("P")
@@ -106,14 +103,15 @@ class TieredStore:
         self._clearer = Clearer(self._core, self._sessions)
         self._leases = Leases(self._core, mover, self._writer,
                               ClientWatch(self.client_lock_prefix, clock), clock)
-        self._remote: RemoteLink | None = None
+        self._remote: Spill | None = None  # REMOTE, called through the Spill protocol only
         if config.remote is not None:  # connects in the background: never blocks the start
             # Imported here: a store without a REMOTE tier never loads redis-py.
             from tierkv.store.remote import RemoteLink
             from tierkv.tiers.remote import RemoteTier
 
-            self._remote = RemoteLink(self._core, mover, self._writer, RemoteTier(config.remote))
-            self._core.attach_spill(self._remote)
+            remote = RemoteLink(self._core, mover, self._writer, RemoteTier(config.remote))
+            self._core.attach_spill(remote)
+            self._remote = remote
 
     # --- namespaces -----------------------------------------------------------------------
 
@@ -121,7 +119,7 @@ class TieredStore:
         """Make ``namespace`` usable (idempotent). With a disk tier its descriptor is stored, so
         a reopened store knows it. Raises ``ConfigError`` if one block does not fit a tier."""
         self._check_open()
-        state = recovery.namespace_state(namespace)
+        state = namespaces.namespace_state(namespace)
         for ledger in self._core.ledgers.values():
             size = state.record_bytes if ledger.tier is Tier.DISK else state.block_bytes
             if not ledger.fits(size):
@@ -138,7 +136,7 @@ class TieredStore:
             self._core.namespaces[namespace.id] = state
             job = None
             if self._core.disk is not None:
-                descriptor = recovery.namespace_descriptor(namespace)
+                descriptor = namespaces.namespace_descriptor(namespace)
                 job = self._core.submit_disk_locked(namespace_puts=[(namespace.id, descriptor)])
         if job is not None:
             job.future.result()
@@ -320,7 +318,7 @@ class TieredStore:
     def _fill_remote(self, state: NamespaceState, keys: list[bytes]) -> None:
         """Bring the blocks of the chain only REMOTE holds into HOST (a read that would miss)."""
         if self._remote is not None:
-            self._remote.fill(state, keys)
+            self._remote.fetch(state, keys)
 
     def flush_remote(self, timeout_s: float | None = None) -> bool:
         """Wait until the records queued for REMOTE have been sent (True when there is no
