@@ -1,6 +1,6 @@
 """tierkv enums <-> wire enums: write policy, priority and tier, each table once.
 
-Every value of every protobuf enum has a row (``tests/test_wire_tables.py`` checks it), so
+Every value of every protobuf enum has a row (``tests/wire/test_wire_tables.py`` checks it), so
 adding one to the .proto fails that test until its row is written here, and nowhere else.
 """
 

@@ -258,8 +258,8 @@ def _cache_of(groups: KVGroups, runs: list[tuple[int, torch.Tensor]], num_blocks
     """A ``DynamicCache`` of ``num_blocks`` blocks' tokens, from each group's run of blocks
     (``(first block, [n, *block_shape])``), its layers as a prefill of those tokens leaves
     them (note 4). What ``DynamicLayer.update`` does on its first call, less its ``torch.cat``
-    onto an empty tensor (a second copy); tests/test_transformers_kv.py checks it on each
-    release."""
+    onto an empty tensor (a second copy);
+    tests/integrations/transformers/test_transformers_kv.py checks it on each release."""
     from transformers import DynamicCache
     from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
