@@ -48,8 +48,7 @@ def _run(*argv: str | Path, cwd: Path, env: dict[str, str] | None = None) -> str
 
 def test_the_repository_holds_no_symbolic_link() -> None:
     """A link is one module with two paths, and a checkout without links loses it."""
-    if shutil.which("git") is None or not (ROOT / ".git").exists():
-        pytest.skip("not a git checkout")
+    assert shutil.which("git") is not None and (ROOT / ".git").exists(), "run from a git checkout"
     tracked = _run("git", "ls-files", "-s", "-z", cwd=ROOT).split("\0")
     assert [entry.split("\t", 1)[-1] for entry in tracked if entry.startswith("120000 ")] == []
 
@@ -198,8 +197,9 @@ def test_the_editable_install_maps_tierkv_service_to_the_service_folder(tmp_path
                if entry and not Path(entry).resolve().is_relative_to(ROOT)]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(outside)}
     found = json.loads(_run(sys.executable, "-c", code, cwd=tmp_path, env=env))
-    if found["tierkv"] is None or not Path(found["tierkv"]).is_relative_to(ROOT):
-        pytest.skip(f"this environment's tierkv is not this checkout's: {found['tierkv']}")
+    assert found["tierkv"] is not None and Path(found["tierkv"]).is_relative_to(ROOT), (
+        f"this environment's tierkv is {found['tierkv']}, not this checkout's: re-run "
+        "scripts/install --dev here")
     assert found["server"] == str(ROOT / "service" / "server.py"), (
         f"{found}: an editable install from before package-dir? re-run scripts/install --dev")
     assert found["service"] == "None"

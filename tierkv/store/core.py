@@ -21,7 +21,7 @@ from tierkv.errors import CapacityError, TierKVError
 from tierkv.eviction import EvictionPolicy, Residency
 from tierkv.paging import Location
 from tierkv.shm.presence import PresenceTable, fingerprint
-from tierkv.store.index import DOOMED, DiskLedger, Entry, Ledger, NamespaceState, PagedLedger
+from tierkv.store.index import DOOMED, DiskLedger, Entry, Ledger, NamespaceState, PagedLedger, is_busy
 from tierkv.store.pins import PinTable
 from tierkv.tiers.disk import DiskTier, DiskWrite
 from tierkv.types import RemoteStats
@@ -32,9 +32,6 @@ log = logging.getLogger(__name__)
 def _record_bytes(node: Residency[Entry]) -> int:
     return node.owner.ns.record_bytes
 
-
-def _is_busy(entry: Entry) -> bool:
-    return entry.readers > 0
 
 
 class Spill(Protocol):
@@ -406,7 +403,7 @@ class StoreCore:
         self.expire_pins_locked()
         shortfall = ledger.used_bytes + needed - ledger.capacity_bytes
         picked = self.eviction.pick_victims(ledger.lru, shortfall, _record_bytes,
-                                            exclude.__contains__, _is_busy)
+                                            exclude.__contains__, is_busy)
         victims = picked.owners
         if picked.size < shortfall:
             raise CapacityError(

@@ -194,3 +194,8 @@ class DiskLedger(Ledger):
         """Give record bytes back."""
         self._used_bytes -= num_bytes
         assert self._used_bytes >= 0
+
+
+def is_busy(entry: Entry) -> bool:
+    """Whether a copy is reading ``entry`` now (it may not be evicted until it is done)."""
+    return entry.readers > 0

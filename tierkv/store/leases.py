@@ -280,8 +280,8 @@ class Leases:
             lease = self._take_locked(lease_id, owner, "committed")
             assert isinstance(lease, _Write)
         reservation = lease.reservation
-        state, slab, locations = reservation.state, self.core.paged[Tier.HOST].slab, dict(
-            reservation.locations)
+        state, slab, locations = reservation.state, self.core.paged[Tier.HOST].slab, \
+            reservation.locations  # read by the records, before the publish takes them
         try:
             verified = self._verified_checksums(lease, checksums)
             # Each record is checked again on its own copy of the pages: what reaches the disk

@@ -19,7 +19,7 @@ from tierkv.eviction import Residency
 from tierkv.logs import Throttle
 from tierkv.paging import Location, location_num_pages
 from tierkv.store.core import StoreCore
-from tierkv.store.index import DOOMED, Entry, NamespaceState, PagedLedger
+from tierkv.store.index import DOOMED, Entry, NamespaceState, PagedLedger, is_busy
 from tierkv.tiers.paged import PagedSlab
 from tierkv.tiers.records import RecordStatus, encode_record
 
@@ -37,9 +37,6 @@ _RESERVE_POLL_S = 0.02
 def _num_pages(node: Residency[Entry]) -> int:
     return location_num_pages(node.location)
 
-
-def _is_busy(entry: Entry) -> bool:
-    return entry.readers > 0
 
 
 class Mover:
@@ -106,7 +103,7 @@ class Mover:
         picked = core.eviction.pick_victims(
             ledger.lru, pages_needed, _num_pages,
             lambda owner: owner in exclude or undemotable.get(owner, -math.inf) > retry_before_s,
-            _is_busy,
+            is_busy,
         )
         if picked.size >= pages_needed:
             for entry in picked.owners:

@@ -265,12 +265,13 @@ class Writer:
         given back) and, when the plan wrote records, on disk. Returns the blocks newly stored
         in ``target``. ``count_put``: False for blocks a read brought from REMOTE."""
         core = self.core
+        new = plan.new_set
         with core.lock:
             core.counters.puts += count_put
             num_stored = 0
             for index, location in locations.items():
                 existing = state.blocks.get(keys[index])
-                if index in plan.new_set and (existing is None or existing.residency(target) is None):
+                if index in new and (existing is None or existing.residency(target) is None):
                     core.link_locked(self._entry_locked(state, keys[index], priority), target,
                                      location, checksums.get(index))
                     num_stored += 1
