@@ -186,6 +186,10 @@ class StoreConfig:
     run the async variants of put/get/prefetch. ``presence_slots`` sizes the shared-memory
     presence table same-host clients answer small lookups from (8 bytes a slot; it holds up to
     half as many blocks; 0 turns it off). ``remote`` adds the shared REMOTE tier below DISK.
+    ``verify_commit`` hashes a same-host client's pages again at its commit and refuses the
+    commit when they differ from the client's checksums; off, the commit records the client's
+    checksums as they are, and a page that differs is a miss on every later read (every read
+    and every copy checks them). Write-through records are checked at the commit either way.
     """
 
     host: HostTierConfig
@@ -196,6 +200,7 @@ class StoreConfig:
     promote_on_read: bool = True
     num_workers: int = 4
     presence_slots: int = 1 << 21
+    verify_commit: bool = False
 
     def __post_init__(self) -> None:
         _check_positive("num_workers", self.num_workers)

@@ -62,30 +62,93 @@ async def code_of(call: object) -> Code:
 
 @pytest.mark.asyncio
 async def test_a_commit_whose_pages_differ_from_the_clients_checksums_stores_nothing(
-    served: Served,
+    tmp_path: Path,
 ) -> None:
-    stub = served.stub(unix=True)
-    describe = await stub.Describe(pb.DescribeRequest(), metadata=ALICE)
-    hashes, data = keys(4, salt="dl"), payload(4, seed=3)
-    before = await stub.Stats(pb.StatsRequest(), metadata=ALICE)
-    for wrong in (b"\x00" * BLOCK_BYTES, None):
-        lease = await stub.Allocate(pb.AllocateRequest(namespace=NS, hashes=hashes,
-                                                       slab_id=describe.slab_id), metadata=ALICE)
-        assert lease.slab_id == describe.slab_id
+    """With ``verify_commit`` the pages are hashed at the commit: a block that differs from
+    the client's checksum, or a commit without checksums, stores nothing."""
+    async with serving(tmp_path / "store", verify_commit=True) as served:
+        stub = served.stub(unix=True)
+        describe = await stub.Describe(pb.DescribeRequest(), metadata=ALICE)
+        hashes, data = keys(4, salt="dl"), payload(4, seed=3)
+        before = await stub.Stats(pb.StatsRequest(), metadata=ALICE)
+        for wrong in (b"\x00" * BLOCK_BYTES, None):
+            lease = await stub.Allocate(pb.AllocateRequest(
+                namespace=NS, hashes=hashes, slab_id=describe.slab_id), metadata=ALICE)
+            assert lease.slab_id == describe.slab_id
+            with mapped_slab(describe.shm_name) as slab:
+                for index, extents in zip(lease.write_indices, lease.blocks, strict=True):
+                    block = data[index * BLOCK_BYTES : (index + 1) * BLOCK_BYTES]
+                    write_extents(slab, extents, wrong if wrong and index == 2 else block)
+            if wrong is None:  # right bytes, but no checksums: unverified, so refused
+                request = pb.LeaseRequest(lease_id=lease.lease_id)
+                assert await code_of(stub.Commit(request, metadata=ALICE)) == Code.INVALID_ARGUMENT
+            else:
+                request = commit_request(lease, data)
+                assert await code_of(stub.Commit(request, metadata=ALICE)) == Code.DATA_LOSS
+        after = await stub.Stats(pb.StatsRequest(), metadata=ALICE)
+        assert after.num_leases == 0 and after.checksum_failures == before.checksum_failures + 1
+        assert next(t for t in after.tiers if t.tier == "host").used_bytes == 0
+        assert (await get_blocks(stub, NS, hashes))[0] == 0
+
+
+READ_PATHS = ["leased", "streamed", "in-process", "copied-to-disk", "copied-to-gpu"]
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("path", [*READ_PATHS, "write-through"])
+async def test_a_page_changed_between_the_copy_and_the_commit_is_a_miss_on_every_read_path(
+    tmp_path: Path, path: str,
+) -> None:
+    """The default commit records the client's checksums without hashing the pages. A page
+    that changed after the client hashed it (here block 2 of 4) is then a counted miss on
+    every way out of HOST, never its bytes; a write-through commit, which copies the pages
+    into records, refuses it."""
+    async with serving(tmp_path / "store", gpu_bytes=16 * BLOCK_BYTES) as served:
+        stub = served.stub(unix=True)
+        describe = await stub.Describe(pb.DescribeRequest(), metadata=ALICE)
+        hashes, data = keys(4, salt=f"late-{path}"), payload(4, seed=11)
+        policy = pb.WRITE_POLICY_WRITE_THROUGH if path == "write-through" else None
+        lease = await stub.Allocate(pb.AllocateRequest(
+            namespace=NS, hashes=hashes, slab_id=describe.slab_id, write_policy=policy,
+        ), metadata=ALICE)
         with mapped_slab(describe.shm_name) as slab:
             for index, extents in zip(lease.write_indices, lease.blocks, strict=True):
-                block = data[index * BLOCK_BYTES : (index + 1) * BLOCK_BYTES]
-                write_extents(slab, extents, wrong if wrong and index == 2 else block)
-        if wrong is None:  # right bytes, but no checksums: unverified, so refused
-            request = pb.LeaseRequest(lease_id=lease.lease_id)
-            assert await code_of(stub.Commit(request, metadata=ALICE)) == Code.INVALID_ARGUMENT
+                write_extents(slab, extents, data[index * BLOCK_BYTES : (index + 1) * BLOCK_BYTES])
+            slab[lease.blocks[2].extents[0].offset] ^= 0x40  # after the client's hash
+        code = await code_of(stub.Commit(commit_request(lease, data), metadata=ALICE))
+        store, namespace = served.store, Namespace("test-model", TINY_LAYOUT, tenant="alice")
+        if path == "write-through":
+            assert code == Code.DATA_LOSS
+            assert store.lookup(namespace, hashes) == 0
+            assert store.stats().checksum_failures == 1
+            return
+        assert code == Code.OK and store.lookup(namespace, hashes) == 4
+        if path == "leased":
+            async with AsyncClient(served.unix_target, token="t" * 32) as client:
+                assert await client.uses_shared_memory()
+                got = await client.get(NAMESPACE, hashes)
+        elif path == "streamed":
+            num_blocks, streamed, _ = await get_blocks(stub, NS, hashes)
+            assert streamed == data[: num_blocks * BLOCK_BYTES]
+            got = as_blocks(streamed)
+        elif path == "in-process":
+            got = await asyncio.to_thread(store.get, namespace, hashes)
+        elif path == "copied-to-disk":
+            await asyncio.to_thread(store.flush)
+            disk = store.stats().tiers[Tier.DISK]
+            assert disk.num_blocks == 3  # the damaged block was not written
+            flood = keys(64, salt="flood")  # HOST's room: the flushed blocks leave HOST
+            await asyncio.to_thread(store.put, namespace, flood, as_blocks(payload(64, seed=2)))
+            assert store.locate(namespace, hashes)[Tier.DISK] == 2
+            got = await asyncio.to_thread(store.get, namespace, hashes)
         else:
-            request = commit_request(lease, data)
-            assert await code_of(stub.Commit(request, metadata=ALICE)) == Code.DATA_LOSS
-    after = await stub.Stats(pb.StatsRequest(), metadata=ALICE)
-    assert after.num_leases == 0 and after.checksum_failures == before.checksum_failures + 1
-    assert next(t for t in after.tiers if t.tier == "host").used_bytes == 0
-    assert (await get_blocks(stub, NS, hashes))[0] == 0
+            assert await asyncio.wrap_future(store.prefetch(namespace, hashes, Tier.GPU)) == 2
+            got = await asyncio.to_thread(store.get, namespace, hashes)
+        assert len(got) == 2 and same_bytes(got, as_blocks(data)[:2])
+        assert store.stats().checksum_failures == 1
+        assert store.lookup(namespace, hashes) == 2  # the damaged block is gone
+        assert same_bytes(await asyncio.to_thread(store.get, namespace, hashes[3:]),
+                          as_blocks(data)[3:])
 
 
 @pytest.mark.asyncio

@@ -55,6 +55,7 @@ CHANNEL_OPTIONS = [
 def store_config(
     root: Path, host_blocks: int = 64, disk_blocks: int = 1024, page_bytes: int = PAGE_BYTES,
     host_bytes: int | None = None, disk_bytes: int | None = None, gpu_bytes: int = 0,
+    verify_commit: bool = False,
 ) -> StoreConfig:
     """A store with ``host_blocks`` tiny blocks of HOST (or ``host_bytes``), a disk tier of
     ``disk_blocks`` tiny blocks (or ``disk_bytes``; no disk tier when both are 0), and an
@@ -64,9 +65,8 @@ def store_config(
         disk = DiskTierConfig(root / "disk", disk_bytes or disk_blocks * RECORD_BYTES,
                               map_slack_bytes=16 << 20)
     host = HostTierConfig(host_bytes or host_blocks * BLOCK_BYTES, page_bytes)
-    if gpu_bytes:
-        return StoreConfig(host=host, gpu=GpuTierConfig(gpu_bytes, page_bytes, "emulated"), disk=disk)
-    return StoreConfig(host=host, disk=disk)
+    gpu = GpuTierConfig(gpu_bytes, page_bytes, "emulated") if gpu_bytes else GpuTierConfig(0)
+    return StoreConfig(host=host, gpu=gpu, disk=disk, verify_commit=verify_commit)
 
 
 def short_socket_dir() -> Path:
@@ -114,14 +114,15 @@ class Served:
 async def serve(
     root: Path, *, tokens: dict[str, str] | None = None, host_blocks: int = 64,
     disk_blocks: int = 1024, page_bytes: int = PAGE_BYTES, host_bytes: int | None = None,
-    disk_bytes: int | None = None, gpu_bytes: int = 0,
+    disk_bytes: int | None = None, gpu_bytes: int = 0, verify_commit: bool = False,
     servicer: Callable[[ServiceConfig], TierKVServicer] | None = None, **service_fields: Any,
 ) -> Served:
     """Start a real server on a Unix socket and ``127.0.0.1:0`` in front of a fresh store;
     ``servicer`` builds the servicer from the server's config (default: the real one)."""
     root.mkdir(parents=True, exist_ok=True)
     store = TieredStore(
-        store_config(root, host_blocks, disk_blocks, page_bytes, host_bytes, disk_bytes, gpu_bytes)
+        store_config(root, host_blocks, disk_blocks, page_bytes, host_bytes, disk_bytes, gpu_bytes,
+                     verify_commit)
     )
     socket_dir = short_socket_dir()
     config = ServiceConfig(

@@ -19,6 +19,7 @@ ordinary scheduling delay (a GIL switch, an fsync of an earlier batch), never fo
 from __future__ import annotations
 
 import contextlib
+import mmap
 import os
 import shutil
 import socket
@@ -384,6 +385,40 @@ def test_disk_evictions_are_demoted_to_remote(cluster: RedisCluster, make_store:
         got = reader.get(namespace, [hashes[i]])
         assert len(got) == 1 and same_bytes(got[0], data[i]), f"block {i}"
     assert remote_stats(reader).hits == len(gone)
+    assert remote_stats(reader).corrupt == 0
+
+
+def test_a_page_changed_after_the_clients_hash_is_never_demoted_to_remote(
+        cluster: RedisCluster, make_store: StoreFactory, tmp_path: Path) -> None:
+    """A commit records the client's checksums without hashing the pages (``verify_commit``
+    off): a block whose page changed after the client hashed it is checked again on its way
+    from HOST to REMOTE (no disk tier), and never sent; the others are."""
+    namespace = Namespace("late-model", TINY_LAYOUT, tenant="late")
+    hashes, data = keys(4, salt="late-remote"), blocks(4, seed=12)
+    store = connected(make_store(host_blocks=4, remote=config(cluster.url)))
+    store.register(namespace)
+    lease = store.allocate(namespace, hashes, slab_id=store.host_slab_id)
+    raw = data.contiguous().view(torch.uint8).reshape(4, -1).numpy()
+    with open(f"/dev/shm/{store.host_shm_name}", "r+b") as file, \
+            mmap.mmap(file.fileno(), 0) as slab:
+        for index, extents in zip(lease.write_indices, lease.blocks, strict=True):
+            start = 0
+            for offset, length in extents:
+                slab[offset : offset + length] = raw[index, start : start + length].tobytes()
+                start += length
+        slab[lease.blocks[2][0][0]] ^= 0x40  # after the client's hash
+    store.commit(lease.lease_id, checksums=[checksum(raw[i]) for i in lease.write_indices])
+    store.put(namespace, keys(4, salt="late-flood"), blocks(4, seed=13))  # HOST's room
+    assert store.flush_remote(30.0)
+    assert store.stats().checksum_failures == 1
+
+    reader = connected(make_store(host_blocks=8, remote=config(cluster.url)))
+    reader.register(namespace)
+    got = reader.get(namespace, hashes)
+    assert len(got) == 2 and same_bytes(got, data[:2])
+    assert len(reader.get(namespace, hashes[2:3])) == 0
+    got = reader.get(namespace, hashes[3:])
+    assert len(got) == 1 and same_bytes(got, data[3:])
     assert remote_stats(reader).corrupt == 0
 
 

@@ -50,6 +50,7 @@ class ServiceBenchConfig:
     small_calls: int = 2000
     redis_command: tuple[str, ...] = field(default_factory=_default_redis_command)
     with_metrics: bool = False  # the sidecar counts every call for a Prometheus endpoint
+    verify_commit: bool = False  # the sidecar hashes a same-host put's pages again at Commit
 
 
 # --- the two servers -------------------------------------------------------------------------
@@ -188,7 +189,8 @@ def _redis_server(cfg: ServiceBenchConfig) -> Iterator[tuple[int, str]]:
 def running_servers(cfg: ServiceBenchConfig, host_bytes: int) -> Iterator[Servers]:
     """Both servers, stopped at the end (also on errors)."""
     with _redis_server(cfg) as (redis_port, redis_socket), \
-            tierkv_server(cfg.work_dir, host_bytes, with_metrics=cfg.with_metrics) as (
+            tierkv_server(cfg.work_dir, host_bytes, with_metrics=cfg.with_metrics,
+                          extra_flags=["--verify-commit"] if cfg.verify_commit else []) as (
                 unix_target, tcp_target):
         yield Servers(unix_target, tcp_target, redis_port, redis_socket)
 

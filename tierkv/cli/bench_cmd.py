@@ -9,7 +9,7 @@ import json
 import sys
 import tempfile
 from collections.abc import Callable, Iterator
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +37,9 @@ def register(subparsers: Any) -> None:
     service.add_argument("--with-metrics", action="store_true",
                          help="run the sidecar with its Prometheus endpoint on (every call "
                          "counted): its cost is the difference with a run without")
+    service.add_argument("--verify-commit", action="store_true",
+                         help="run the sidecar with --verify-commit (a same-host put's pages "
+                         "hashed again at Commit): its cost is the difference with a run without")
     service.set_defaults(func=_checked(run_service))
     remote = targets.add_parser(
         "remote", help="the REMOTE tier (a Redis Cluster of its own) through two sidecars vs "
@@ -206,15 +209,15 @@ def run_service(args: argparse.Namespace) -> int:
 
     with tempfile.TemporaryDirectory(prefix="tierkv-bench-", dir=args.work_dir) as work:
         cfg = ServiceBenchConfig(Path(work), repeats=args.repeats,
-                                 with_metrics=args.with_metrics)
+                                 with_metrics=args.with_metrics, verify_commit=args.verify_commit)
         if args.quick:
-            cfg = ServiceBenchConfig(Path(work), num_batches=2, num_stream_batches=1,
-                                     repeats=min(args.repeats, 3), lookup_calls=50,
-                                     small_calls=500, with_metrics=args.with_metrics)
+            cfg = replace(cfg, num_batches=2, num_stream_batches=1,
+                          repeats=min(args.repeats, 3), lookup_calls=50, small_calls=500)
         with _progress(num_steps(cfg, args.only), "bench service") as progress:
             rows = run_service_bench(cfg, args.only, progress)
     extra = {"repeats": cfg.repeats, "batch_blocks": cfg.batch_blocks, "quick": args.quick,
-             "redis_parser": redis_parser(), "with_metrics": cfg.with_metrics}
+             "redis_parser": redis_parser(), "with_metrics": cfg.with_metrics,
+             "verify_commit": cfg.verify_commit}
     return _report(rows, args, extra, "tierkv bench service")
 
 

@@ -87,7 +87,8 @@ def build_config(args: argparse.Namespace | Resolved) -> StoreConfig:
             disk = DiskTierConfig(Path(settings["disk_path"]), settings["disk_bytes"],
                                   on_corrupt=DiskCorruptAction(settings["disk_on_corrupt"]))
         return StoreConfig(host=host, gpu=gpu, disk=disk, remote=_remote_config(settings),
-                           write_policy=WritePolicy(settings["write_policy"]))
+                           write_policy=WritePolicy(settings["write_policy"]),
+                           verify_commit=settings["verify_commit"])
 
 
 def _remote_label(config: StoreConfig) -> str | None:

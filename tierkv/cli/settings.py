@@ -75,6 +75,10 @@ SETTINGS: tuple[Setting, ...] = (
              "default write policy of puts: to disk when evicted from HOST (write_back), or "
              "before the put is acknowledged (write_through)",
              choices=tuple(policy.value for policy in WritePolicy)),
+    _setting("verify_commit", Kind.BOOL, False,
+             "hash a same-host client's pages again at its commit and refuse the commit if "
+             "they differ from its checksums (off: the checksums are recorded as sent, and a "
+             "page that differs is a miss on every read, which checks every block)"),
     _setting("remote", Kind.STR, "",
              "REMOTE tier shared by every node: redis://[user[:password]@]host:port[,host:port"
              "...] of a Redis Cluster's nodes (or of one Redis server), or a comma-separated "

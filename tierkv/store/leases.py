@@ -283,13 +283,13 @@ class Leases:
         state, slab, locations = reservation.state, self.core.paged[Tier.HOST].slab, \
             reservation.locations  # read by the records, before the publish takes them
         try:
-            verified = self._verified_checksums(lease, checksums)
-            # Each record is checked again on its own copy of the pages: what reaches the disk
-            # is what was verified, whatever writes into the pages meanwhile.
+            recorded = self._commit_checksums(lease, checksums)
+            # Each record is checked against them on its own copy of the pages: what reaches
+            # the disk is what the client wrote, whatever writes into the pages meanwhile.
             return self.writer.commit(
-                reservation, verified,
+                reservation, recorded,
                 lambda i: self.mover.host_view(slab, locations[i], state.block_bytes),
-                expected=verified,
+                expected=recorded,
             )
         except BaseException:
             self._give_back(lease)
@@ -297,13 +297,15 @@ class Leases:
                 self._remember_locked(lease_id, owner, "refused at its commit")
             raise
 
-    def _verified_checksums(
+    def _commit_checksums(
         self, lease: _Write, checksums: Sequence[int] | None
     ) -> dict[int, int]:
-        """The checksum of each written block, by block index: the pages', which must equal
-        the client's (raises ``IntegrityError`` or ``InvalidArgumentError`` otherwise). A lease
-        this process wrote itself (``verify`` off) takes the checksums it computed while
-        writing, or its pages' when it gives none."""
+        """The checksum of each written block, by block index. A client's lease takes the
+        client's, one per written block (``InvalidArgumentError`` otherwise); with
+        ``verify_commit`` the pages are hashed and must equal them (``IntegrityError``), without
+        it they are recorded as sent and every later read checks the pages against them
+        (docs/design/leases.md, 4). A lease this process wrote itself (``verify`` off) takes
+        the checksums it computed while writing, or its pages' when it gives none."""
         slab = self.core.paged[Tier.HOST].slab
         reservation = lease.reservation
         block_bytes = reservation.state.block_bytes
@@ -315,7 +317,7 @@ class Leases:
                     f"{0 if checksums is None else len(checksums)}"
                 )
             checksums = slab.checksums([reservation.locations[i] for i in indices], block_bytes)
-        if not lease.verify:
+        if not lease.verify or not self.core.config.verify_commit:
             return dict(zip(indices, checksums, strict=True))
         values = slab.checksums([reservation.locations[i] for i in indices], block_bytes)
         actual = dict(zip(indices, values, strict=True))

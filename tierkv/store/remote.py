@@ -125,12 +125,22 @@ class RemoteLink:
                 if entry.priority != DOOMED and entry.host is not None:
                     by_namespace.setdefault(entry.ns, []).append(entry)
         records: list[tuple[bytes, bytes | bytearray, float]] = []
+        num_damaged = 0
         for ns, batch in by_namespace.items():
             encoded = encode_records([e.raw_key for e in batch], ns.fingerprint,
                                      [self.mover.host_bytes(e, Tier.HOST) for e in batch])
-            records += [(entry.raw_key, record, seen_s)
-                        for entry, (record, value) in zip(batch, encoded, strict=True)
-                        if entry.host is not None and value == host.checksum_of(entry.host.location)]
+            for entry, (record, value) in zip(batch, encoded, strict=True):
+                if entry.host is None:
+                    continue
+                if value == host.checksum_of(entry.host.location):
+                    records.append((entry.raw_key, record, seen_s))
+                else:
+                    num_damaged += 1
+        if num_damaged:
+            log.warning("%d blocks evicted from HOST failed their checksum; not sent to REMOTE",
+                        num_damaged)
+            with self.core.lock:
+                self.core.counters.checksum_failures += num_damaged
         if records:
             self.offer_demoted(records)
 
