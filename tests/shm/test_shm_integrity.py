@@ -1,8 +1,10 @@
 """The shared-memory data path against stale, stalled and stray writers: never a wrong byte.
 
-Every lease names its slab; nothing a client wrote is stored unless its checksums match the
-pages; a block's HOST bytes are checked on every way out (reads, leases, copies to disk); the
-pages of an expired write lease stay out of the free pool while its client is alive.
+Every lease names its slab; a commit keeps the client's checksums (and, with ``verify_commit``,
+refuses pages that differ from them); a block's HOST bytes are checked against them on every
+way out (reads, leases, copies to the GPU and to disk), so a page changed after the client's
+hash is a miss; the pages of an expired write lease stay out of the free pool while its client
+is alive.
 """
 
 from __future__ import annotations
