@@ -45,6 +45,9 @@ def iter_extents(location: Location) -> Iterator[tuple[int, int]]:
 def block_extents(location: Location, page_bytes: int, block_bytes: int) -> BlockExtents:
     """The extents of the ``block_bytes`` bytes of a block at ``location`` in a slab of
     ``page_bytes`` pages (its last page may be only partly the block's)."""
+    if isinstance(location, int):  # one run of pages: every lease's common case
+        return [((location >> _COUNT_BITS) * page_bytes,
+                 min(block_bytes, (location & _COUNT_MASK) * page_bytes))]
     return list(_byte_extents(location, page_bytes, block_bytes))
 
 

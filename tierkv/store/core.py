@@ -20,7 +20,7 @@ from tierkv.copy_engine import CopyEngine
 from tierkv.errors import CapacityError, TierKVError
 from tierkv.eviction import EvictionPolicy, Residency
 from tierkv.paging import Location
-from tierkv.shm.presence import PresenceTable, fingerprint
+from tierkv.shm.presence import Fingerprinter, PresenceTable
 from tierkv.store.index import DOOMED, DiskLedger, Entry, Ledger, NamespaceState, PagedLedger, is_busy
 from tierkv.store.pins import PinTable
 from tierkv.tiers.disk import DiskTier, DiskWrite
@@ -219,9 +219,10 @@ class StoreCore:
         """The entry's fingerprint in the presence table."""
         assert self.presence is not None
         ns = entry.ns
-        if not ns.presence_key:
-            ns.presence_key = self.presence.tenant_key(ns.namespace.tenant)
-        return fingerprint(ns.presence_key, ns.core_id, entry.block_hash)
+        if ns.presence_fingerprint is None:
+            ns.presence_fingerprint = Fingerprinter(self.presence.tenant_key(ns.namespace.tenant),
+                                                    ns.core_id)
+        return ns.presence_fingerprint(entry.block_hash)
 
     def doom_locked(self, entry: Entry) -> None:
         """Delete ``entry``: at once if idle, else when its last reader is done."""
@@ -313,10 +314,14 @@ class StoreCore:
 
     def touch_locked(self, entry: Entry) -> None:
         """Mark ``entry`` most recently used in every tier it is in."""
-        for tier in Tier:
-            node = entry.residency(tier)
-            if node is not None:
-                self.ledgers[tier].lru.touch(node, entry.priority)
+        # Each tier spelled out: this runs for every block of every put and get.
+        ledgers, priority = self.ledgers, entry.priority
+        if entry.gpu is not None:
+            ledgers[Tier.GPU].lru.touch(entry.gpu, priority)
+        if entry.host is not None:
+            ledgers[Tier.HOST].lru.touch(entry.host, priority)
+        if entry.disk is not None:
+            ledgers[Tier.DISK].lru.touch(entry.disk, priority)
 
     def relink_locked(self, entry: Entry) -> None:
         """Link an entry's copies back into their LRU lists (after its pins went)."""

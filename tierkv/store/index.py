@@ -15,6 +15,7 @@ from tierkv.config import Tier
 from tierkv.eviction import PriorityLru, Residency
 from tierkv.keys import Namespace, NamespaceId
 from tierkv.paging import Location, PageAllocator, first_page
+from tierkv.shm.presence import Fingerprinter
 from tierkv.tiers.paged import PagedSlab
 
 DOOMED = -1
@@ -69,8 +70,8 @@ class NamespaceState:
     namespace: Namespace
     record_bytes: int
     blocks: dict[bytes, Entry] = field(default_factory=dict)
-    # The tenant's key in the presence table (set by the store on first use).
-    presence_key: bytes = b""
+    # This namespace's presence-table fingerprints (set by the store on first use).
+    presence_fingerprint: Fingerprinter | None = None
 
     @property
     def id(self) -> NamespaceId:
@@ -87,9 +88,9 @@ class NamespaceState:
         """The layout fingerprint every record of this namespace carries."""
         return self.namespace.layout.fingerprint
 
-    @property
+    @cached_property
     def block_bytes(self) -> int:
-        """Payload bytes per block."""
+        """Payload bytes per block (read for every block the store moves: computed once)."""
         return self.namespace.layout.bytes_per_block
 
 
@@ -152,7 +153,12 @@ class PagedLedger(Ledger):
 
     def try_reserve(self, sizes_bytes: list[int]) -> list[Location] | None:
         """Pages for blocks of the given sizes, adjacent when possible; None if not free now."""
-        return self.allocator.try_allocate([self.pages_for(size) for size in sizes_bytes])
+        return self.allocator.try_allocate(self.pages_of(sizes_bytes))
+
+    def pages_of(self, sizes_bytes: list[int]) -> list[int]:
+        """The pages each block of ``sizes_bytes`` takes (a batch's sizes are mostly one)."""
+        per_size = {size: self.pages_for(size) for size in set(sizes_bytes)}
+        return [per_size[size] for size in sizes_bytes]
 
     def release(self, location: Location) -> None:
         """Give pages back."""

@@ -66,7 +66,7 @@ class Mover:
         ``CapacityError`` when there is no room; nothing is then reserved.
         """
         ledger = self.core.paged[tier]
-        pages_needed = sum(ledger.pages_for(size) for size in sizes_bytes)
+        pages_needed = sum(ledger.pages_of(sizes_bytes))
         may_drop = wait if drop is None else drop
         deadline = time.monotonic() + _RESERVE_WAIT_S
         while True:

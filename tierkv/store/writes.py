@@ -265,26 +265,39 @@ class Writer:
         given back) and, when the plan wrote records, on disk. Returns the blocks newly stored
         in ``target``. ``count_put``: False for blocks a read brought from REMOTE."""
         core = self.core
-        new = plan.new_set
+        new, blocks = plan.new_set, state.blocks
+        with_records = bool(plan.disk_indices) and core.disk is not None
         with core.lock:
             core.counters.puts += count_put
             num_stored = 0
-            for index, location in locations.items():
-                existing = state.blocks.get(keys[index])
-                if index in new and (existing is None or existing.residency(target) is None):
-                    core.link_locked(self._entry_locked(state, keys[index], priority), target,
-                                     location, checksums.get(index))
-                    num_stored += 1
-                else:  # a concurrent put of the same key won, or only its record was wanted
+            # Tail first, each block linked or touched where it is met: the head ends most
+            # recently used, in one pass over the keys (this runs for every block of a put).
+            for index in range(len(keys) - 1, -1, -1):
+                entry = blocks.get(keys[index])
+                location = locations.get(index)
+                if location is not None:
+                    if index in new and (entry is None or entry.residency(target) is None):
+                        if entry is None:
+                            entry = Entry(keys[index], state, priority)
+                            core.index_locked(entry)
+                        core.link_locked(entry, target, location, checksums.get(index))
+                        num_stored += 1
+                        if ((entry.gpu is not None) + (entry.host is not None)
+                                + (entry.disk is not None)) > 1:
+                            core.touch_locked(entry)  # its copies in the other tiers too
+                        continue
+                    # A concurrent put of the same key won, or only its record was wanted.
                     core.release_pages_locked(target, location)
-            if plan.disk_indices and core.disk is not None:
+                if entry is not None and not with_records:
+                    core.touch_locked(entry)
+            if with_records:
                 num_on_disk = self._publish_disk(state, keys, priority, plan.disk_indices)
                 if target is Tier.DISK:
                     num_stored = num_on_disk
-            for key in reversed(keys):  # tail first: the head ends most recently used
-                touched = state.blocks.get(key)
-                if touched is not None:
-                    core.touch_locked(touched)
+                for key in reversed(keys):  # the records' blocks too, tail first
+                    touched = blocks.get(key)
+                    if touched is not None:
+                        core.touch_locked(touched)
         return num_stored
 
     def _entry_locked(self, state: NamespaceState, key: bytes, priority: Priority) -> Entry:
