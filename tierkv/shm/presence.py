@@ -58,11 +58,13 @@ class PresenceTable:
         self._shm = shared_memory.SharedMemory(name=name, create=True, size=size_bytes)
         self.name = self._shm.name
         self.num_slots = num_slots
-        words: np.ndarray = np.ndarray((_HEADER_WORDS + num_slots,), np.uint64, buffer=self._shm.buf)
+        buffer = self._shm.buf
+        assert buffer is not None
+        words: np.ndarray = np.ndarray((_HEADER_WORDS + num_slots,), np.uint64, buffer=buffer)
         words[_HEADER_WORDS:].fill(EMPTY)
         words[:_HEADER_WORDS] = (_MAGIC, 0, num_slots, 1)
         del words
-        items = self._shm.buf[: size_bytes].cast("Q")
+        items = buffer[:size_bytes].cast("Q")
         self._words: memoryview | None = items
         self._slots = items[_HEADER_WORDS:]
         self._mask = num_slots - 1
