@@ -435,7 +435,7 @@ class TierKVServicer(pb_grpc.TierKVServicer):
         return read_lease_to(self.store.acquire(
             namespace, hashes, convert.ttl_from(request.lease_ttl_s), caller.owner,
             slab_id=request.slab_id, client_id=caller.client_id,
-        ), self.store.host_slab_id)
+        ), self.store.host_slab_id, request.packed_extents)
 
     @unary
     async def Release(self, request: pb.LeaseRequest, context: Any, caller: Caller) -> Any:
@@ -459,7 +459,7 @@ class TierKVServicer(pb_grpc.TierKVServicer):
             priority=priority_from(request.priority),
             write_policy=write_policy_from(request.write_policy),
             slab_id=request.slab_id, client_id=caller.client_id,
-        ), self.store.host_slab_id)
+        ), self.store.host_slab_id, request.packed_extents)
 
     @unary
     async def Commit(self, request: pb.LeaseRequest, context: Any, caller: Caller) -> Any:

@@ -34,6 +34,8 @@ from tests.support.client_harness import (
 )
 from tests.support.harness import BOB_TOKEN
 from tests.support.tiny_blocks import BLOCK_BYTES, TINY_LAYOUT, keys, same_bytes
+from tierkv.keys import Namespace
+from tierkv.layout import KVLayout
 
 # --- round trips -------------------------------------------------------------------------------
 
@@ -71,6 +73,30 @@ def test_a_put_from_one_path_is_read_exactly_from_the_other(
     assert same_bytes(shm.get(namespace, second), data_b)
     check_path(server, shm, "shm")
     check_path(server, stream, "stream")
+
+
+def test_blocks_split_across_runs_of_free_pages_round_trip_exactly(
+    make_server: ServerFactory, open_client: Callable[..., AnyClient], kind: str, path: str
+) -> None:
+    """A slab whose free pages are single pages between stored ones: every block of the next
+    put (two pages) lies in two runs, so its lease names two extents a block (on the shm path,
+    in the packed form's per-block counts), and reads come back exactly."""
+    server = make_server(host_bytes=32 * BLOCK_BYTES, disk_bytes=0)
+    client = open_client(server, path, kind)
+    small = ns("one-page-model", KVLayout(1, 2, 8, 4))  # half a tiny block: one page
+    filler = keys(64, salt="filler")
+    assert client.put(small, filler, patterned_blocks(64, seed=12, layout=small.layout)) == 64
+    assert client.delete(small, filler[::2]) == 32  # 32 free runs of one page each
+    namespace, hashes = ns(), keys(8, salt="split")
+    data = patterned_blocks(8, seed=13)
+    assert client.put(namespace, hashes, data) == 8
+    lease = server.store.acquire(Namespace("test-model", TINY_LAYOUT, tenant="alice"), hashes)
+    try:
+        assert all(len(extents) == 2 for extents in lease.blocks)
+    finally:
+        server.store.release(lease.lease_id)
+    assert same_bytes(client.get(namespace, hashes), data)
+    check_path(server, client, path)
 
 
 def test_get_of_a_partly_cached_chain_returns_the_leading_run(client: AnyClient) -> None:

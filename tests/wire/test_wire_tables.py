@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from typing import Any
 
 import grpc
 import pytest
@@ -204,6 +205,42 @@ def test_read_leases_round_trip() -> None:
     assert (wire.lease_id, wire.num_blocks, wire.num_cached, wire.expires_in_s) == (b"id", 3, 5, 2.5)
     assert (list(wire.checksums), wire.slab_id, list(wire.write_indices)) == (
         [1, 2**64 - 1, 3], b"slab", [])
+
+
+@pytest.mark.parametrize("blocks", [BLOCKS, [[(0, 4096)], [(8192, 4096)]], []],
+                         ids=["split-block", "one-run-each", "empty"])
+@pytest.mark.parametrize("packed", [False, True], ids=["messages", "packed"])
+def test_both_forms_of_a_leases_extents_decode_alike(blocks: list[list[tuple[int, int]]],
+                                                     packed: bool) -> None:
+    """A client asks for packed extents; a server that predates them sends messages: the
+    client reads either, and only one is on the wire."""
+    lease = ReadLease(b"id", blocks, num_cached=len(blocks), expires_in_s=1.0,
+                      checksums=list(range(len(blocks))))
+    wire = pb.LeaseResponse.FromString(
+        convert.read_lease_to(lease, b"slab", packed).SerializeToString())
+    assert convert.lease_blocks_from(wire) == blocks
+    assert bool(wire.blocks) == (not packed and bool(blocks))
+    assert bool(wire.extent_offsets) == (packed and bool(blocks))
+    one_each = all(len(extents) == 1 for extents in blocks)
+    assert bool(wire.extent_counts) == (packed and not one_each)
+    write = WriteLease(b"w", list(range(len(blocks))), blocks, expires_in_s=1.0)
+    wire = pb.LeaseResponse.FromString(
+        convert.write_lease_to(write, b"slab", packed).SerializeToString())
+    assert convert.lease_blocks_from(wire) == blocks
+
+
+@pytest.mark.parametrize("fields", [
+    {"num_blocks": 2, "extent_offsets": [0, 4096], "extent_lengths": [4096]},
+    {"num_blocks": 2, "extent_offsets": [0, 4096], "extent_lengths": [4096, 4096],
+     "extent_counts": [1, 2]},
+    {"num_blocks": 3, "extent_offsets": [0, 4096], "extent_lengths": [4096, 4096]},
+    {"num_blocks": 1, "extent_offsets": [0, 4096], "extent_lengths": [4096, 4096],
+     "extent_counts": [1, 1]},
+], ids=["lengths-short", "counts-over", "blocks-missing", "blocks-extra"])
+def test_packed_extents_that_do_not_describe_the_lease_are_refused(fields: dict[str, Any]
+                                                                   ) -> None:
+    with pytest.raises(ValueError, match="lease"):
+        convert.lease_blocks_from(pb.LeaseResponse(lease_id=b"x", **fields))
 
 
 def test_write_leases_round_trip() -> None:

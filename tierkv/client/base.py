@@ -34,7 +34,7 @@ from tierkv.shm.liveness import ClientLock
 from tierkv.shm.presence import PresenceView
 from tierkv.wire import tierkv_pb2 as pb
 from tierkv.wire import tierkv_pb2_grpc as pb_grpc
-from tierkv.wire.convert import ServerInfo, extents_from
+from tierkv.wire.convert import ServerInfo, lease_blocks_from
 from tierkv.wire.enums import priority_to, write_policy_to
 from tierkv.wire.limits import CHUNK_BYTES, DEFAULT_TARGET, MAX_MESSAGE_BYTES, host_id
 from tierkv.wire.namespaces import namespace_to
@@ -226,13 +226,16 @@ class SlabMapping:
         return self._fd is not None and os.fstat(self._fd).st_nlink > 0
 
     def parts(
-        self, blocks: Sequence[pb.BlockExtents], block_indices: Sequence[int], block_bytes: int,
+        self, lease: pb.LeaseResponse, block_indices: Sequence[int], block_bytes: int,
         buffer: np.ndarray, *, into_slab: bool,
     ) -> list[CopyParts]:
-        """The (destination, source) parts of each leased block, in block order: block
-        ``block_indices[i]`` of the flat ``buffer`` and its extents ``blocks[i]`` in the slab."""
+        """The (destination, source) parts of each block of ``lease``, in block order: block
+        ``block_indices[i]`` of the flat ``buffer`` and the lease's block ``i`` in the slab."""
         copies: list[CopyParts] = []
-        all_extents = [extents_from(extents) for extents in blocks]
+        try:
+            all_extents = lease_blocks_from(lease)
+        except ValueError as exc:
+            raise ServiceUnavailableError(f"the server sent a malformed lease: {exc}") from exc
         self.populate([extent for extents in all_extents for extent in extents])
         for extents, index in zip(all_extents, block_indices, strict=True):
             offset = index * block_bytes
@@ -386,14 +389,14 @@ class ClientBase:
         return pb.AllocateRequest(
             namespace=self._wire(namespace), hashes=list(hashes),
             write_policy=write_policy_to(write_policy), priority=priority_to(priority),
-            slab_id=self._slab.slab_id,
+            slab_id=self._slab.slab_id, packed_extents=True,
         )
 
     def _acquire_request(self, namespace: Namespace, hashes: Sequence[bytes]
                          ) -> pb.AcquireRequest:
         assert self._slab is not None
         return pb.AcquireRequest(namespace=self._wire(namespace), hashes=list(hashes),
-                                 slab_id=self._slab.slab_id)
+                                 slab_id=self._slab.slab_id, packed_extents=True)
 
     def _lookup_request(self, namespace: Namespace, hashes: Sequence[bytes], prefetch: bool,
                         pin_ttl_s: float) -> pb.LookupRequest:
@@ -409,7 +412,7 @@ class ClientBase:
         if time.monotonic() - granted_s > _LEASE_MARGIN * lease.expires_in_s:
             raise LeaseStateError("the write lease is about to expire; nothing was written")
         checksums = copy_with_checksums(slab.parts(
-            lease.blocks, lease.write_indices, namespace.layout.bytes_per_block, flat.numpy(),
+            lease, lease.write_indices, namespace.layout.bytes_per_block, flat.numpy(),
             into_slab=True,
         ))
         return pb.LeaseRequest(lease_id=lease.lease_id, checksums=checksums)
@@ -420,10 +423,10 @@ class ClientBase:
         against its checksum; returns the index (in the lease) of the first bad one, or None.
         Runs on a worker thread in ``AsyncClient``."""
         _check_slab(slab, lease)
-        if len(lease.checksums) != len(lease.blocks):
+        if len(lease.checksums) != lease.num_blocks:
             raise ServiceUnavailableError("the server gave no checksums with its read lease")
         got = copy_with_checksums(slab.parts(
-            lease.blocks, range(done, done + len(lease.blocks)),
+            lease, range(done, done + lease.num_blocks),
             namespace.layout.bytes_per_block, flat.numpy(), into_slab=False,
         ))
         for index, (actual, expected) in enumerate(zip(got, lease.checksums, strict=True)):

@@ -184,7 +184,7 @@ class ClientFlows(base.ClientBase):
             release = pb.LeaseRequest(lease_id=lease.lease_id, num_copied=0)
             try:
                 bad = yield Copy(self._read_lease, slab, lease, namespace, flat, done)
-                release.num_copied = len(lease.blocks) if bad is None else bad
+                release.num_copied = lease.num_blocks if bad is None else bad
             finally:
                 if bad is not None:
                     release.corrupt_indices.append(bad)
@@ -192,7 +192,7 @@ class ClientFlows(base.ClientBase):
                     yield from self._call("Release", release, retry=False)
             if bad is not None:
                 return done + bad  # a damaged block ends the run: a miss, never its bytes
-            count = len(lease.blocks)
+            count = lease.num_blocks
             done += count
             if count >= lease.num_cached:
                 break  # a miss ends the run

@@ -68,19 +68,64 @@ def blocks_from(blocks: Sequence[pb.BlockExtents]) -> list[list[tuple[int, int]]
     return [extents_from(block) for block in blocks]
 
 
-def read_lease_to(lease: ReadLeaseView, slab_id: bytes) -> pb.LeaseResponse:
-    """The wire form of a read lease in the slab ``slab_id``."""
+def _extent_fields(blocks: Sequence[Extents], packed: bool) -> dict[str, Any]:
+    """A lease's extents as ``LeaseResponse`` fields: ``blocks`` (a message a block), or the
+    packed arrays (``packed``: the caller asked for them)."""
+    if not packed:
+        return {"blocks": blocks_to(blocks)}
+    fields: dict[str, Any] = {
+        "extent_offsets": [offset for extents in blocks for offset, _ in extents],
+        "extent_lengths": [length for extents in blocks for _, length in extents],
+    }
+    if len(fields["extent_offsets"]) != len(blocks) or any(len(e) != 1 for e in blocks):
+        fields["extent_counts"] = [len(extents) for extents in blocks]
+    return fields
+
+
+def lease_blocks_from(lease: pb.LeaseResponse) -> list[list[tuple[int, int]]]:
+    """Each leased block's ``(offset, length)`` pieces, from whichever form the server sent
+    (``blocks``, or the packed arrays); a response whose arrays do not describe
+    ``num_blocks`` blocks raises ``ValueError``."""
+    if lease.blocks:
+        blocks = blocks_from(lease.blocks)
+    else:
+        offsets, lengths = list(lease.extent_offsets), list(lease.extent_lengths)
+        if len(offsets) != len(lengths):
+            raise ValueError(f"a lease has {len(offsets)} extent offsets and {len(lengths)} "
+                             "lengths")
+        pieces = list(zip(offsets, lengths, strict=True))
+        counts = list(lease.extent_counts)
+        if not counts:
+            blocks = [[piece] for piece in pieces]
+        else:
+            if sum(counts) != len(pieces):
+                raise ValueError(f"a lease's extent counts add up to {sum(counts)}, not to "
+                                 f"its {len(pieces)} extents")
+            blocks, start = [], 0
+            for count in counts:
+                blocks.append(pieces[start : start + count])
+                start += count
+    if len(blocks) != lease.num_blocks:
+        raise ValueError(f"a lease of {lease.num_blocks} blocks describes {len(blocks)}")
+    return blocks
+
+
+def read_lease_to(lease: ReadLeaseView, slab_id: bytes, packed: bool = False
+                  ) -> pb.LeaseResponse:
+    """The wire form of a read lease in the slab ``slab_id`` (``packed``: its extents in the
+    packed arrays)."""
     return pb.LeaseResponse(lease_id=lease.lease_id, num_blocks=len(lease.blocks),
-                            blocks=blocks_to(lease.blocks), expires_in_s=lease.expires_in_s,
-                            num_cached=lease.num_cached, slab_id=slab_id,
-                            checksums=lease.checksums)
+                            expires_in_s=lease.expires_in_s, num_cached=lease.num_cached,
+                            slab_id=slab_id, checksums=lease.checksums,
+                            **_extent_fields(lease.blocks, packed))
 
 
-def write_lease_to(lease: WriteLeaseView, slab_id: bytes) -> pb.LeaseResponse:
-    """The wire form of a write lease in the slab ``slab_id``."""
+def write_lease_to(lease: WriteLeaseView, slab_id: bytes, packed: bool = False
+                   ) -> pb.LeaseResponse:
+    """The wire form of a write lease in the slab ``slab_id`` (``packed`` as for reads)."""
     return pb.LeaseResponse(lease_id=lease.lease_id, num_blocks=len(lease.write_indices),
-                            blocks=blocks_to(lease.blocks), write_indices=lease.write_indices,
-                            expires_in_s=lease.expires_in_s, slab_id=slab_id)
+                            write_indices=lease.write_indices, expires_in_s=lease.expires_in_s,
+                            slab_id=slab_id, **_extent_fields(lease.blocks, packed))
 
 
 # --- lookups -------------------------------------------------------------------------------

@@ -159,35 +159,39 @@ class BlockExtents(_message.Message):
     def __init__(self, extents: _Optional[_Iterable[_Union[Extent, _Mapping]]] = ...) -> None: ...
 
 class AcquireRequest(_message.Message):
-    __slots__ = ("namespace", "hashes", "lease_ttl_s", "slab_id")
+    __slots__ = ("namespace", "hashes", "lease_ttl_s", "slab_id", "packed_extents")
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     HASHES_FIELD_NUMBER: _ClassVar[int]
     LEASE_TTL_S_FIELD_NUMBER: _ClassVar[int]
     SLAB_ID_FIELD_NUMBER: _ClassVar[int]
+    PACKED_EXTENTS_FIELD_NUMBER: _ClassVar[int]
     namespace: Namespace
     hashes: _containers.RepeatedScalarFieldContainer[bytes]
     lease_ttl_s: float
     slab_id: bytes
-    def __init__(self, namespace: _Optional[_Union[Namespace, _Mapping]] = ..., hashes: _Optional[_Iterable[bytes]] = ..., lease_ttl_s: _Optional[float] = ..., slab_id: _Optional[bytes] = ...) -> None: ...
+    packed_extents: bool
+    def __init__(self, namespace: _Optional[_Union[Namespace, _Mapping]] = ..., hashes: _Optional[_Iterable[bytes]] = ..., lease_ttl_s: _Optional[float] = ..., slab_id: _Optional[bytes] = ..., packed_extents: _Optional[bool] = ...) -> None: ...
 
 class AllocateRequest(_message.Message):
-    __slots__ = ("namespace", "hashes", "write_policy", "priority", "lease_ttl_s", "slab_id")
+    __slots__ = ("namespace", "hashes", "write_policy", "priority", "lease_ttl_s", "slab_id", "packed_extents")
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     HASHES_FIELD_NUMBER: _ClassVar[int]
     WRITE_POLICY_FIELD_NUMBER: _ClassVar[int]
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
     LEASE_TTL_S_FIELD_NUMBER: _ClassVar[int]
     SLAB_ID_FIELD_NUMBER: _ClassVar[int]
+    PACKED_EXTENTS_FIELD_NUMBER: _ClassVar[int]
     namespace: Namespace
     hashes: _containers.RepeatedScalarFieldContainer[bytes]
     write_policy: WritePolicy
     priority: Priority
     lease_ttl_s: float
     slab_id: bytes
-    def __init__(self, namespace: _Optional[_Union[Namespace, _Mapping]] = ..., hashes: _Optional[_Iterable[bytes]] = ..., write_policy: _Optional[_Union[WritePolicy, str]] = ..., priority: _Optional[_Union[Priority, str]] = ..., lease_ttl_s: _Optional[float] = ..., slab_id: _Optional[bytes] = ...) -> None: ...
+    packed_extents: bool
+    def __init__(self, namespace: _Optional[_Union[Namespace, _Mapping]] = ..., hashes: _Optional[_Iterable[bytes]] = ..., write_policy: _Optional[_Union[WritePolicy, str]] = ..., priority: _Optional[_Union[Priority, str]] = ..., lease_ttl_s: _Optional[float] = ..., slab_id: _Optional[bytes] = ..., packed_extents: _Optional[bool] = ...) -> None: ...
 
 class LeaseResponse(_message.Message):
-    __slots__ = ("lease_id", "num_blocks", "blocks", "write_indices", "expires_in_s", "num_cached", "slab_id", "checksums")
+    __slots__ = ("lease_id", "num_blocks", "blocks", "write_indices", "expires_in_s", "num_cached", "slab_id", "checksums", "extent_offsets", "extent_lengths", "extent_counts")
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -196,6 +200,9 @@ class LeaseResponse(_message.Message):
     NUM_CACHED_FIELD_NUMBER: _ClassVar[int]
     SLAB_ID_FIELD_NUMBER: _ClassVar[int]
     CHECKSUMS_FIELD_NUMBER: _ClassVar[int]
+    EXTENT_OFFSETS_FIELD_NUMBER: _ClassVar[int]
+    EXTENT_LENGTHS_FIELD_NUMBER: _ClassVar[int]
+    EXTENT_COUNTS_FIELD_NUMBER: _ClassVar[int]
     lease_id: bytes
     num_blocks: int
     blocks: _containers.RepeatedCompositeFieldContainer[BlockExtents]
@@ -204,7 +211,10 @@ class LeaseResponse(_message.Message):
     num_cached: int
     slab_id: bytes
     checksums: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, lease_id: _Optional[bytes] = ..., num_blocks: _Optional[int] = ..., blocks: _Optional[_Iterable[_Union[BlockExtents, _Mapping]]] = ..., write_indices: _Optional[_Iterable[int]] = ..., expires_in_s: _Optional[float] = ..., num_cached: _Optional[int] = ..., slab_id: _Optional[bytes] = ..., checksums: _Optional[_Iterable[int]] = ...) -> None: ...
+    extent_offsets: _containers.RepeatedScalarFieldContainer[int]
+    extent_lengths: _containers.RepeatedScalarFieldContainer[int]
+    extent_counts: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, lease_id: _Optional[bytes] = ..., num_blocks: _Optional[int] = ..., blocks: _Optional[_Iterable[_Union[BlockExtents, _Mapping]]] = ..., write_indices: _Optional[_Iterable[int]] = ..., expires_in_s: _Optional[float] = ..., num_cached: _Optional[int] = ..., slab_id: _Optional[bytes] = ..., checksums: _Optional[_Iterable[int]] = ..., extent_offsets: _Optional[_Iterable[int]] = ..., extent_lengths: _Optional[_Iterable[int]] = ..., extent_counts: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class LeaseRequest(_message.Message):
     __slots__ = ("lease_id", "checksums", "corrupt_indices", "num_copied")
