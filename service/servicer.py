@@ -23,7 +23,14 @@ import tierkv
 from tierkv.buffers import BufferPool
 from tierkv.codec import RawPutChunk
 from tierkv.config import Tier
-from tierkv.errors import CapacityError, DeadlineExceededError, InvalidArgumentError, TierKVError
+from tierkv.errors import (
+    CapacityError,
+    DeadlineExceededError,
+    InvalidArgumentError,
+    LeaseNotFoundError,
+    LeaseStateError,
+    TierKVError,
+)
 from tierkv.keys import Namespace
 from tierkv.service import convert
 from tierkv.service.auth import Authenticator, client_id_of
@@ -55,7 +62,7 @@ from tierkv.wire.convert import (
     write_lease_to,
 )
 from tierkv.wire.enums import priority_from, write_policy_from
-from tierkv.wire.limits import host_id
+from tierkv.wire.limits import MAX_CARRIED_RELEASES, host_id
 from tierkv.wire.namespaces import namespace_to
 
 R = TypeVar("R")
@@ -430,7 +437,21 @@ class TierKVServicer(pb_grpc.TierKVServicer):
     async def Acquire(self, request: pb.AcquireRequest, context: Any, caller: Caller) -> Any:
         return await self._run(self._acquire, request, caller)
 
+    def _release_carried(self, releases: Sequence[pb.LeaseRequest], caller: Caller) -> None:
+        """The read-lease releases a call carries, before it leases anything (so their pages
+        are free for it); one that names no live lease of the caller's (it expired, or a
+        server restarted in between) is skipped: the client's copy was checked either way."""
+        if len(releases) > MAX_CARRIED_RELEASES:
+            raise InvalidArgumentError(f"a call carries at most {MAX_CARRIED_RELEASES} releases, "
+                                       f"got {len(releases)}")
+        for release in releases:
+            num_copied = release.num_copied if release.HasField("num_copied") else None
+            with contextlib.suppress(LeaseNotFoundError, LeaseStateError):
+                self.store.release(release.lease_id, caller.owner, release.corrupt_indices,
+                                   num_copied)
+
     def _acquire(self, request: pb.AcquireRequest, caller: Caller) -> pb.LeaseResponse:
+        self._release_carried(request.releases, caller)
         namespace, hashes = self._blocks(request, caller)
         return read_lease_to(self.store.acquire(
             namespace, hashes, convert.ttl_from(request.lease_ttl_s), caller.owner,
@@ -453,6 +474,7 @@ class TierKVServicer(pb_grpc.TierKVServicer):
         return await self._run(self._allocate, request, caller)
 
     def _allocate(self, request: pb.AllocateRequest, caller: Caller) -> pb.LeaseResponse:
+        self._release_carried(request.releases, caller)
         namespace, hashes = self._blocks(request, caller)
         return write_lease_to(self.store.allocate(
             namespace, hashes, convert.ttl_from(request.lease_ttl_s), caller.owner,

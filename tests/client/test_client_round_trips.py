@@ -16,8 +16,11 @@ private event loop); a few tests drive it natively with ``async with`` and ``asy
 
 from __future__ import annotations
 
+import asyncio
+import time
 from collections.abc import Callable
 
+import pytest
 import torch
 
 from tests.support.client_harness import (
@@ -32,8 +35,10 @@ from tests.support.client_harness import (
     ns,
     patterned_blocks,
 )
-from tests.support.harness import BOB_TOKEN
+from tests.support.harness import ALICE_TOKEN, BOB_TOKEN
 from tests.support.tiny_blocks import BLOCK_BYTES, TINY_LAYOUT, keys, same_bytes
+from tierkv import AsyncClient
+from tierkv.config import Tier
 from tierkv.keys import Namespace
 from tierkv.layout import KVLayout
 
@@ -182,6 +187,86 @@ def test_get_acquires_the_rest_of_the_chain_after_releasing_the_first_part(
     assert (detail.num_cached, detail.num_host, detail.num_disk) == (12, 8, 4)
     assert same_bytes(client.get(namespace, hashes), data)
     methods = server.spy.methods_of(client.settings.client_id)
+    if path == "shm":  # the first lease's release rode on the second Acquire
+        assert methods["Acquire"] == 2 and methods["Release"] == 0
+    assert client.stats().num_leases == 0  # the second's went just before the Stats
     if path == "shm":
-        assert methods["Acquire"] == methods["Release"] == 2
-    assert client.stats().num_leases == 0
+        assert server.spy.methods_of(client.settings.client_id)["Release"] == 1
+
+
+# --- releases carried on the next call ------------------------------------------------------
+
+
+def test_a_release_carried_on_a_later_call_keeps_the_pages_leased_until_then(
+    make_server: ServerFactory, open_client: Callable[..., AnyClient], kind: str
+) -> None:
+    """A same-host get queues its release for the client's next call (one round trip a get).
+    Until that call the leased blocks stay busy: another client's flood of puts, which evicts
+    everything else in HOST, never takes their pages; once the release rode on the next call,
+    the next flood may."""
+    server = make_server(host_bytes=16 * BLOCK_BYTES, disk_bytes=0)
+    reader = open_client(server, "shm", kind, release_delay_s=30.0)  # no send on its own here
+    writer = open_client(server, "shm", kind, token=BOB_TOKEN)
+    namespace, hashes = ns(), keys(8, salt="carried")
+    data = patterned_blocks(8, seed=14)
+    assert reader.put(namespace, hashes, data) == 8
+    got = reader.get(namespace, hashes)
+    assert same_bytes(got, data)
+    in_store = Namespace("test-model", TINY_LAYOUT, tenant="alice")
+
+    def flood(salt: str) -> None:
+        for batch in range(4):  # 32 blocks through 16 of HOST: all that is not leased goes
+            flood_hashes = keys(8, salt=f"{salt}-{batch}")
+            assert writer.put(namespace, flood_hashes, patterned_blocks(8, seed=batch)) == 8
+
+    assert server.store.num_leases == 1
+    flood("first")
+    assert server.store.lookup(in_store, hashes) == 8  # still leased: never evicted
+    assert same_bytes(server.store.get(in_store, hashes), data)
+    assert server.spy.methods_of(reader.settings.client_id)["Release"] == 0
+    stats = reader.stats()  # the release goes first, then the Stats that counts it
+    assert stats.num_leases == 0 and server.store.num_leases == 0
+    flood("second")
+    assert server.store.lookup(in_store, hashes) == 0  # released: its pages were reused
+    assert same_bytes(got, data)  # what the reader copied is its own
+
+
+def test_a_queued_release_is_sent_once_due_and_at_close(
+    make_server: ServerFactory, open_client: Callable[..., AnyClient]
+) -> None:
+    """No call follows the get: the release goes on its own after release_delay_s (the
+    client's sender thread), or at close, whichever comes first; its hits count then."""
+    server = make_server()
+    namespace, hashes = ns(), keys(4, salt="due")
+    idle = open_client(server, "shm", "sync", release_delay_s=0.05)
+    assert idle.put(namespace, hashes, patterned_blocks(4, seed=15)) == 4
+    hits_before = server.store.stats().tiers[Tier.HOST].hits
+    assert len(idle.get(namespace, hashes)) == 4
+    deadline = time.monotonic() + 10.0
+    while server.store.num_leases and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert server.store.num_leases == 0
+    assert server.store.stats().tiers[Tier.HOST].hits == hits_before + 4
+    closing = open_client(server, "shm", "sync", release_delay_s=30.0)
+    assert len(closing.get(namespace, hashes)) == 4 and server.store.num_leases == 1
+    closing.close()
+    assert server.store.num_leases == 0
+
+
+@pytest.mark.asyncio
+async def test_an_async_clients_queued_release_is_sent_once_due(
+    make_server: ServerFactory
+) -> None:
+    server = make_server()
+    namespace, hashes = ns(), keys(4, salt="async-due")
+    async with AsyncClient(server.unix_target, token=ALICE_TOKEN, release_delay_s=0.05) as client:
+        assert await client.put(namespace, hashes, patterned_blocks(4, seed=16)) == 4
+        assert len(await client.get(namespace, hashes)) == 4
+        assert server.store.num_leases == 1
+        for _ in range(1000):
+            if not server.store.num_leases:
+                break
+            await asyncio.sleep(0.01)
+        assert server.store.num_leases == 0
+        assert len(await client.get(namespace, hashes)) == 4
+    assert server.store.num_leases == 0  # the close sent the second get's release

@@ -171,6 +171,7 @@ def check_read(name: str, shm: Client, stream: Client, store: TieredStore, names
     before = store.stats()
     if name == "read_shm":
         num_got = shm.get_into(namespace, chain, out[: len(chain)])
+        shm.stats()  # its release rides on the next call (client.md, 5): this one sends it
     elif name == "read_stream":
         num_got = stream.get_into(namespace, chain, out[: len(chain)])
     elif name == "read_store":

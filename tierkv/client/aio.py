@@ -7,6 +7,8 @@ or put never blocks the caller's event loop.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
@@ -18,6 +20,7 @@ from tierkv.client.effects import Flow, run_async
 from tierkv.client.flows import ClientFlows
 from tierkv.client.results import ServerStats
 from tierkv.config import Priority, WritePolicy
+from tierkv.errors import TierKVError
 from tierkv.keys import Namespace
 from tierkv.types import ClearResult, SessionInfo
 from tierkv.wire.convert import LookupDetail, ServerInfo
@@ -32,6 +35,10 @@ class AsyncClient(ClientFlows):
     def __init__(self, target: str = DEFAULT_TARGET, **settings: Any) -> None:
         super().__init__(target, settings)
         self._channel, self._connection = base.open_channel(grpc.aio, target, self.settings)
+        # When queued releases that no call carried are sent (on the loop of the call that
+        # queued them), and the task sending them.
+        self._release_timer: asyncio.TimerHandle | None = None
+        self._release_task: asyncio.Task[None] | None = None
 
     async def __aenter__(self) -> AsyncClient:
         return self
@@ -40,13 +47,47 @@ class AsyncClient(ClientFlows):
         await self.close()
 
     async def close(self) -> None:
-        """Close the channel and unmap the slab. Calls afterwards raise
-        ``ServiceUnavailableError``."""
+        """Send the queued releases, close the channel and unmap the slab. Calls afterwards
+        raise ``ServiceUnavailableError``."""
+        if self._release_timer is not None:
+            self._release_timer.cancel()
+            self._release_timer = None
+        if not self._closed:
+            with contextlib.suppress(TierKVError):
+                await run_async(self._connection, self._send_releases())
         self._unmap()
+        if self._release_task is not None:
+            with contextlib.suppress(TierKVError, asyncio.CancelledError):
+                await self._release_task
         await self._channel.close()
 
     async def _run(self, flow: Flow[R]) -> R:
-        return await run_async(self._connection, flow)
+        try:
+            return await run_async(self._connection, flow)
+        finally:
+            if self._releases:
+                self._schedule_releases()
+
+    def _schedule_releases(self) -> None:
+        """Send the queued releases once they are due, unless a call carries them first."""
+        due_in_s = self._releases_due_in_s()
+        if due_in_s is None or self._release_timer is not None or self._closed:
+            return
+        self._release_timer = asyncio.get_running_loop().call_later(
+            max(0.0, due_in_s), self._start_sending_releases)
+
+    def _start_sending_releases(self) -> None:
+        self._release_timer = None
+        if self._release_task is None or self._release_task.done():
+            self._release_task = asyncio.ensure_future(self._send_releases_now())
+
+    async def _send_releases_now(self) -> None:
+        if self._releases_due_in_s() is None:
+            return
+        with contextlib.suppress(TierKVError):
+            await run_async(self._connection, self._send_releases())
+        if self._releases:
+            self._schedule_releases()
 
     async def describe(self) -> ServerInfo:
         """The server's facts (slab, host, limits); fetched once, and again when the server's

@@ -36,7 +36,13 @@ from tierkv.wire import tierkv_pb2 as pb
 from tierkv.wire import tierkv_pb2_grpc as pb_grpc
 from tierkv.wire.convert import ServerInfo, lease_blocks_from
 from tierkv.wire.enums import priority_to, write_policy_to
-from tierkv.wire.limits import CHUNK_BYTES, DEFAULT_TARGET, MAX_MESSAGE_BYTES, host_id
+from tierkv.wire.limits import (
+    CHUNK_BYTES,
+    DEFAULT_TARGET,
+    MAX_CARRIED_RELEASES,
+    MAX_MESSAGE_BYTES,
+    host_id,
+)
 from tierkv.wire.namespaces import namespace_to
 from tierkv.wire.status import RETRYABLE_CODES, error_of
 
@@ -63,6 +69,10 @@ class ClientSettings:
     False forces the stream path; True requires shared memory. ``retries`` re-sends a call that
     got UNAVAILABLE or CANCELLED, after ``backoff_s``, doubling each time (the defaults wait
     0.7 s in all: long enough for the channel's next reconnect, at most 250 ms away).
+    ``release_delay_s``: how long the release of a read lease whose copy checked out waits to
+    ride on this client's next Acquire or Allocate (a same-host get is then one round trip);
+    past it, or before any other call, and at ``close``, it is sent on its own. Until then its
+    pages stay leased (no put can reuse them). 0: each get sends its release at once.
     """
 
     target: str = DEFAULT_TARGET
@@ -73,6 +83,7 @@ class ClientSettings:
     backoff_s: float = 0.1
     use_shm: bool | None = None
     client_id: str = field(default_factory=lambda: secrets.token_hex(8))
+    release_delay_s: float = 0.02
 
     @property
     def metadata(self) -> tuple[tuple[str, str], ...]:
@@ -308,6 +319,33 @@ class ClientBase:
         # that the server sees the lock free (not the file gone) and takes the lease back.
         self._num_leasing = 0
         self._leasing_lock = threading.Lock()
+        # Releases of read leases whose copy checked out, waiting to ride on the next Acquire
+        # or Allocate (``ClientSettings.release_delay_s``); the time the oldest was queued.
+        self._releases: list[pb.LeaseRequest] = []
+        self._releases_since_s = 0.0
+        self._releases_lock = threading.Lock()
+
+    def _defer_release(self, release: pb.LeaseRequest) -> None:
+        """Queue ``release`` for the next call that carries releases."""
+        with self._releases_lock:
+            if not self._releases:
+                self._releases_since_s = time.monotonic()
+            self._releases.append(release)
+
+    def _take_releases(self, limit: int = MAX_CARRIED_RELEASES) -> list[pb.LeaseRequest]:
+        """Up to ``limit`` queued releases, oldest first, off the queue (the caller sends them)."""
+        with self._releases_lock:
+            taken, self._releases = self._releases[:limit], self._releases[limit:]
+            if self._releases:
+                self._releases_since_s = time.monotonic()
+            return taken
+
+    def _releases_due_in_s(self) -> float | None:
+        """Seconds until the queued releases are due on their own (None: none queued)."""
+        with self._releases_lock:
+            if not self._releases:
+                return None
+            return self._releases_since_s + self.settings.release_delay_s - time.monotonic()
 
     def _adopt(self, info: ServerInfo) -> None:
         """Take the server's facts: map its slab and presence table when on the same host, and
@@ -328,8 +366,11 @@ class ClientBase:
             self._forget_server()
 
     def _forget_server(self) -> None:
-        """Drop the slab mapping and what was learned with it."""
+        """Drop the slab mapping and what was learned with it (the queued releases too: they
+        name leases of a server that is gone, whose pages nobody reads)."""
         self._info = None
+        with self._releases_lock:
+            self._releases = []
         if self._slab is not None:
             self._slab.close()
             self._slab = None
@@ -389,14 +430,15 @@ class ClientBase:
         return pb.AllocateRequest(
             namespace=self._wire(namespace), hashes=list(hashes),
             write_policy=write_policy_to(write_policy), priority=priority_to(priority),
-            slab_id=self._slab.slab_id, packed_extents=True,
+            slab_id=self._slab.slab_id, packed_extents=True, releases=self._take_releases(),
         )
 
     def _acquire_request(self, namespace: Namespace, hashes: Sequence[bytes]
                          ) -> pb.AcquireRequest:
         assert self._slab is not None
         return pb.AcquireRequest(namespace=self._wire(namespace), hashes=list(hashes),
-                                 slab_id=self._slab.slab_id, packed_extents=True)
+                                 slab_id=self._slab.slab_id, packed_extents=True,
+                                 releases=self._take_releases())
 
     def _lookup_request(self, namespace: Namespace, hashes: Sequence[bytes], prefetch: bool,
                         pin_ttl_s: float) -> pb.LookupRequest:

@@ -48,6 +48,9 @@ from tierkv.wire.namespaces import namespace_from
 
 _MAX_UINT32 = 2**32 - 1
 
+_CARRIES_RELEASES = frozenset({"Acquire", "Allocate", "Release"})
+"""Calls that carry queued releases in their request (Release: is one), or need none sent."""
+
 CLEAR_TIMEOUT_S = 3600.0
 """A Clear's deadline when the call names none: clearing millions of blocks takes minutes, far
 beyond the deadline of other calls (``ClientSettings.timeout_s``)."""
@@ -79,9 +82,21 @@ class ClientFlows(base.ClientBase):
 
     def _call(self, method: str, request: Any, timeout_s: float | None = None,
               retry: bool = True) -> Flow[Any]:
-        """A unary call under the client's retry policy."""
+        """A unary call under the client's retry policy. A call that carries no releases
+        sends the queued ones first: whatever it reads (stats, a lookup) counts them."""
+        if method not in _CARRIES_RELEASES:
+            yield from self._send_releases()
         return (yield from self._retrying(
             Unary(method, request, timeout_s or self.settings.timeout_s), retry))
+
+    def _send_releases(self) -> Flow[None]:
+        """Send every queued release on its own (a lease that expired meanwhile, or of a
+        server that restarted, is not an error: the client's copy was checked)."""
+        while releases := self._take_releases():
+            for release in releases:
+                with contextlib.suppress(TierKVError):
+                    yield from self._retrying(
+                        Unary("Release", release, self.settings.timeout_s), retry=False)
 
     def _describe(self) -> Flow[ServerInfo]:
         """The server's facts; fetched once, and again when the server's slab went away."""
@@ -182,14 +197,20 @@ class ClientFlows(base.ClientBase):
             # Until the copy is checked the client has kept nothing (a stale mapping raises
             # before it copies): the server counts hits only for what a client kept.
             release = pb.LeaseRequest(lease_id=lease.lease_id, num_copied=0)
+            checked = False
             try:
                 bad = yield Copy(self._read_lease, slab, lease, namespace, flat, done)
                 release.num_copied = lease.num_blocks if bad is None else bad
+                checked = True
             finally:
                 if bad is not None:
                     release.corrupt_indices.append(bad)
-                with contextlib.suppress(TierKVError):  # an expired lease: the copy is checked
-                    yield from self._call("Release", release, retry=False)
+                if checked and bad is None and self.settings.release_delay_s > 0:
+                    # Its pages stay leased until the release rides on the next call.
+                    self._defer_release(release)
+                else:
+                    with contextlib.suppress(TierKVError):  # an expired lease: copy checked
+                        yield from self._call("Release", release, retry=False)
             if bad is not None:
                 return done + bad  # a damaged block ends the run: a miss, never its bytes
             count = lease.num_blocks

@@ -10,6 +10,8 @@ tierkv exception of their status code. The logic is ``tierkv.client.flows``'s, s
 
 from __future__ import annotations
 
+import contextlib
+import threading
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
@@ -21,6 +23,7 @@ from tierkv.client.effects import Flow, run_blocking
 from tierkv.client.flows import ClientFlows
 from tierkv.client.results import ServerStats
 from tierkv.config import Priority, WritePolicy
+from tierkv.errors import TierKVError
 from tierkv.keys import Namespace
 from tierkv.types import ClearResult, SessionInfo
 from tierkv.wire.convert import LookupDetail, ServerInfo
@@ -35,6 +38,10 @@ class Client(ClientFlows):
     def __init__(self, target: str = DEFAULT_TARGET, **settings: Any) -> None:
         super().__init__(target, settings)
         self._channel, self._connection = base.open_channel(grpc, target, self.settings)
+        # Sends queued releases that no call carried within release_delay_s (started with the
+        # first one queued).
+        self._release_sender: threading.Thread | None = None
+        self._release_wakeup = threading.Condition()
 
     def __enter__(self) -> Client:
         return self
@@ -43,13 +50,47 @@ class Client(ClientFlows):
         self.close()
 
     def close(self) -> None:
-        """Close the channel and unmap the slab. Calls afterwards raise
-        ``ServiceUnavailableError``."""
+        """Send the queued releases, close the channel and unmap the slab. Calls afterwards
+        raise ``ServiceUnavailableError``."""
+        if not self._closed:
+            with contextlib.suppress(TierKVError):
+                run_blocking(self._connection, self._send_releases())
         self._unmap()
+        with self._release_wakeup:
+            self._release_wakeup.notify_all()
+        if self._release_sender is not None and self._release_sender is not threading.current_thread():
+            self._release_sender.join(timeout=1.0)
         self._channel.close()
 
     def _run(self, flow: Flow[R]) -> R:
-        return run_blocking(self._connection, flow)
+        try:
+            return run_blocking(self._connection, flow)
+        finally:
+            if self._releases:
+                self._wake_release_sender()
+
+    def _wake_release_sender(self) -> None:
+        with self._release_wakeup:
+            if self._release_sender is None and not self._closed:
+                self._release_sender = threading.Thread(
+                    target=self._send_releases_when_due, name="tierkv-client-releases",
+                    daemon=True)
+                self._release_sender.start()
+            self._release_wakeup.notify_all()
+
+    def _send_releases_when_due(self) -> None:
+        """The sender thread: each queued release no call carried goes once it is due."""
+        while True:
+            with self._release_wakeup:
+                while not self._closed and (due_in_s := self._releases_due_in_s()) is None:
+                    self._release_wakeup.wait()
+                if self._closed or due_in_s is None:
+                    return
+                if due_in_s > 0:
+                    self._release_wakeup.wait(due_in_s)
+                    continue
+            with contextlib.suppress(TierKVError, ValueError):  # closed under it: nothing to do
+                run_blocking(self._connection, self._send_releases())
 
     def describe(self) -> ServerInfo:
         """The server's facts (slab, host, limits); fetched once, and again when the server's

@@ -25,6 +25,8 @@ MESSAGE_HEADER_ROOM_BYTES = 64 * KiB
 """What a chunk leaves free under ``MAX_MESSAGE_BYTES`` for the rest of its message."""
 MAX_HASHES_PER_CALL = 65536
 """Hashes one call may name (the server's default; Describe reports the one it applies)."""
+MAX_CARRIED_RELEASES = 64
+"""Read-lease releases one Acquire or Allocate may carry (a client sends the rest on their own)."""
 MAX_MODEL_ID_CHARS = 256
 """Length limit of ``Namespace.model_id`` on the wire."""
 

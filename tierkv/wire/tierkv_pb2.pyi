@@ -159,21 +159,23 @@ class BlockExtents(_message.Message):
     def __init__(self, extents: _Optional[_Iterable[_Union[Extent, _Mapping]]] = ...) -> None: ...
 
 class AcquireRequest(_message.Message):
-    __slots__ = ("namespace", "hashes", "lease_ttl_s", "slab_id", "packed_extents")
+    __slots__ = ("namespace", "hashes", "lease_ttl_s", "slab_id", "packed_extents", "releases")
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     HASHES_FIELD_NUMBER: _ClassVar[int]
     LEASE_TTL_S_FIELD_NUMBER: _ClassVar[int]
     SLAB_ID_FIELD_NUMBER: _ClassVar[int]
     PACKED_EXTENTS_FIELD_NUMBER: _ClassVar[int]
+    RELEASES_FIELD_NUMBER: _ClassVar[int]
     namespace: Namespace
     hashes: _containers.RepeatedScalarFieldContainer[bytes]
     lease_ttl_s: float
     slab_id: bytes
     packed_extents: bool
-    def __init__(self, namespace: _Optional[_Union[Namespace, _Mapping]] = ..., hashes: _Optional[_Iterable[bytes]] = ..., lease_ttl_s: _Optional[float] = ..., slab_id: _Optional[bytes] = ..., packed_extents: _Optional[bool] = ...) -> None: ...
+    releases: _containers.RepeatedCompositeFieldContainer[LeaseRequest]
+    def __init__(self, namespace: _Optional[_Union[Namespace, _Mapping]] = ..., hashes: _Optional[_Iterable[bytes]] = ..., lease_ttl_s: _Optional[float] = ..., slab_id: _Optional[bytes] = ..., packed_extents: _Optional[bool] = ..., releases: _Optional[_Iterable[_Union[LeaseRequest, _Mapping]]] = ...) -> None: ...
 
 class AllocateRequest(_message.Message):
-    __slots__ = ("namespace", "hashes", "write_policy", "priority", "lease_ttl_s", "slab_id", "packed_extents")
+    __slots__ = ("namespace", "hashes", "write_policy", "priority", "lease_ttl_s", "slab_id", "packed_extents", "releases")
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     HASHES_FIELD_NUMBER: _ClassVar[int]
     WRITE_POLICY_FIELD_NUMBER: _ClassVar[int]
@@ -181,6 +183,7 @@ class AllocateRequest(_message.Message):
     LEASE_TTL_S_FIELD_NUMBER: _ClassVar[int]
     SLAB_ID_FIELD_NUMBER: _ClassVar[int]
     PACKED_EXTENTS_FIELD_NUMBER: _ClassVar[int]
+    RELEASES_FIELD_NUMBER: _ClassVar[int]
     namespace: Namespace
     hashes: _containers.RepeatedScalarFieldContainer[bytes]
     write_policy: WritePolicy
@@ -188,7 +191,8 @@ class AllocateRequest(_message.Message):
     lease_ttl_s: float
     slab_id: bytes
     packed_extents: bool
-    def __init__(self, namespace: _Optional[_Union[Namespace, _Mapping]] = ..., hashes: _Optional[_Iterable[bytes]] = ..., write_policy: _Optional[_Union[WritePolicy, str]] = ..., priority: _Optional[_Union[Priority, str]] = ..., lease_ttl_s: _Optional[float] = ..., slab_id: _Optional[bytes] = ..., packed_extents: _Optional[bool] = ...) -> None: ...
+    releases: _containers.RepeatedCompositeFieldContainer[LeaseRequest]
+    def __init__(self, namespace: _Optional[_Union[Namespace, _Mapping]] = ..., hashes: _Optional[_Iterable[bytes]] = ..., write_policy: _Optional[_Union[WritePolicy, str]] = ..., priority: _Optional[_Union[Priority, str]] = ..., lease_ttl_s: _Optional[float] = ..., slab_id: _Optional[bytes] = ..., packed_extents: _Optional[bool] = ..., releases: _Optional[_Iterable[_Union[LeaseRequest, _Mapping]]] = ...) -> None: ...
 
 class LeaseResponse(_message.Message):
     __slots__ = ("lease_id", "num_blocks", "blocks", "write_indices", "expires_in_s", "num_cached", "slab_id", "checksums", "extent_offsets", "extent_lengths", "extent_counts")
