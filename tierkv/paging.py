@@ -104,7 +104,7 @@ def blocks_that_fit(capacity_bytes: int, page_bytes: int, block_bytes: int) -> i
 
 def first_page(location: Location) -> int:
     """The page a location starts at (its block's bytes begin there)."""
-    return unpack_extent(location if isinstance(location, int) else location[0])[0]
+    return (location if isinstance(location, int) else location[0]) >> _COUNT_BITS
 
 
 def location_num_pages(location: Location) -> int:

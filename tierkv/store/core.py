@@ -164,13 +164,17 @@ class StoreCore:
     ) -> None:
         """Give ``entry`` a (complete) copy in ``tier`` at ``location``; a HOST copy comes with
         the checksum of its bytes (computed by the caller, outside the lock)."""
+        node: Residency[Entry] = Residency(entry, location)
+        # Each tier spelled out: this runs for every block stored.
         if tier is Tier.HOST:
             assert checksum is not None, "a HOST copy needs its checksum"
             self.paged[Tier.HOST].set_checksum(location, checksum)
-        node: Residency[Entry] = Residency(entry, location)
-        entry.set_residency(tier, node)
-        if tier is Tier.DISK:
+            entry.host = node
+        elif tier is Tier.DISK:
+            entry.disk = node
             self.undemotable.pop(entry, None)  # it has its copy below now
+        else:
+            entry.gpu = node
         ledger = self.ledgers[tier]
         ledger.num_blocks += 1
         ledger.stored_bytes += entry.ns.block_bytes
