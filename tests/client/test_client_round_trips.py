@@ -17,6 +17,8 @@ private event loop); a few tests drive it natively with ``async with`` and ``asy
 from __future__ import annotations
 
 import asyncio
+import gc
+import threading
 import time
 from collections.abc import Callable
 
@@ -37,7 +39,7 @@ from tests.support.client_harness import (
 )
 from tests.support.harness import ALICE_TOKEN, BOB_TOKEN
 from tests.support.tiny_blocks import BLOCK_BYTES, TINY_LAYOUT, keys, same_bytes
-from tierkv import AsyncClient
+from tierkv import AsyncClient, Client
 from tierkv.config import Tier
 from tierkv.keys import Namespace
 from tierkv.layout import KVLayout
@@ -270,3 +272,23 @@ async def test_an_async_clients_queued_release_is_sent_once_due(
         assert server.store.num_leases == 0
         assert len(await client.get(namespace, hashes)) == 4
     assert server.store.num_leases == 0  # the close sent the second get's release
+
+
+def test_a_client_dropped_without_close_takes_its_release_sender_with_it(
+    server: LiveServer,
+) -> None:
+    """The thread that sends a sync client's due releases holds the client weakly: a client
+    dropped without ``close`` is collected, and its thread ends."""
+    def senders() -> set[threading.Thread]:
+        return {t for t in threading.enumerate() if t.name == "tierkv-client-releases"}
+
+    before = senders()
+    client = Client(server.unix_target, token=ALICE_TOKEN, release_delay_s=30.0)
+    namespace, hashes = ns(), keys(2, salt="dropped")
+    assert client.put(namespace, hashes, patterned_blocks(2, seed=17)) == 2
+    assert len(client.get(namespace, hashes)) == 2
+    (sender,) = senders() - before  # started by the queued release
+    del client
+    gc.collect()
+    sender.join(timeout=5.0)
+    assert not sender.is_alive()

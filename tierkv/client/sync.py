@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
@@ -73,24 +74,34 @@ class Client(ClientFlows):
         with self._release_wakeup:
             if self._release_sender is None and not self._closed:
                 self._release_sender = threading.Thread(
-                    target=self._send_releases_when_due, name="tierkv-client-releases",
-                    daemon=True)
+                    target=Client._send_releases_when_due,
+                    args=(weakref.ref(self), self._release_wakeup),
+                    name="tierkv-client-releases", daemon=True)
                 self._release_sender.start()
             self._release_wakeup.notify_all()
 
-    def _send_releases_when_due(self) -> None:
-        """The sender thread: each queued release no call carried goes once it is due."""
+    @staticmethod
+    def _send_releases_when_due(client_ref: weakref.ref[Client],
+                                wakeup: threading.Condition) -> None:
+        """The sender thread: each queued release no call carried goes once it is due. It
+        holds the client weakly, so a client dropped without ``close`` is still collected
+        (its thread then ends within a second)."""
         while True:
-            with self._release_wakeup:
-                while not self._closed and (due_in_s := self._releases_due_in_s()) is None:
-                    self._release_wakeup.wait()
-                if self._closed or due_in_s is None:
+            with wakeup:
+                client = client_ref()
+                if client is None or client._closed:
                     return
-                if due_in_s > 0:
-                    self._release_wakeup.wait(due_in_s)
+                due_in_s = client._releases_due_in_s()
+                del client
+                if due_in_s is None or due_in_s > 0:
+                    wakeup.wait(1.0 if due_in_s is None else min(due_in_s, 1.0))
                     continue
+            client = client_ref()
+            if client is None:
+                return
             with contextlib.suppress(TierKVError, ValueError):  # closed under it: nothing to do
-                run_blocking(self._connection, self._send_releases())
+                run_blocking(client._connection, client._send_releases())
+            del client
 
     def describe(self) -> ServerInfo:
         """The server's facts (slab, host, limits); fetched once, and again when the server's
