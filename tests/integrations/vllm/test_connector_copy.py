@@ -166,6 +166,51 @@ def test_scattered_blocks_of_several_requests_save_and_load_bit_exact(
         loader.close()
 
 
+def test_a_layer_is_in_place_while_later_layers_are_still_being_scattered(
+    server: BackgroundServer, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """On the CPU the fetching thread scatters a sync load layer after layer, and
+    ``wait_for_layer(i)`` waits for layer i only: with the scatter of every later layer held
+    (a gate on the worker's own copy, standing for a slow one), layer 0 is in place and
+    waited for, the others untouched; released, every layer lands bit-exact before the model
+    asks for it."""
+    target = server.unix_target
+    source = random_caches(GEOMETRY, seed=7)
+    hashes, ids = fresh_hashes(3), [4, 12, 20]
+    put_blocks(target, NAMESPACE, hashes, blocks_of(source, GEOMETRY, [1, 2, 3]))
+    gate = threading.Event()
+    scatter = WorkerSide._scatter
+
+    def held(self: WorkerSide, op: BlockOp, staging: torch.Tensor, count: int, index: int, *,
+             wait: bool) -> None:
+        if index > 0:
+            assert gate.wait(30.0)
+        scatter(self, op, staging, count, index, wait=wait)
+
+    monkeypatch.setattr(WorkerSide, "_scatter", held)
+    dest = filled_caches(GEOMETRY, 0x2222)
+    loader = new_worker(target)
+    try:
+        loader.register(dest)
+        loader.start_load(loads(("r", hashes, ids)))
+        first, *later = GEOMETRY.layer_names
+        loader.wait_for_layer(first)  # returns while the later layers are held
+        expected = blocks_of(source, GEOMETRY, [1, 2, 3])
+        assert torch.equal(bits(blocks_of(dest, GEOMETRY, ids)[:, 0]), bits(expected[:, 0]))
+        assert bool((bits(blocks_of(dest, GEOMETRY, ids)[:, 1:]) == 0x2222).all())
+        gate.set()  # the later layers arrive without the model asking for them
+        deadline = time.monotonic() + 30.0
+        while not torch.equal(bits(blocks_of(dest, GEOMETRY, ids)), bits(expected)):
+            assert time.monotonic() < deadline, "the later layers never arrived"
+            time.sleep(0.01)
+        for name in later:
+            loader.wait_for_layer(name)
+        assert loader.take_load_errors() == set()
+    finally:
+        gate.set()
+        loader.close()
+
+
 def test_repeated_block_ids_and_hashes_save_and_load_bit_exact(server: BackgroundServer) -> None:
     """Two requests of one step sharing a prefix (vLLM's prefix cache gives them the same
     blocks): the shared blocks are saved once, bit-exact; and one stored block loaded into

@@ -6,8 +6,10 @@ physical layout is read from the tensors' strides by the index operations; C pac
 the backend does, which is why the namespace names the backend's layout and device).
 
 * Loads (``load_mode="sync"``): ``start_load`` fetches each request's blocks from the sidecar
-  into a staging tensor on a worker thread; ``wait_for_layer`` scatters one layer into vLLM's
-  blocks when the model reaches it (one ``index_copy_`` per layer per request). A block the
+  into a staging tensor on a worker thread. On the CPU that thread then scatters them into
+  vLLM's blocks layer after layer (one ``index_copy_`` per layer per request), and
+  ``wait_for_layer`` waits for its layer only, while later layers are still being scattered;
+  on the GPU ``wait_for_layer`` issues its layer's copy on the side stream. A block the
   sidecar no longer has, or a sidecar that fails, makes that block and every later one of the
   request a load error: reported to vLLM, never left looking loaded. Asynchronous loads fetch
   and scatter every layer on another thread while the request waits, and report the request
@@ -69,6 +71,10 @@ class _Load:
     op: BlockOp
     staging: torch.Tensor  # [n, L, H, N, C]
     fetched: Future[int]  # how many leading blocks arrived (counted and errors noted by then)
+    # On the CPU: set by the fetching thread as it scatters each layer into vLLM's blocks
+    # (the model waits for its layer only). None on the GPU, where ``wait_for_layer`` issues
+    # each layer's copy on the side stream.
+    layers_ready: tuple[threading.Event, ...] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -255,9 +261,15 @@ class WorkerSide:
             for op in ops:
                 staging = group.load_buffer[first : first + len(op.hashes)]
                 first += len(op.hashes)
-                fetched = self._fetcher.submit(self._fetch, self._load_client, namespaces[g], op,
-                                               staging, deadline)
-                self._loads.append(_Load(op, staging, fetched))
+                if self._stream is not None:
+                    fetched = self._fetcher.submit(self._fetch, self._load_client,
+                                                   namespaces[g], op, staging, deadline)
+                    self._loads.append(_Load(op, staging, fetched))
+                    continue
+                ready = tuple(threading.Event() for _ in group.layers)
+                fetched = self._fetcher.submit(self._fetch_and_scatter, namespaces[g], op,
+                                               staging, deadline, ready)
+                self._loads.append(_Load(op, staging, fetched, ready))
         for op in meta.async_loads:
             self._async_loader.submit(self._load_between_steps, namespaces[op.group], op)
 
@@ -303,6 +315,28 @@ class WorkerSide:
             self._load_errors.update(op.block_ids[count:])
         return count
 
+    def _fetch_and_scatter(self, namespace: Namespace, op: BlockOp, staging: torch.Tensor,
+                           deadline: float, ready: tuple[threading.Event, ...]) -> int:
+        """A synchronous load on the CPU, on the fetching thread: fetch (verified into
+        ``staging``), then scatter layer after layer, setting each layer's event once its
+        bytes are in vLLM's blocks, while the model computes the layers before it. A scatter
+        that fails makes every block of the load an error; every event is set whatever
+        happens, so the model never waits for a layer that will not come."""
+        try:
+            count = self._fetch(self._load_client, namespace, op, staging, deadline)
+            for index, layer_ready in enumerate(ready):
+                self._scatter(op, staging, count, index, wait=False)
+                layer_ready.set()
+            return count
+        except Exception as exc:  # a bug must not leave the forward waiting, nor half loaded
+            log.exception("tierkv: scattering a load failed (%s); vLLM recomputes it", exc)
+            with self._lock:
+                self._load_errors.update(op.block_ids)
+            return 0
+        finally:
+            for layer_ready in ready:
+                layer_ready.set()
+
     def wait_for_layer(self, layer_name: str) -> None:
         """Scatter layer ``layer_name`` of every load of this step (of its group) into vLLM's
         blocks."""
@@ -313,6 +347,10 @@ class WorkerSide:
         g, index = position
         for load in self._loads:
             if load.op.group != g:
+                continue
+            if load.layers_ready is not None:  # the fetching thread scatters it (CPU)
+                while not load.layers_ready[index].wait(0.05) and not load.fetched.done():
+                    pass  # (a fetch cancelled at close never sets its events)
                 continue
             self._scatter(load.op, load.staging, load.fetched.result(), index, wait=False)
             if self._stream is not None:  # the forward pass reads the layer next
