@@ -196,7 +196,7 @@ class TierKVServicer(pb_grpc.TierKVServicer):
             max_chunk_bytes=self.config.chunk_bytes, hash_seed=self.config.hash_seed,
             presence_shm_name=presence_name, presence_key=presence_key,
             slab_id=store.host_slab_id, client_lock_prefix=store.client_lock_prefix,
-            has_remote_tier=store.has_remote_tier,
+            has_remote_tier=store.has_remote_tier, carries_releases=True,
         ))
 
     @unary

@@ -21,7 +21,10 @@ import gc
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
+from typing import Any
 
+import grpc
 import pytest
 import torch
 
@@ -33,14 +36,16 @@ from tests.support.client_harness import (
     AnyClient,
     LiveServer,
     ServerFactory,
+    SpyServicer,
     check_path,
     ns,
     patterned_blocks,
 )
-from tests.support.harness import ALICE_TOKEN, BOB_TOKEN
+from tests.support.harness import ALICE_TOKEN, BOB_TOKEN, BackgroundServer
 from tests.support.tiny_blocks import BLOCK_BYTES, TINY_LAYOUT, keys, same_bytes
 from tierkv import AsyncClient, Client
 from tierkv.config import Tier
+from tierkv.errors import ServiceUnavailableError, TierKVError
 from tierkv.keys import Namespace
 from tierkv.layout import KVLayout
 
@@ -292,3 +297,91 @@ def test_a_client_dropped_without_close_takes_its_release_sender_with_it(
     gc.collect()
     sender.join(timeout=5.0)
     assert not sender.is_alive()
+
+
+class _ServerBeforeCarriedReleases(SpyServicer):
+    """A server from before ``carries_releases``: Describe does not set it, and Acquire and
+    Allocate never read the releases a request carries."""
+
+    async def Describe(self, request: Any, context: Any) -> Any:
+        response = await super().Describe(request, context)
+        response.carries_releases = False
+        return response
+
+    async def Acquire(self, request: Any, context: Any) -> Any:
+        del request.releases[:]
+        return await super().Acquire(request, context)
+
+    async def Allocate(self, request: Any, context: Any) -> Any:
+        del request.releases[:]
+        return await super().Allocate(request, context)
+
+
+class _ServerOfLeasesPastTheSlab(SpyServicer):
+    """A server whose read leases name bytes past the end of its slab."""
+
+    async def Acquire(self, request: Any, context: Any) -> Any:
+        response = await super().Acquire(request, context)
+        if response.extent_offsets:
+            response.extent_offsets[0] = 1 << 40
+        return response
+
+
+def test_a_server_that_does_not_carry_releases_gets_each_on_its_own(tmp_path: Path) -> None:
+    """A client of a server from before carried releases (a rolling upgrade) sends each get's
+    release at once: none waits on a call that would drop it."""
+    server = BackgroundServer(tmp_path / "old", servicer=_ServerBeforeCarriedReleases)
+    try:
+        with Client(server.unix_target, token=ALICE_TOKEN) as client:
+            namespace, hashes = ns(), keys(4, salt="old-server")
+            assert client.put(namespace, hashes, patterned_blocks(4, seed=18)) == 4
+            for _ in range(3):
+                assert len(client.get(namespace, hashes)) == 4
+                assert server.store.num_leases == 0
+            spy = server.served.server.servicer
+            assert spy.methods_of(client.settings.client_id)["Release"] == 3
+    finally:
+        server.close()
+
+
+class _ServerThatDropsTheSecondAcquire(SpyServicer):
+    """The second Acquire fails before its handler reads anything (as one refused at
+    authentication, or cut by its deadline, would)."""
+
+    num_acquires = 0
+
+    async def Acquire(self, request: Any, context: Any) -> Any:
+        type(self).num_acquires += 1
+        if type(self).num_acquires == 2:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "dropped before reading")
+        return await super().Acquire(request, context)
+
+
+def test_releases_a_failed_call_carried_are_sent_again(tmp_path: Path) -> None:
+    """An Acquire that fails before the server reads it puts back the releases it carried:
+    the next call sends them."""
+    server = BackgroundServer(tmp_path / "drops", servicer=_ServerThatDropsTheSecondAcquire)
+    try:
+        with Client(server.unix_target, token=ALICE_TOKEN, release_delay_s=30.0) as client:
+            namespace, hashes = ns(), keys(4, salt="failed-carrier")
+            assert client.put(namespace, hashes, patterned_blocks(4, seed=19)) == 4
+            assert len(client.get(namespace, hashes)) == 4 and server.store.num_leases == 1
+            with pytest.raises(TierKVError, match="dropped before reading"):
+                client.get(namespace, hashes)
+            assert server.store.num_leases == 1  # the release it carried was not done
+            assert client.stats().num_leases == 0  # put back, sent before the Stats
+    finally:
+        server.close()
+
+
+def test_a_lease_past_the_end_of_the_slab_is_refused_before_any_copy(tmp_path: Path) -> None:
+    server = BackgroundServer(tmp_path / "bad", servicer=_ServerOfLeasesPastTheSlab)
+    try:
+        with Client(server.unix_target, token=ALICE_TOKEN) as client:
+            namespace, hashes = ns(), keys(2, salt="past-the-slab")
+            assert client.put(namespace, hashes, patterned_blocks(2, seed=20)) == 2
+            with pytest.raises(ServiceUnavailableError, match="past its slab"):
+                client.get(namespace, hashes)
+            assert server.store.num_leases == 0  # released at once, nothing copied
+    finally:
+        server.close()

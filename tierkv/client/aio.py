@@ -38,6 +38,7 @@ class AsyncClient(ClientFlows):
         # When queued releases that no call carried are sent (on the loop of the call that
         # queued them), and the task sending them.
         self._release_timer: asyncio.TimerHandle | None = None
+        self._release_loop: asyncio.AbstractEventLoop | None = None
         self._release_task: asyncio.Task[None] | None = None
 
     async def __aenter__(self) -> AsyncClient:
@@ -56,9 +57,10 @@ class AsyncClient(ClientFlows):
             with contextlib.suppress(TierKVError):
                 await run_async(self._connection, self._send_releases())
         self._unmap()
-        if self._release_task is not None:
+        task = self._release_task
+        if task is not None and task.get_loop() is asyncio.get_running_loop():
             with contextlib.suppress(TierKVError, asyncio.CancelledError):
-                await self._release_task
+                await task
         await self._channel.close()
 
     async def _run(self, flow: Flow[R]) -> R:
@@ -71,10 +73,15 @@ class AsyncClient(ClientFlows):
     def _schedule_releases(self) -> None:
         """Send the queued releases once they are due, unless a call carries them first."""
         due_in_s = self._releases_due_in_s()
-        if due_in_s is None or self._release_timer is not None or self._closed:
+        loop = asyncio.get_running_loop()
+        if due_in_s is None or self._closed:
             return
-        self._release_timer = asyncio.get_running_loop().call_later(
-            max(0.0, due_in_s), self._start_sending_releases)
+        if self._release_timer is not None:
+            if self._release_loop is loop:
+                return
+            self._release_timer.cancel()  # of a loop that may never run again
+        self._release_loop = loop
+        self._release_timer = loop.call_later(max(0.0, due_in_s), self._start_sending_releases)
 
     def _start_sending_releases(self) -> None:
         self._release_timer = None

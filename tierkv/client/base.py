@@ -247,6 +247,12 @@ class SlabMapping:
             all_extents = lease_blocks_from(lease)
         except ValueError as exc:
             raise ServiceUnavailableError(f"the server sent a malformed lease: {exc}") from exc
+        slab_bytes, num_slots = self.array.size, buffer.size // block_bytes
+        if any(start < 0 or length < 0 or start + length > slab_bytes
+               for extents in all_extents for start, length in extents):
+            raise ServiceUnavailableError("the server sent a lease that reaches past its slab")
+        if any(not 0 <= index < num_slots for index in block_indices):
+            raise ServiceUnavailableError("the server sent a lease of blocks the call has not")
         self.populate([extent for extents in all_extents for extent in extents])
         for extents, index in zip(all_extents, block_indices, strict=True):
             offset = index * block_bytes
@@ -332,6 +338,20 @@ class ClientBase:
                 self._releases_since_s = time.monotonic()
             self._releases.append(release)
 
+    def _carries_releases(self) -> bool:
+        """Whether this client's Acquire and Allocate may carry queued releases."""
+        return (self._info is not None and self._info.carries_releases
+                and self.settings.release_delay_s > 0)
+
+    def _requeue_releases(self, releases: Sequence[pb.LeaseRequest]) -> None:
+        """Put back, oldest first, releases a failed call carried (the server may not have
+        done them; one done already is skipped when it comes again)."""
+        if releases:
+            with self._releases_lock:
+                if not self._releases:
+                    self._releases_since_s = time.monotonic()
+                self._releases[:0] = list(releases)
+
     def _take_releases(self, limit: int = MAX_CARRIED_RELEASES) -> list[pb.LeaseRequest]:
         """Up to ``limit`` queued releases, oldest first, off the queue (the caller sends them)."""
         with self._releases_lock:
@@ -366,11 +386,9 @@ class ClientBase:
             self._forget_server()
 
     def _forget_server(self) -> None:
-        """Drop the slab mapping and what was learned with it (the queued releases too: they
-        name leases of a server that is gone, whose pages nobody reads)."""
+        """Drop the slab mapping and what was learned with it (not the queued releases: a
+        remap does not always mean a new server, and a new one skips what it does not know)."""
         self._info = None
-        with self._releases_lock:
-            self._releases = []
         if self._slab is not None:
             self._slab.close()
             self._slab = None
@@ -427,18 +445,23 @@ class ClientBase:
         write_policy: WritePolicy | None,
     ) -> pb.AllocateRequest:
         assert self._slab is not None
-        return pb.AllocateRequest(
+        request = pb.AllocateRequest(
             namespace=self._wire(namespace), hashes=list(hashes),
             write_policy=write_policy_to(write_policy), priority=priority_to(priority),
-            slab_id=self._slab.slab_id, packed_extents=True, releases=self._take_releases(),
+            slab_id=self._slab.slab_id, packed_extents=True,
         )
+        if self._carries_releases():  # last: nothing after it can fail and lose them
+            request.releases.extend(self._take_releases())
+        return request
 
     def _acquire_request(self, namespace: Namespace, hashes: Sequence[bytes]
                          ) -> pb.AcquireRequest:
         assert self._slab is not None
-        return pb.AcquireRequest(namespace=self._wire(namespace), hashes=list(hashes),
-                                 slab_id=self._slab.slab_id, packed_extents=True,
-                                 releases=self._take_releases())
+        request = pb.AcquireRequest(namespace=self._wire(namespace), hashes=list(hashes),
+                                    slab_id=self._slab.slab_id, packed_extents=True)
+        if self._carries_releases():  # last: nothing after it can fail and lose them
+            request.releases.extend(self._take_releases())
+        return request
 
     def _lookup_request(self, namespace: Namespace, hashes: Sequence[bytes], prefetch: bool,
                         pin_ttl_s: float) -> pb.LookupRequest:

@@ -84,7 +84,7 @@ class ClientFlows(base.ClientBase):
               retry: bool = True) -> Flow[Any]:
         """A unary call under the client's retry policy. A call that carries no releases
         sends the queued ones first: whatever it reads (stats, a lookup) counts them."""
-        if method not in _CARRIES_RELEASES:
+        if method not in _CARRIES_RELEASES or not self._carries_releases():
             yield from self._send_releases()
         return (yield from self._retrying(
             Unary(method, request, timeout_s or self.settings.timeout_s), retry))
@@ -144,9 +144,12 @@ class ClientFlows(base.ClientBase):
     ) -> Flow[int]:
         slab = self._slab
         assert slab is not None
-        lease = yield from self._call(
-            "Allocate", self._allocate_request(namespace, hashes, priority, write_policy), timeout_s
-        )
+        request = self._allocate_request(namespace, hashes, priority, write_policy)
+        try:
+            lease = yield from self._call("Allocate", request, timeout_s)
+        except BaseException:
+            self._requeue_releases(request.releases)
+            raise
         granted_s = time.monotonic()
         try:
             commit = yield Copy(self._fill_lease, slab, lease, namespace, flat, granted_s)
@@ -190,9 +193,12 @@ class ClientFlows(base.ClientBase):
         assert slab is not None
         done = 0
         while done < len(hashes):
-            lease = yield from self._call("Acquire",
-                                          self._acquire_request(namespace, hashes[done:]),
-                                          timeout_s)
+            request = self._acquire_request(namespace, hashes[done:])
+            try:
+                lease = yield from self._call("Acquire", request, timeout_s)
+            except BaseException:
+                self._requeue_releases(request.releases)
+                raise
             bad: int | None = None
             # Until the copy is checked the client has kept nothing (a stale mapping raises
             # before it copies): the server counts hits only for what a client kept.
@@ -205,7 +211,7 @@ class ClientFlows(base.ClientBase):
             finally:
                 if bad is not None:
                     release.corrupt_indices.append(bad)
-                if checked and bad is None and self.settings.release_delay_s > 0:
+                if checked and bad is None and self._carries_releases():
                     # Its pages stay leased until the release rides on the next call.
                     self._defer_release(release)
                 else:

@@ -11,6 +11,7 @@ tierkv exception of their status code. The logic is ``tierkv.client.flows``'s, s
 from __future__ import annotations
 
 import contextlib
+import logging
 import threading
 import weakref
 from collections.abc import Callable, Sequence
@@ -31,6 +32,7 @@ from tierkv.wire.convert import LookupDetail, ServerInfo
 from tierkv.wire.limits import DEFAULT_TARGET
 
 R = TypeVar("R")
+log = logging.getLogger(__name__)
 
 
 class Client(ClientFlows):
@@ -72,7 +74,8 @@ class Client(ClientFlows):
 
     def _wake_release_sender(self) -> None:
         with self._release_wakeup:
-            if self._release_sender is None and not self._closed:
+            sender = self._release_sender
+            if (sender is None or not sender.is_alive()) and not self._closed:
                 self._release_sender = threading.Thread(
                     target=Client._send_releases_when_due,
                     args=(weakref.ref(self), self._release_wakeup),
@@ -99,8 +102,12 @@ class Client(ClientFlows):
             client = client_ref()
             if client is None:
                 return
-            with contextlib.suppress(TierKVError, ValueError):  # closed under it: nothing to do
+            try:
                 run_blocking(client._connection, client._send_releases())
+            except (TierKVError, ValueError):  # closed under it: nothing to do
+                pass
+            except Exception:  # the next call or close sends what is left
+                log.exception("tierkv: sending queued releases failed")
             del client
 
     def describe(self) -> ServerInfo:

@@ -323,6 +323,7 @@ class ServerInfo:
     slab_id: bytes
     client_lock_prefix: str
     has_remote_tier: bool = False
+    carries_releases: bool = False
 
 
 # --- sessions ------------------------------------------------------------------------------

@@ -393,7 +393,7 @@ class DescribeRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class DescribeResponse(_message.Message):
-    __slots__ = ("version", "shm_name", "shm_size_bytes", "page_bytes", "host_id", "max_hashes_per_call", "max_chunk_bytes", "hash_seed", "presence_shm_name", "presence_key", "slab_id", "client_lock_prefix", "has_remote_tier")
+    __slots__ = ("version", "shm_name", "shm_size_bytes", "page_bytes", "host_id", "max_hashes_per_call", "max_chunk_bytes", "hash_seed", "presence_shm_name", "presence_key", "slab_id", "client_lock_prefix", "has_remote_tier", "carries_releases")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     SHM_NAME_FIELD_NUMBER: _ClassVar[int]
     SHM_SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -407,6 +407,7 @@ class DescribeResponse(_message.Message):
     SLAB_ID_FIELD_NUMBER: _ClassVar[int]
     CLIENT_LOCK_PREFIX_FIELD_NUMBER: _ClassVar[int]
     HAS_REMOTE_TIER_FIELD_NUMBER: _ClassVar[int]
+    CARRIES_RELEASES_FIELD_NUMBER: _ClassVar[int]
     version: str
     shm_name: str
     shm_size_bytes: int
@@ -420,7 +421,8 @@ class DescribeResponse(_message.Message):
     slab_id: bytes
     client_lock_prefix: str
     has_remote_tier: bool
-    def __init__(self, version: _Optional[str] = ..., shm_name: _Optional[str] = ..., shm_size_bytes: _Optional[int] = ..., page_bytes: _Optional[int] = ..., host_id: _Optional[str] = ..., max_hashes_per_call: _Optional[int] = ..., max_chunk_bytes: _Optional[int] = ..., hash_seed: _Optional[str] = ..., presence_shm_name: _Optional[str] = ..., presence_key: _Optional[bytes] = ..., slab_id: _Optional[bytes] = ..., client_lock_prefix: _Optional[str] = ..., has_remote_tier: _Optional[bool] = ...) -> None: ...
+    carries_releases: bool
+    def __init__(self, version: _Optional[str] = ..., shm_name: _Optional[str] = ..., shm_size_bytes: _Optional[int] = ..., page_bytes: _Optional[int] = ..., host_id: _Optional[str] = ..., max_hashes_per_call: _Optional[int] = ..., max_chunk_bytes: _Optional[int] = ..., hash_seed: _Optional[str] = ..., presence_shm_name: _Optional[str] = ..., presence_key: _Optional[bytes] = ..., slab_id: _Optional[bytes] = ..., client_lock_prefix: _Optional[str] = ..., has_remote_tier: _Optional[bool] = ..., carries_releases: _Optional[bool] = ...) -> None: ...
 
 class SaveSessionRequest(_message.Message):
     __slots__ = ("namespace", "session_id", "token_ids", "ttl_s")
