@@ -29,8 +29,10 @@ from prometheus_client.registry import Collector
 from tierkv.errors import ConfigError, StoreClosedError
 from tierkv.service.calls import CALLER_TENANT
 from tierkv.service.config import ServiceConfig
+from tierkv.service.convert import num_copied_from
 from tierkv.service.metrics_http import ScrapeServer
 from tierkv.store import StoreStats, TieredStore, received_blocks
+from tierkv.wire.limits import MAX_CARRIED_RELEASES
 
 # Upper bounds of the RPC latency buckets: 50 us (a lookup answered on the loop) to 10 s (a
 # large Put over a slow link); +Inf follows.
@@ -131,6 +133,7 @@ class RpcRecorder:
     def _wrap_unary(self, method: str, stats: MethodStats,
                     handler: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[Any]]:
         acquires, releases = method == "Acquire", method == "Release"
+        carries = method in ("Acquire", "Allocate")  # releases done before the call's own work
 
         async def counted(request: Any, context: grpc.aio.ServicerContext) -> Any:
             start_s = time.perf_counter()
@@ -141,6 +144,8 @@ class RpcRecorder:
                 stats.observe(time.perf_counter() - start_s, code)
                 if releases and code in _RELEASE_COUNTED:
                     self._count_released(request)
+                elif carries:
+                    self._count_carried(request)
                 raise
             code = _final_code(context)
             stats.observe(time.perf_counter() - start_s, code)
@@ -148,6 +153,8 @@ class RpcRecorder:
                 self._lease_granted(request, response)
             elif releases and code in _RELEASE_COUNTED:
                 self._count_released(request)
+            if carries:
+                self._count_carried(request)
             return response
 
         return counted
@@ -190,6 +197,14 @@ class RpcRecorder:
         while len(pending) > MAX_PENDING_LEASES:  # leases never released: their clients died
             del pending[next(iter(pending))]
 
+    def _count_carried(self, request: Any) -> None:
+        """The releases an Acquire or Allocate carried (the servicer does them before its own
+        work; a failed call's client sends them again, and a lease counts once)."""
+        releases = getattr(request, "releases", ())
+        if len(releases) <= MAX_CARRIED_RELEASES:  # more: refused, none done
+            for release in releases:
+                self._count_released(release)
+
     def _count_released(self, request: Any) -> None:
         lease_id = getattr(request, "lease_id", None)  # (a malformed request has none)
         if not isinstance(lease_id, bytes):
@@ -199,8 +214,8 @@ class RpcRecorder:
             return
         del self._pending_leases[lease_id]
         tenant, model_id, block_size, num_leased = granted
-        num_copied = request.num_copied if request.HasField("num_copied") else None
-        num_kept = received_blocks(num_leased, request.corrupt_indices, num_copied)
+        num_kept = received_blocks(num_leased, request.corrupt_indices,
+                                   num_copied_from(request))
         if num_kept:
             self._add_tokens(tenant, model_id, num_kept * block_size)
 

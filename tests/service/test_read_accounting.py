@@ -282,6 +282,30 @@ def test_prefill_tokens_of_a_lease_count_the_blocks_its_release_says_were_kept(
         served.close()
 
 
+def test_prefill_tokens_count_the_releases_that_ride_on_later_calls(tmp_path: Path) -> None:
+    """A same-host get's release rides on the client's next Acquire or Allocate: the tokens
+    of its lease count then, once, as for a Release of its own."""
+    served = BackgroundServer(tmp_path, host_blocks=HOST_BLOCKS, disk_blocks=0,
+                              metrics_port=free_port())
+    try:
+        namespace = Namespace("carried-model", TINY_LAYOUT)
+        chain = [key(i, "carried") for i in range(4)]
+        port = served.served.server.metrics_port
+        per_get = 4 * TINY_LAYOUT.block_size
+        with Client(served.unix_target, token=ALICE_TOKEN, release_delay_s=30.0) as client:
+            client.put(namespace, chain, torch.stack([block_for(i) for i in range(4)]))
+            assert len(client.get(namespace, chain)) == 4
+            assert tokens_saved(port, namespace.model_id) == 0  # queued, not released yet
+            assert len(client.get(namespace, chain)) == 4  # its Acquire carries the first
+            assert tokens_saved(port, namespace.model_id) == per_get
+            client.put(namespace, [key(9, "carried")], block_for(9)[None])  # Allocate carries
+            assert tokens_saved(port, namespace.model_id) == 2 * per_get
+            client.stats()
+            assert tokens_saved(port, namespace.model_id) == 2 * per_get
+    finally:
+        served.close()
+
+
 def test_an_expired_lease_is_counted_by_its_late_release_and_once_only(
     server: BackgroundServer,
 ) -> None:
