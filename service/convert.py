@@ -37,6 +37,11 @@ def hashes_from(hashes: Sequence[bytes], max_hashes: int) -> Sequence[bytes]:
     return hashes
 
 
+def num_copied_from(release: pb.LeaseRequest) -> int | None:
+    """A Release's ``num_copied`` (None when unset: every block before the first corrupt one)."""
+    return release.num_copied if release.HasField("num_copied") else None
+
+
 def ttl_from(value: float) -> float | None:
     """0 means no TTL (until unpinned / the default); the store checks the rest."""
     return None if value == 0 else value

@@ -445,10 +445,9 @@ class TierKVServicer(pb_grpc.TierKVServicer):
             raise InvalidArgumentError(f"a call carries at most {MAX_CARRIED_RELEASES} releases, "
                                        f"got {len(releases)}")
         for release in releases:
-            num_copied = release.num_copied if release.HasField("num_copied") else None
             with contextlib.suppress(LeaseNotFoundError, LeaseStateError):
                 self.store.release(release.lease_id, caller.owner, release.corrupt_indices,
-                                   num_copied)
+                                   convert.num_copied_from(release))
 
     def _acquire(self, request: pb.AcquireRequest, caller: Caller) -> pb.LeaseResponse:
         self._release_carried(request.releases, caller)
@@ -461,7 +460,7 @@ class TierKVServicer(pb_grpc.TierKVServicer):
     @unary
     async def Release(self, request: pb.LeaseRequest, context: Any, caller: Caller) -> Any:
         # A few dict operations under the store lock: cheaper here than a thread hop.
-        num_copied = request.num_copied if request.HasField("num_copied") else None
+        num_copied = convert.num_copied_from(request)
         if request.corrupt_indices:  # rare: the suspects' pages are hashed, off the loop
             await self._run(self.store.release, request.lease_id, caller.owner,
                             request.corrupt_indices, num_copied)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import contextlib
 import mmap
 import os
-from collections.abc import AsyncIterator, Iterable, Iterator
+from collections.abc import AsyncIterator, Iterable, Iterator, Sequence
 from typing import Any
 
 import grpc
@@ -16,7 +16,7 @@ import torch
 
 from tests.support.harness import ALICE_TOKEN, BOB_TOKEN
 from tests.support.tiny_blocks import BLOCK_BYTES, TINY_LAYOUT, blocks
-from tierkv import KVLayout
+from tierkv import KVLayout, Namespace, TieredStore
 from tierkv.checksums import checksum
 from tierkv.wire import tierkv_pb2 as pb
 from tierkv.wire import tierkv_pb2_grpc as pb_grpc
@@ -200,6 +200,23 @@ def mapped_slab(shm_name: str) -> Iterator[mmap.mmap]:
         yield mapping
     finally:
         mapping.close()
+
+
+def commit_after_a_late_write(store: TieredStore, namespace: Namespace,
+                              hashes: Sequence[bytes], data: torch.Tensor, changed: int) -> None:
+    """Write ``data`` into a write lease of ``store`` through its mapped slab, as a same-host
+    client does, flip a bit of block ``changed`` after the client's hash, and commit the
+    checksums of ``data``: the pages then differ from what the client hashed."""
+    lease = store.allocate(namespace, hashes, slab_id=store.host_slab_id)
+    raw = data.contiguous().view(torch.uint8).reshape(len(hashes), -1).numpy()
+    with mapped_slab(store.host_shm_name) as slab:
+        for index, extents in zip(lease.write_indices, lease.blocks, strict=True):
+            start = 0
+            for offset, length in extents:
+                slab[offset : offset + length] = raw[index, start : start + length].tobytes()
+                start += length
+        slab[lease.blocks[lease.write_indices.index(changed)][0][0]] ^= 0x40
+    store.commit(lease.lease_id, checksums=[checksum(raw[i]) for i in lease.write_indices])
 
 
 def read_extents(slab: mmap.mmap, block: pb.BlockExtents) -> bytes:

@@ -5,13 +5,13 @@ Skipped on machines without CUDA; ``scripts/gpu-check`` runs these on one.
 
 from __future__ import annotations
 
-import mmap
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
 
+from tests.support.service_fixtures import commit_after_a_late_write
 from tests.support.tiny_blocks import BLOCK_BYTES, PAGE_BYTES, TINY_LAYOUT, blocks, keys, same_bytes
 from tierkv import (
     DiskTierConfig,
@@ -23,7 +23,6 @@ from tierkv import (
     TieredStore,
     WritePolicy,
 )
-from tierkv.checksums import checksum
 
 pytestmark = [
     pytest.mark.gpu,
@@ -104,17 +103,7 @@ def test_a_page_changed_after_the_clients_hash_is_a_miss_into_a_cuda_buffer(
     """A commit keeps the client's checksums without hashing the pages; a read into a GPU
     buffer (no CPU pass over what landed) hashes the HOST pages after the copy instead."""
     data = blocks(4, seed=5)
-    raw = data.contiguous().view(torch.uint8).reshape(4, -1).numpy()
-    lease = cuda_store.allocate(namespace, keys(4, start=40), slab_id=cuda_store.host_slab_id)
-    with open(f"/dev/shm/{cuda_store.host_shm_name}", "r+b") as file, \
-            mmap.mmap(file.fileno(), 0) as slab:
-        for index, extents in zip(lease.write_indices, lease.blocks, strict=True):
-            start = 0
-            for offset, length in extents:
-                slab[offset : offset + length] = raw[index, start : start + length].tobytes()
-                start += length
-        slab[lease.blocks[2][0][0]] ^= 0x40  # after the client's hash
-    cuda_store.commit(lease.lease_id, checksums=[checksum(raw[i]) for i in lease.write_indices])
+    commit_after_a_late_write(cuda_store, namespace, keys(4, start=40), data, changed=2)
     out = torch.empty((4, *TINY_LAYOUT.block_shape), dtype=TINY_LAYOUT.torch_dtype, device="cuda")
     assert cuda_store.get_into(namespace, keys(4, start=40), out) == 2
     assert same_bytes(out[:2].cpu(), data[:2])

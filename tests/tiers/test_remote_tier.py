@@ -19,7 +19,6 @@ ordinary scheduling delay (a GIL switch, an fsync of an earlier batch), never fo
 from __future__ import annotations
 
 import contextlib
-import mmap
 import os
 import shutil
 import socket
@@ -45,6 +44,7 @@ from tests.support.redis_cluster import (
 )
 from tests.support.redis_cluster import remote_config as config
 from tests.support.redis_cluster import remote_config as remote
+from tests.support.service_fixtures import commit_after_a_late_write
 from tests.support.tiny_blocks import (
     BLOCK_BYTES,
     RECORD_BYTES,
@@ -397,17 +397,7 @@ def test_a_page_changed_after_the_clients_hash_is_never_demoted_to_remote(
     hashes, data = keys(4, salt="late-remote"), blocks(4, seed=12)
     store = connected(make_store(host_blocks=4, remote=config(cluster.url)))
     store.register(namespace)
-    lease = store.allocate(namespace, hashes, slab_id=store.host_slab_id)
-    raw = data.contiguous().view(torch.uint8).reshape(4, -1).numpy()
-    with open(f"/dev/shm/{store.host_shm_name}", "r+b") as file, \
-            mmap.mmap(file.fileno(), 0) as slab:
-        for index, extents in zip(lease.write_indices, lease.blocks, strict=True):
-            start = 0
-            for offset, length in extents:
-                slab[offset : offset + length] = raw[index, start : start + length].tobytes()
-                start += length
-        slab[lease.blocks[2][0][0]] ^= 0x40  # after the client's hash
-    store.commit(lease.lease_id, checksums=[checksum(raw[i]) for i in lease.write_indices])
+    commit_after_a_late_write(store, namespace, hashes, data, changed=2)
     store.put(namespace, keys(4, salt="late-flood"), blocks(4, seed=13))  # HOST's room
     assert store.flush_remote(30.0)
     assert store.stats().checksum_failures == 1

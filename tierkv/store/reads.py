@@ -82,7 +82,8 @@ class Reader:
                 if tier is Tier.HOST and flat.device.type == "cpu":
                     num_ok = min(num_ok, self._check_copied(ledger, batch, block_bytes, flat))
                 elif tier is Tier.HOST:  # into a GPU: the pages, once the copy has landed
-                    num_ok = min(num_ok, self._check_pages(ledger, batch, block_bytes))
+                    intact = set(self.mover.intact([entry for _, entry in batch], tier))
+                    num_ok = min([num_ok, *(i for i, entry in batch if entry not in intact)])
         return min(num_ok, self._copy_from_disk(plan, block_bytes, flat))
 
     def _check_copied(
@@ -98,21 +99,6 @@ class Reader:
             node = entry.residency(Tier.HOST)
             assert node is not None
             if actual != ledger.checksum_of(node.location):
-                first_bad = min(first_bad, index)
-                with self.core.lock:
-                    self.core.damaged_locked(entry, Tier.HOST)
-        return first_bad
-
-    def _check_pages(self, ledger: PagedLedger, batch: list[tuple[int, Entry]], block_bytes: int
-                     ) -> int:
-        """``_check_copied`` for a copy into the GPU (no CPU pass over what landed there): the
-        HOST pages, hashed after the copy, must still hold what was stored; a page changed
-        before or during the copy is caught, one changed after it did not reach the caller."""
-        first_bad = 1 << 62
-        for index, entry in batch:
-            node = entry.residency(Tier.HOST)
-            assert node is not None
-            if ledger.slab.checksum(node.location, block_bytes) != ledger.checksum_of(node.location):
                 first_bad = min(first_bad, index)
                 with self.core.lock:
                     self.core.damaged_locked(entry, Tier.HOST)

@@ -278,8 +278,7 @@ class Writer:
                 if location is not None:
                     if index in new and (entry is None or entry.residency(target) is None):
                         if entry is None:
-                            entry = Entry(keys[index], state, priority)
-                            core.index_locked(entry)
+                            entry = self._entry_locked(state, keys[index], priority)
                         core.link_locked(entry, target, location, checksums.get(index))
                         num_stored += 1
                         if ((entry.gpu is not None) + (entry.host is not None)

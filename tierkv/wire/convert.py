@@ -77,7 +77,7 @@ def _extent_fields(blocks: Sequence[Extents], packed: bool) -> dict[str, Any]:
         "extent_offsets": [offset for extents in blocks for offset, _ in extents],
         "extent_lengths": [length for extents in blocks for _, length in extents],
     }
-    if len(fields["extent_offsets"]) != len(blocks) or any(len(e) != 1 for e in blocks):
+    if any(len(extents) != 1 for extents in blocks):
         fields["extent_counts"] = [len(extents) for extents in blocks]
     return fields
 
