@@ -20,7 +20,7 @@ import asyncio
 import gc
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -109,6 +109,99 @@ def test_blocks_split_across_runs_of_free_pages_round_trip_exactly(
         server.store.release(lease.lease_id)
     assert same_bytes(client.get(namespace, hashes), data)
     check_path(server, client, path)
+
+
+class _Filler:
+    """A ``put_with`` fill that writes rows of ``data`` and records each call's indices."""
+
+    def __init__(self, data: torch.Tensor) -> None:
+        self.rows = data.view(torch.uint8).reshape(data.shape[0], -1)
+        self.calls: list[list[int]] = []
+        self.targets: list[int] = []
+
+    def __call__(self, indices: Sequence[int], out: torch.Tensor) -> None:
+        assert out.dtype == torch.uint8 and tuple(out.shape) == (len(indices), self.rows.shape[1])
+        self.calls.append(list(indices))
+        self.targets.append(out.data_ptr())
+        out.copy_(self.rows[list(indices)])
+
+
+def test_put_with_writes_each_missing_block_once_and_round_trips_bit_exact(
+    server: LiveServer, client: AnyClient, path: str
+) -> None:
+    namespace, hashes = ns(), keys(12, salt="put-with")
+    data = patterned_blocks(12, seed=21)
+    assert client.put(namespace, hashes[4:6], data[4:6]) == 2
+    fill = _Filler(data)
+    assert client.put_with(namespace, hashes, fill) == 10
+    written = [index for call in fill.calls for index in call]
+    if path == "shm":  # only what the server has not (4 and 5); a stream sends every block
+        assert written == [i for i in range(12) if i not in (4, 5)]
+    else:
+        assert written == list(range(12))
+    assert same_bytes(client.get(namespace, hashes), data)
+    again = _Filler(data)
+    assert client.put_with(namespace, hashes, again) == 0
+    assert again.calls == ([] if path == "shm" else [list(range(12))])
+    assert client.put_with(namespace, [], again) == 0
+    check_path(server, client, path)
+
+
+def test_put_with_fills_the_slab_in_place_on_the_same_host(server: LiveServer) -> None:
+    """On the shm path the fill writes the mapped slab's pages (no copy after it)."""
+    with Client(server.unix_target, token=ALICE_TOKEN) as client:
+        namespace, hashes = ns(), keys(8, salt="in-place")
+        data = patterned_blocks(8, seed=22)
+        fill = _Filler(data)
+        assert client.put_with(namespace, hashes, fill) == 8
+        slab = client._slab
+        assert slab is not None
+        low, high = slab.array.ctypes.data, slab.array.ctypes.data + slab.array.size
+        assert fill.targets and all(low <= target < high for target in fill.targets)
+        assert same_bytes(client.get(namespace, hashes), data)
+
+
+def test_put_with_of_blocks_split_across_runs_of_free_pages_round_trips_exactly(
+    make_server: ServerFactory, open_client: Callable[..., AnyClient], kind: str, path: str
+) -> None:
+    """Blocks whose two pages lie apart are filled one at a time and scattered to their pages;
+    blocks back to back in the slab are filled in runs."""
+    server = make_server(host_bytes=32 * BLOCK_BYTES, disk_bytes=0)
+    client = open_client(server, path, kind)
+    small = ns("one-page-model", KVLayout(1, 2, 8, 4))  # half a tiny block: one page
+    filler = keys(64, salt="filler")
+    assert client.put(small, filler, patterned_blocks(64, seed=12, layout=small.layout)) == 64
+    assert client.delete(small, filler[::2]) == 32  # 32 free runs of one page each
+    namespace, hashes = ns(), keys(8, salt="split-with")
+    data = patterned_blocks(8, seed=23)
+    fill = _Filler(data)
+    assert client.put_with(namespace, hashes, fill) == 8
+    if path == "shm":
+        assert fill.calls == [[i] for i in range(8)]
+    assert same_bytes(client.get(namespace, hashes), data)
+    assert client.delete(small, filler[1::2]) == 32  # the slab is free again: one run
+    more, more_data = keys(8, salt="one-run"), patterned_blocks(8, seed=24)
+    fill = _Filler(more_data)
+    assert client.put_with(namespace, more, fill) == 8
+    assert fill.calls == [list(range(8))]
+    assert same_bytes(client.get(namespace, more), more_data)
+
+
+def test_a_fill_that_raises_aborts_the_put_and_stores_nothing(
+    server: LiveServer, client: AnyClient, path: str
+) -> None:
+    namespace, hashes = ns(), keys(6, salt="fill-raises")
+
+    def fail(indices: Sequence[int], out: torch.Tensor) -> None:
+        out[:1].fill_(7)  # half written, then the writer fails
+        raise RuntimeError("the engine's pages are gone")
+
+    with pytest.raises(RuntimeError, match="pages are gone"):
+        client.put_with(namespace, hashes, fail)
+    assert client.lookup(namespace, hashes) == 0
+    data = patterned_blocks(6, seed=25)
+    assert client.put_with(namespace, hashes, _Filler(data)) == 6  # nothing left leased
+    assert same_bytes(client.get(namespace, hashes), data)
 
 
 def test_get_of_a_partly_cached_chain_returns_the_leading_run(client: AnyClient) -> None:

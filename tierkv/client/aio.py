@@ -16,6 +16,7 @@ import grpc
 import torch
 
 from tierkv.client import base
+from tierkv.client.base import BlockFill
 from tierkv.client.effects import Flow, run_async
 from tierkv.client.flows import ClientFlows
 from tierkv.client.results import ServerStats
@@ -113,6 +114,17 @@ class AsyncClient(ClientFlows):
         """Store ``blocks`` under ``hashes``; returns the blocks newly stored."""
         return await self._run(self._put(namespace, hashes, blocks, priority, write_policy,
                                          timeout_s))
+
+    async def put_with(
+        self, namespace: Namespace, hashes: Sequence[bytes], fill: BlockFill, *,
+        priority: Priority = Priority.NORMAL, write_policy: WritePolicy | None = None,
+        timeout_s: float | None = None,
+    ) -> int:
+        """Store blocks that ``fill`` writes (``BlockFill``: on a worker thread, straight into
+        the server's slab when it is on this host) under ``hashes``; returns the blocks newly
+        stored."""
+        return await self._run(self._put_with(namespace, hashes, fill, priority, write_policy,
+                                              timeout_s))
 
     async def lookup_detail(
         self, namespace: Namespace, hashes: Sequence[bytes], *, prefetch: bool = False,

@@ -9,7 +9,7 @@ import os
 import secrets
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -18,7 +18,7 @@ import grpc
 import numpy as np
 import torch
 
-from tierkv.checksums import CopyParts, copy_with_checksums
+from tierkv.checksums import CopyParts, checksums, copy_with_checksums
 from tierkv.codec import encode_put_chunk
 from tierkv.config import Priority, WritePolicy
 from tierkv.errors import (
@@ -172,6 +172,16 @@ def put_chunks(
         yield encode_put_chunk(None, data[start : start + CHUNK_BYTES])
 
 
+BlockFill = Callable[[Sequence[int], torch.Tensor], None]
+"""What ``put_with`` calls to write blocks: ``fill(indices, out)`` writes the blocks at
+``indices`` (positions in the call's hashes, ascending) into ``out``, a ``[len(indices),
+block_bytes]`` uint8 tensor, one row a block, every byte of it (the slab's pages when the server
+is on this host, so there is no other copy). It runs on the calling thread (``Client``) or a
+worker thread (``AsyncClient``). On the same host it is called for the blocks the server does
+not have yet only, in one or more runs, and again for a block the put writes a second time
+(into a restarted server's slab); over a stream, once for every block. An exception from it aborts the put and propagates."""
+
+
 class SlabMapping:
     """The server's HOST slab mapped into this process (shared memory, read and write).
 
@@ -243,17 +253,7 @@ class SlabMapping:
         """The (destination, source) parts of each block of ``lease``, in block order: block
         ``block_indices[i]`` of the flat ``buffer`` and the lease's block ``i`` in the slab."""
         copies: list[CopyParts] = []
-        try:
-            all_extents = lease_blocks_from(lease)
-        except ValueError as exc:
-            raise ServiceUnavailableError(f"the server sent a malformed lease: {exc}") from exc
-        slab_bytes, num_slots = self.array.size, buffer.size // block_bytes
-        if any(start < 0 or length < 0 or start + length > slab_bytes
-               for extents in all_extents for start, length in extents):
-            raise ServiceUnavailableError("the server sent a lease that reaches past its slab")
-        if any(not 0 <= index < num_slots for index in block_indices):
-            raise ServiceUnavailableError("the server sent a lease of blocks the call has not")
-        self.populate([extent for extents in all_extents for extent in extents])
+        all_extents = self._checked_extents(lease, block_indices, buffer.size // block_bytes)
         for extents, index in zip(all_extents, block_indices, strict=True):
             offset = index * block_bytes
             block: list[tuple[np.ndarray, np.ndarray]] = []
@@ -266,6 +266,55 @@ class SlabMapping:
                 raise ServiceUnavailableError("a leased block's extents do not cover the block")
             copies.append(block)
         return copies
+
+    def runs(self, lease: pb.LeaseResponse, block_indices: Sequence[int], block_bytes: int,
+             num_blocks: int) -> list[tuple[list[int], list[np.ndarray]]]:
+        """The lease's blocks (block ``block_indices[i]`` of a call of ``num_blocks`` is the
+        lease's block ``i``) as runs, in block order: ``(indices, [pages])`` where ``pages`` is
+        one slab range holding the blocks ``indices`` back to back, or, for a block whose own
+        pages are apart, that one block's slab ranges in order."""
+        all_extents = self._checked_extents(lease, block_indices, num_blocks)
+        runs: list[tuple[list[int], list[np.ndarray]]] = []
+        run_start = run_end = -1
+        run_indices: list[int] = []
+        for extents, index in zip(all_extents, block_indices, strict=True):
+            if sum(length for _, length in extents) != block_bytes:
+                raise ServiceUnavailableError("a leased block's extents do not cover the block")
+            start = extents[0][0] if extents else -1
+            contiguous = all(extents[k][0] == extents[k - 1][0] + extents[k - 1][1]
+                             for k in range(1, len(extents)))
+            if not contiguous or not extents:
+                runs.append(([index], [self.array[a : a + n] for a, n in extents]))
+                continue
+            if start != run_end or not run_indices:
+                if run_indices:
+                    runs.append((run_indices, [self.array[run_start:run_end]]))
+                run_start, run_end, run_indices = start, start, []
+            run_indices.append(index)
+            run_end += block_bytes
+        if run_indices:
+            runs.append((run_indices, [self.array[run_start:run_end]]))
+        return runs
+
+    def _checked_extents(self, lease: pb.LeaseResponse, block_indices: Sequence[int],
+                         num_blocks: int) -> list[list[tuple[int, int]]]:
+        """The lease's extents per block, once they are known to lie in the slab and to name
+        blocks of the call (else ``ServiceUnavailableError``: never a short or stray copy), with
+        this process's page tables filled for them."""
+        try:
+            all_extents = lease_blocks_from(lease)
+        except ValueError as exc:
+            raise ServiceUnavailableError(f"the server sent a malformed lease: {exc}") from exc
+        slab_bytes = self.array.size
+        if any(start < 0 or length < 0 or start + length > slab_bytes
+               for extents in all_extents for start, length in extents):
+            raise ServiceUnavailableError("the server sent a lease that reaches past its slab")
+        if any(not 0 <= index < num_blocks for index in block_indices):
+            raise ServiceUnavailableError("the server sent a lease of blocks the call has not")
+        if len(all_extents) != len(block_indices):
+            raise ServiceUnavailableError("the server sent a lease of another number of blocks")
+        self.populate([extent for extents in all_extents for extent in extents])
+        return [list(extents) for extents in all_extents]
 
     def close(self) -> None:
         """Unmap (once no array views are left)."""
@@ -481,6 +530,32 @@ class ClientBase:
             into_slab=True,
         ))
         return pb.LeaseRequest(lease_id=lease.lease_id, checksums=checksums)
+
+    def _fill_lease_with(self, slab: SlabMapping, lease: pb.LeaseResponse,
+                         namespace: Namespace, fill: BlockFill, num_blocks: int,
+                         granted_s: float) -> pb.LeaseRequest:
+        """Have ``fill`` write the blocks a write lease asks for straight into the slab, then
+        hash them there; returns the Commit request. Runs on a worker thread in
+        ``AsyncClient``."""
+        _check_slab(slab, lease)
+        if time.monotonic() - granted_s > _LEASE_MARGIN * lease.expires_in_s:
+            raise LeaseStateError("the write lease is about to expire; nothing was written")
+        block_bytes = namespace.layout.bytes_per_block
+        blocks: list[list[np.ndarray]] = []
+        for indices, pages in slab.runs(lease, lease.write_indices, block_bytes, num_blocks):
+            if len(pages) == 1:  # back to back in one range: written where they stay
+                fill(indices, torch.from_numpy(pages[0]).view(len(indices), block_bytes))
+                blocks += [[pages[0][k * block_bytes : (k + 1) * block_bytes]]
+                           for k in range(len(indices))]
+                continue
+            bounce = torch.empty((1, block_bytes), dtype=torch.uint8)  # one block, pages apart
+            fill(indices, bounce)
+            source, offset = bounce.numpy().reshape(-1), 0
+            for page in pages:
+                page[:] = source[offset : offset + page.size]
+                offset += page.size
+            blocks.append(pages)
+        return pb.LeaseRequest(lease_id=lease.lease_id, checksums=checksums(blocks))
 
     def _read_lease(self, slab: SlabMapping, lease: pb.LeaseResponse, namespace: Namespace,
                     flat: torch.Tensor, done: int) -> int | None:

@@ -126,12 +126,47 @@ class ClientFlows(base.ClientBase):
                 break
             try:
                 with self._leasing():
-                    return (yield from self._put_shared(namespace, hashes, flat, priority,
-                                                        write_policy, timeout_s))
+                    return (yield from self._put_shared(
+                        namespace, hashes, priority, write_policy, timeout_s,
+                        lambda slab, lease, granted_s: self._fill_lease(
+                            slab, lease, namespace, flat, granted_s)))
             except base.REMAP_ERRORS:
                 if attempt:
                     raise
                 self._forget_server()  # a restarted server: map its new slab and write again
+        return (yield from self._put_streamed(namespace, hashes, flat, priority, write_policy,
+                                              timeout_s))
+
+    def _put_with(
+        self, namespace: Namespace, hashes: Sequence[bytes], fill: base.BlockFill,
+        priority: Priority, write_policy: WritePolicy | None, timeout_s: float | None,
+    ) -> Flow[int]:
+        if not hashes:
+            return 0
+        for attempt in range(2):
+            yield from self._describe()
+            if self._slab is None:
+                break
+            try:
+                with self._leasing():
+                    return (yield from self._put_shared(
+                        namespace, hashes, priority, write_policy, timeout_s,
+                        lambda slab, lease, granted_s: self._fill_lease_with(
+                            slab, lease, namespace, fill, len(hashes), granted_s)))
+            except base.REMAP_ERRORS:
+                if attempt:
+                    raise
+                self._forget_server()  # a restarted server: map its new slab and write again
+        block_bytes = namespace.layout.bytes_per_block
+        buffer = torch.empty((len(hashes), block_bytes), dtype=torch.uint8)
+        yield Copy(fill, list(range(len(hashes))), buffer)
+        return (yield from self._put_streamed(namespace, hashes, buffer.view(-1), priority,
+                                              write_policy, timeout_s))
+
+    def _put_streamed(
+        self, namespace: Namespace, hashes: Sequence[bytes], flat: torch.Tensor,
+        priority: Priority, write_policy: WritePolicy | None, timeout_s: float | None,
+    ) -> Flow[int]:
         response = yield from self._retrying(PutStream(
             lambda: base.put_chunks(namespace, hashes, flat, write_policy, priority),
             timeout_s or self.settings.timeout_s,
@@ -139,9 +174,12 @@ class ClientFlows(base.ClientBase):
         return int(response.count)
 
     def _put_shared(
-        self, namespace: Namespace, hashes: Sequence[bytes], flat: torch.Tensor,
-        priority: Priority, write_policy: WritePolicy | None, timeout_s: float | None,
+        self, namespace: Namespace, hashes: Sequence[bytes], priority: Priority,
+        write_policy: WritePolicy | None, timeout_s: float | None,
+        write: Callable[[base.SlabMapping, pb.LeaseResponse, float], pb.LeaseRequest],
     ) -> Flow[int]:
+        """Allocate, ``write`` the lease's blocks into the slab (it returns the Commit
+        request), Commit; a failed write aborts the lease."""
         slab = self._slab
         assert slab is not None
         request = self._allocate_request(namespace, hashes, priority, write_policy)
@@ -152,7 +190,7 @@ class ClientFlows(base.ClientBase):
             raise
         granted_s = time.monotonic()
         try:
-            commit = yield Copy(self._fill_lease, slab, lease, namespace, flat, granted_s)
+            commit = yield Copy(write, slab, lease, granted_s)
         except BaseException:
             with contextlib.suppress(TierKVError):  # the lease may be gone with its server
                 yield from self._call("Abort", pb.LeaseRequest(lease_id=lease.lease_id),

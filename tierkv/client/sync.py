@@ -21,6 +21,7 @@ import grpc
 import torch
 
 from tierkv.client import base
+from tierkv.client.base import BlockFill
 from tierkv.client.effects import Flow, run_blocking
 from tierkv.client.flows import ClientFlows
 from tierkv.client.results import ServerStats
@@ -129,6 +130,17 @@ class Client(ClientFlows):
     ) -> int:
         """Store ``blocks`` under ``hashes``; returns the blocks newly stored."""
         return self._run(self._put(namespace, hashes, blocks, priority, write_policy, timeout_s))
+
+    def put_with(
+        self, namespace: Namespace, hashes: Sequence[bytes], fill: BlockFill, *,
+        priority: Priority = Priority.NORMAL, write_policy: WritePolicy | None = None,
+        timeout_s: float | None = None,
+    ) -> int:
+        """Store blocks that ``fill`` writes (``BlockFill``: on this thread, straight into the
+        server's slab when it is on this host, so the bytes are copied once) under ``hashes``;
+        returns the blocks newly stored."""
+        return self._run(self._put_with(namespace, hashes, fill, priority, write_policy,
+                                        timeout_s))
 
     def lookup(self, namespace: Namespace, hashes: Sequence[bytes], *,
                timeout_s: float | None = None) -> int:
