@@ -179,7 +179,8 @@ block_bytes]`` uint8 tensor, one row a block, every byte of it (the slab's pages
 is on this host, so there is no other copy). It runs on the calling thread (``Client``) or a
 worker thread (``AsyncClient``). On the same host it is called for the blocks the server does
 not have yet only, in one or more runs, and again for a block the put writes a second time
-(into a restarted server's slab); over a stream, once for every block. An exception from it aborts the put and propagates."""
+(into a restarted server's slab); over a stream, once for every block.
+An exception from it aborts the put and propagates."""
 
 
 class SlabMapping:
