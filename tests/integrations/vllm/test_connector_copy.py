@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -338,19 +338,24 @@ def test_a_larger_load_after_a_smaller_one_lands_whole(server: BackgroundServer)
 
 
 class GatedPuts:
-    """Holds every ``Client.put`` until ``open``: the saver thread keeps its buffer meanwhile."""
+    """Holds every ``Client.put`` and ``put_with`` until ``open``, before it calls the sidecar
+    (the saver keeps its buffer, or has not gathered its save, meanwhile)."""
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
         self.gate = threading.Event()
         self.started = threading.Semaphore(0)
-        original = Client.put
+        self.methods: list[str] = []
+        for method in ("put", "put_with"):
+            monkeypatch.setattr(Client, method, self._gated(method, getattr(Client, method)))
 
-        def put(client: Client, *args: Any, **kwargs: Any) -> int:
+    def _gated(self, method: str, original: Callable[..., int]) -> Callable[..., int]:
+        def call(client: Client, *args: Any, **kwargs: Any) -> int:
+            self.methods.append(method)
             self.started.release()
             assert self.gate.wait(30.0), "the test never opened the gate"
             return original(client, *args, **kwargs)
 
-        monkeypatch.setattr(Client, "put", put)
+        return call
 
     def wait_started(self) -> None:
         assert self.started.acquire(timeout=30.0), "the saver never started a put"
@@ -359,10 +364,11 @@ class GatedPuts:
 def test_saves_queued_behind_a_slow_put_each_store_their_own_bytes(
     server: BackgroundServer, monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """vLLM reuses its blocks as soon as a step ends: steps that save the same vLLM blocks over
-    and over (new bytes each time) while the saver is stuck on the first put must each store
-    the bytes of their own step, whether their buffer is new or one a finished save gave
-    back; and as many buffers as were in flight at once do not all stay."""
+    """vLLM reuses its blocks from the next step on (after ``handle_preemptions``, which is
+    ``before_step``): steps that save the same vLLM blocks over and over (new bytes each time)
+    while the saver is stuck on the first put must each store the bytes of their own step,
+    whether their buffer is new or one a finished save gave back; and as many buffers as were
+    in flight at once do not all stay."""
     target = server.unix_target
     caches = random_caches(GEOMETRY, seed=6)
     ids = [3, 8, 20]
@@ -371,6 +377,7 @@ def test_saves_queued_behind_a_slow_put_each_store_their_own_bytes(
     expected: list[tuple[list[bytes], torch.Tensor]] = []
 
     def save_new_bytes(seed: int, num_blocks: int = 3) -> None:
+        worker.before_step()
         fresh = random_caches(GEOMETRY, seed=seed)
         for name in GEOMETRY.layer_names:
             caches[name].copy_(fresh[name])  # vLLM writes the blocks anew (the same tensors)
@@ -389,11 +396,84 @@ def test_saves_queued_behind_a_slow_put_each_store_their_own_bytes(
         for seed in (14, 15):  # buffers given back, reused back to back
             save_new_bytes(seed)
         save_new_bytes(16, num_blocks=1)  # a smaller save in a larger buffer
+        worker.before_step()
         assert worker.flush(30.0) and worker.counters.blocks_saved == 19
         assert worker.counters.blocks_dropped == 0
         for hashes, blocks in expected:
             assert torch.equal(bits(stored(target, NAMESPACE, hashes)), bits(blocks))
         assert len(worker._groups[0].save_buffers) <= IDLE_SAVE_BUFFERS
+    finally:
+        gated.gate.set()
+        worker.close()
+
+
+def test_a_save_is_gathered_into_the_sidecars_pages_and_the_next_step_waits_for_that_gather(
+    server: BackgroundServer, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """On the CPU the saver gathers a save straight into the leased slab pages (no staging
+    buffer, ``put_with``); ``before_step`` (vLLM's step about to write its blocks) does not
+    return while that gather is under way, so the stored bytes are the saved step's."""
+    target = server.unix_target
+    caches = random_caches(GEOMETRY, seed=8)
+    ids, hashes = [5, 1, 17, 9], fresh_hashes(4)
+    expected = blocks_of(caches, GEOMETRY, ids).clone()
+    entered, gate = threading.Event(), threading.Event()
+    original = WorkerSide._gather
+
+    def gather(worker: WorkerSide, *args: Any) -> torch.Tensor:
+        if threading.current_thread().name == "tierkv-save":
+            entered.set()
+            assert gate.wait(30.0), "the test never opened the gate"
+        return original(worker, *args)
+
+    monkeypatch.setattr(WorkerSide, "_gather", gather)
+    worker = new_worker(target)
+    stepped = threading.Event()
+    try:
+        worker.register(caches)
+        worker.save(saves(("r", hashes, ids)))
+        assert entered.wait(30.0), "the saver never gathered"
+        step = threading.Thread(target=lambda: (worker.before_step(), stepped.set()))
+        step.start()
+        assert not stepped.wait(0.5), "the next step began while a save was being gathered"
+        gate.set()
+        step.join(30.0)
+        assert stepped.is_set()
+        for name in GEOMETRY.layer_names:  # the step overwrites the blocks
+            caches[name].copy_(random_caches(GEOMETRY, seed=9)[name])
+        assert worker.flush(30.0) and worker.counters.blocks_saved == 4
+        assert torch.equal(bits(stored(target, NAMESPACE, hashes)), bits(expected))
+        assert worker._groups[0].save_buffers == []  # nothing was staged
+    finally:
+        gate.set()
+        worker.close()
+
+
+def test_a_save_the_sidecar_is_slow_to_take_is_staged_before_the_next_step(
+    server: BackgroundServer, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A put stuck before its Allocate when the next step begins: ``before_step`` gathers the
+    save into staging itself (the engine never waits for the sidecar), the step overwrites
+    vLLM's blocks, and the put, once through, stores the saved step's bytes out of staging."""
+    target = server.unix_target
+    caches = random_caches(GEOMETRY, seed=10)
+    ids, hashes = [2, 11, 4], fresh_hashes(3)
+    expected = blocks_of(caches, GEOMETRY, ids).clone()
+    worker = new_worker(target)
+    gated = GatedPuts(monkeypatch)
+    try:
+        worker.register(caches)
+        worker.save(saves(("r", hashes, ids)))
+        gated.wait_started()
+        started_s = time.monotonic()
+        worker.before_step()
+        assert time.monotonic() - started_s < 20.0  # did not wait for the gate (30 s)
+        for name in GEOMETRY.layer_names:
+            caches[name].copy_(random_caches(GEOMETRY, seed=11)[name])
+        gated.gate.set()
+        assert worker.flush(30.0) and worker.counters.blocks_saved == 3
+        assert gated.methods == ["put_with"]  # taken before it was staged; filled from staging
+        assert torch.equal(bits(stored(target, NAMESPACE, hashes)), bits(expected))
     finally:
         gated.gate.set()
         worker.close()

@@ -157,8 +157,10 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         return self._worker.take_load_errors()
 
     def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
-        """Nothing to do: saves are copied out of vLLM's blocks within their step, so a
-        preempted request's blocks may be overwritten at once."""
+        """Called before anything of a step writes vLLM's blocks (preempted requests' blocks
+        included): the saves of earlier steps are copied out of them by the time it returns."""
+        if self._worker is not None:
+            self._worker.before_step()
 
     def flush_saves(self, timeout_s: float) -> bool:
         """Wait up to ``timeout_s`` until this worker's queued saves are in the sidecar (or

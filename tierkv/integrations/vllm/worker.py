@@ -14,9 +14,15 @@ the backend does, which is why the namespace names the backend's layout and devi
   request a load error: reported to vLLM, never left looking loaded. Asynchronous loads fetch
   and scatter every layer on another thread while the request waits, and report the request
   received when done.
-* Saves: ``save`` gathers the blocks vLLM computed in this step (one ``index_select`` per layer
-  for all the step's requests, before the step ends, so vLLM may reuse its blocks at once) and
-  queues one put of them on a saver thread. The queue is bounded by ``save_queue_bytes``: the
+* Saves: ``save`` queues one put of the blocks vLLM computed in this step (all the step's
+  requests) for a saver thread. On the CPU the saver gathers them (one ``index_select`` per
+  layer) straight into the sidecar's leased slab pages (``Client.put_with``: one pass over the
+  bytes, then a hash pass over the pages); vLLM may overwrite a block from its next step on,
+  and it calls ``handle_preemptions`` (``before_step``) before anything of that step writes a
+  block, so ``before_step`` waits for a gather under way and gathers any save not gathered yet
+  into a staging buffer itself (what a slow sidecar costs the engine: the gather it would have
+  done anyway, never a call). On the GPU ``save`` gathers into pinned staging before the step
+  ends. The queue is bounded by ``save_queue_bytes``: the
   leading blocks of a request that fit are kept and the rest of it is dropped (a block after a
   missing one could never be found), counted; saves the sidecar refuses are dropped too. The
   engine never waits for the sidecar, and a sidecar that failed a load is not asked again for
@@ -36,6 +42,7 @@ import logging
 import queue
 import threading
 import time
+from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -77,16 +84,30 @@ class _Load:
     layers_ready: tuple[threading.Event, ...] | None = None
 
 
-@dataclass(frozen=True, slots=True)
+class _GatherWindowClosedError(Exception):
+    """A save's blocks were asked for again after vLLM may have reused them (a put written a
+    second time, into a restarted sidecar's slab): the save is dropped."""
+
+
+@dataclass(slots=True)
 class _Save:
-    """One step's saves of one group (of all its requests, in order): ``hashes`` and their
-    blocks."""
+    """One step's saves of one group (of all its requests, in order): ``hashes`` and vLLM's
+    ``block_ids`` holding them. On the CPU the saver gathers the blocks straight into the
+    sidecar's leased pages while ``window_open`` (until the next step begins: vLLM may then
+    reuse the blocks); a save not gathered by then is gathered into ``staging`` by the engine's
+    thread first. On the GPU every save is gathered into ``staging`` within its step. The
+    mutable fields are the worker's lock's."""
 
     group: int
     namespace: Namespace
     hashes: tuple[bytes, ...]
-    staging: torch.Tensor  # [n, L, H, N, C], gathered out of vLLM's blocks
-    buffer: torch.Tensor  # what ``staging`` is the head of: given back once the put returned
+    block_ids: tuple[int, ...]
+    staging: torch.Tensor | None = None  # [n, L, H, N, C], gathered out of vLLM's blocks
+    buffer: torch.Tensor | None = None  # what ``staging`` is the head of: given back after
+    window_open: bool = False
+    staging_pending: bool = False  # the engine's thread is gathering it into ``staging``
+    gathering: bool = False  # the saver is gathering it out of vLLM's blocks
+    gathered: bool = False  # the saver gathered it (into the sidecar's pages)
 
 
 @dataclass(slots=True)
@@ -136,6 +157,8 @@ class WorkerSide:
         self._load_errors: set[int] = set()
         self._lock = threading.Lock()
         self._drained = threading.Condition(self._lock)  # notified when no save is queued
+        self._gathered = threading.Condition(self._lock)  # notified as a save's gather ends
+        self._open_saves: list[_Save] = []  # saves vLLM's blocks are still kept for
         self._truncated: set[str] = set()  # requests a save was dropped for: no later ones
         self._queued_bytes = 0
         self._saves: queue.Queue[_Save | None] = queue.Queue()  # None: stop
@@ -425,13 +448,77 @@ class WorkerSide:
                 block_ids += op.block_ids[:keep]
         if not hashes:
             return
+        item = _Save(g, namespace, tuple(hashes), tuple(block_ids))
+        if self._stream is None:  # the saver gathers it, straight into the sidecar's pages
+            item.window_open = True
+            with self._lock:
+                self._open_saves.append(item)
+            self._saves.put(item)
+            return
         try:  # the step's requests in one put: each put costs ~2.5 ms beside its bytes
-            buffer = self._take_save_buffer(group, len(hashes))
-            staging = self._gather(group, block_ids, buffer[: len(hashes)])
+            self._stage(group, item)
         except BaseException:
             self._settle(g, len(hashes), saved=False)  # (a flush must not wait for it)
             raise
-        self._saves.put(_Save(g, namespace, tuple(hashes), staging, buffer))
+        self._saves.put(item)
+
+    def _stage(self, group: _Group, item: _Save) -> None:
+        """Gather ``item``'s blocks out of vLLM's into a staging buffer (taken for it)."""
+        buffer = self._take_save_buffer(group, len(item.hashes))
+        try:
+            item.staging = self._gather(group, list(item.block_ids), buffer[: len(item.hashes)])
+        except BaseException:
+            self._give_back(group, buffer)
+            raise
+        item.buffer = buffer
+
+    def before_step(self) -> None:
+        """vLLM is about to start a step, which may overwrite any block it does not hold for a
+        request (``handle_preemptions`` is called before anything writes one): wait for the
+        saver's gathers under way, and gather the saves it has not reached into staging here.
+        A save that cannot be staged is dropped; its blocks are never read again."""
+        with self._lock:
+            self._gathered.wait_for(lambda: not any(s.gathering for s in self._open_saves))
+            closing, self._open_saves = self._open_saves, []
+            for item in closing:
+                item.window_open = False
+                item.staging_pending = not item.gathered
+        for item in closing:
+            if not item.staging_pending:
+                continue
+            try:
+                self._stage(self._groups[item.group], item)
+            except Exception as exc:  # the saver finds no staging: it drops the save
+                log.warning("tierkv: staging a save of %d blocks failed (%s)",
+                            len(item.hashes), exc)
+            finally:
+                with self._lock:
+                    item.staging_pending = False
+                    self._gathered.notify_all()
+
+    def _fill(self, item: _Save, indices: Sequence[int], out: torch.Tensor) -> None:
+        """``put_with``'s fill of ``item``: its blocks ``indices`` into ``out`` (uint8, a row a
+        block), out of vLLM's blocks while they are kept for it, else out of its staging."""
+        group = self._groups[item.group]
+        geometry = group.geometry
+        with self._lock:
+            self._gathered.wait_for(lambda: not item.staging_pending)
+            direct = item.window_open
+            item.gathering = direct
+        if direct:
+            try:
+                typed = out.view(geometry.cache_dtype).view(
+                    len(indices), geometry.layout.num_layers, *geometry.page_shape)
+                self._gather(group, [item.block_ids[i] for i in indices], typed)
+            finally:
+                with self._lock:
+                    item.gathering, item.gathered = False, True
+                    self._gathered.notify_all()
+            return
+        if item.staging is None:
+            raise _GatherWindowClosedError("vLLM may have reused the blocks of this save")
+        rows = item.staging.view(torch.uint8).reshape(item.staging.shape[0], -1)
+        torch.index_select(rows, 0, torch.tensor(list(indices), dtype=torch.long), out=out)
 
     def _take_save_buffer(self, group: _Group, num_blocks: int) -> torch.Tensor:
         """An idle save buffer of at least ``num_blocks`` blocks (the smallest), else a new one:
@@ -475,20 +562,33 @@ class WorkerSide:
             item = self._saves.get()
             if item is None:
                 return
-            namespace, hashes, staging = item.namespace, item.hashes, item.staging
+            namespace, hashes = item.namespace, item.hashes
             saved = False
             try:
-                self._save_client.put(
-                    namespace, list(hashes),
-                    self._blocks_of(staging, namespace, len(hashes)),
-                    priority=self.settings.priority, write_policy=self.settings.write_policy,
-                )
+                with self._lock:  # staged by now (or being staged): a plain put copies it
+                    self._gathered.wait_for(lambda: not item.staging_pending)  # noqa: B023
+                    staging = item.staging
+                if staging is not None:
+                    self._save_client.put(
+                        namespace, list(hashes), self._blocks_of(staging, namespace, len(hashes)),
+                        priority=self.settings.priority, write_policy=self.settings.write_policy,
+                    )
+                else:
+                    self._save_client.put_with(
+                        namespace, list(hashes),
+                        lambda indices, out: self._fill(item, indices, out),  # noqa: B023
+                        priority=self.settings.priority, write_policy=self.settings.write_policy,
+                    )
                 saved = True
             except Exception as exc:  # the saver thread outlives any failure of one save
                 log.warning("tierkv save of %d blocks dropped (%s)", len(hashes), exc)
             finally:
-                # The put has returned: no copy reads the buffer any more.
-                self._give_back(self._groups[item.group], item.buffer)
+                with self._lock:
+                    self._gathered.wait_for(lambda: not item.staging_pending)  # noqa: B023
+                    item.window_open = False  # a failed put's blocks are not read again
+                    self._open_saves = [s for s in self._open_saves if s is not item]
+                if item.buffer is not None:  # the put has returned: no copy reads it any more
+                    self._give_back(self._groups[item.group], item.buffer)
                 self._settle(item.group, len(hashes), saved=saved)
 
     def _settle(self, group: int, num_blocks: int, *, saved: bool) -> None:
@@ -508,7 +608,7 @@ class WorkerSide:
     def finished(self, finished_req_ids: set[str]) -> set[str]:
         """The requests whose asynchronous loads are done since the last call (their failed
         blocks are in ``take_load_errors`` by then). Saves hold no request: they are copied out
-        of vLLM's blocks within their step."""
+        of vLLM's blocks before the next step begins (``before_step``)."""
         with self._lock:
             self._truncated -= finished_req_ids
             received, self._received = self._received, set()
