@@ -281,10 +281,12 @@ class SlabMapping:
         for extents, index in zip(all_extents, block_indices, strict=True):
             if sum(length for _, length in extents) != block_bytes:
                 raise ServiceUnavailableError("a leased block's extents do not cover the block")
-            start = extents[0][0] if extents else -1
-            contiguous = all(extents[k][0] == extents[k - 1][0] + extents[k - 1][1]
-                             for k in range(1, len(extents)))
-            if not contiguous or not extents:
+            start = extents[0][0]  # (a block has bytes, so it has an extent)
+            if any(extents[k][0] != extents[k - 1][0] + extents[k - 1][1]
+                   for k in range(1, len(extents))):
+                if run_indices:  # runs stay in block order: the checksums follow it
+                    runs.append((run_indices, [self.array[run_start:run_end]]))
+                    run_indices = []
                 runs.append(([index], [self.array[a : a + n] for a, n in extents]))
                 continue
             if start != run_end or not run_indices:
