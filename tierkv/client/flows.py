@@ -120,20 +120,12 @@ class ClientFlows(base.ClientBase):
         flat = base.block_bytes_of(blocks, namespace)
         if len(hashes) != blocks.shape[0]:
             raise InvalidArgumentError(f"got {len(hashes)} hashes but {blocks.shape[0]} blocks")
-        for attempt in range(2):
-            yield from self._describe()
-            if self._slab is None:
-                break
-            try:
-                with self._leasing():
-                    return (yield from self._put_shared(
-                        namespace, hashes, priority, write_policy, timeout_s,
-                        lambda slab, lease, granted_s: self._fill_lease(
-                            slab, lease, namespace, flat, granted_s)))
-            except base.REMAP_ERRORS:
-                if attempt:
-                    raise
-                self._forget_server()  # a restarted server: map its new slab and write again
+        count = yield from self._put_leased(
+            namespace, hashes, priority, write_policy, timeout_s,
+            lambda slab, lease, granted_s: self._fill_lease(slab, lease, namespace, flat,
+                                                            granted_s))
+        if count is not None:
+            return count
         return (yield from self._put_streamed(namespace, hashes, flat, priority, write_policy,
                                               timeout_s))
 
@@ -143,25 +135,38 @@ class ClientFlows(base.ClientBase):
     ) -> Flow[int]:
         if not hashes:
             return 0
-        for attempt in range(2):
-            yield from self._describe()
-            if self._slab is None:
-                break
-            try:
-                with self._leasing():
-                    return (yield from self._put_shared(
-                        namespace, hashes, priority, write_policy, timeout_s,
-                        lambda slab, lease, granted_s: self._fill_lease_with(
-                            slab, lease, namespace, fill, len(hashes), granted_s)))
-            except base.REMAP_ERRORS:
-                if attempt:
-                    raise
-                self._forget_server()  # a restarted server: map its new slab and write again
+        count = yield from self._put_leased(
+            namespace, hashes, priority, write_policy, timeout_s,
+            lambda slab, lease, granted_s: self._fill_lease_with(
+                slab, lease, namespace, fill, len(hashes), granted_s))
+        if count is not None:
+            return count
         block_bytes = namespace.layout.bytes_per_block
         buffer = torch.empty((len(hashes), block_bytes), dtype=torch.uint8)
         yield Copy(fill, list(range(len(hashes))), buffer)
         return (yield from self._put_streamed(namespace, hashes, buffer.view(-1), priority,
                                               write_policy, timeout_s))
+
+    def _put_leased(
+        self, namespace: Namespace, hashes: Sequence[bytes], priority: Priority,
+        write_policy: WritePolicy | None, timeout_s: float | None,
+        write: Callable[[base.SlabMapping, pb.LeaseResponse, float], pb.LeaseRequest],
+    ) -> Flow[int | None]:
+        """A put through the slab, written again once into a restarted server's; None when
+        the server is not on this host (the caller streams)."""
+        for attempt in range(2):
+            yield from self._describe()
+            if self._slab is None:
+                return None
+            try:
+                with self._leasing():
+                    return (yield from self._put_shared(namespace, hashes, priority,
+                                                        write_policy, timeout_s, write))
+            except base.REMAP_ERRORS:
+                if attempt:
+                    raise
+                self._forget_server()  # a restarted server: map its new slab and write again
+        return None
 
     def _put_streamed(
         self, namespace: Namespace, hashes: Sequence[bytes], flat: torch.Tensor,
