@@ -204,6 +204,126 @@ def test_a_fill_that_raises_aborts_the_put_and_stores_nothing(
     assert same_bytes(client.get(namespace, hashes), data)
 
 
+class _Collector:
+    """A ``get_with`` use that copies out what it is handed and records each call."""
+
+    def __init__(self, num_blocks: int, block_bytes: int = BLOCK_BYTES) -> None:
+        self.rows = torch.zeros((num_blocks, block_bytes), dtype=torch.uint8)
+        self.calls: list[list[int]] = []
+        self.sources: list[int] = []
+
+    def __call__(self, indices: Sequence[int], blocks: torch.Tensor) -> None:
+        assert blocks.dtype == torch.uint8
+        assert tuple(blocks.shape) == (len(indices), self.rows.shape[1])
+        assert list(indices) == list(range(indices[0], indices[0] + len(indices)))
+        self.calls.append(list(indices))
+        self.sources.append(blocks.data_ptr())
+        self.rows[list(indices)] = blocks
+
+    def blocks(self, count: int, layout: KVLayout = TINY_LAYOUT) -> torch.Tensor:
+        return self.rows[:count].view(layout.torch_dtype).reshape(count, *layout.block_shape)
+
+
+def test_get_with_hands_over_the_leading_cached_blocks_bit_exact(
+    server: LiveServer, client: AnyClient, path: str
+) -> None:
+    namespace, hashes = ns(), keys(12, salt="get-with")
+    data = patterned_blocks(12, seed=26)
+    assert client.put(namespace, hashes[:8], data[:8]) == 8
+    assert client.put(namespace, hashes[9:], data[9:]) == 3  # block 8 missing: the run ends
+    use = _Collector(12)
+    assert client.get_with(namespace, hashes, use) == 8
+    assert [index for call in use.calls for index in call] == list(range(8))
+    assert same_bytes(use.blocks(8), data[:8])
+    assert client.get_with(namespace, hashes[8:], _Collector(4)) == 0
+    assert client.get_with(namespace, [], _Collector(1)) == 0
+    tail = _Collector(3)
+    assert client.get_with(namespace, hashes[9:], tail) == 3
+    assert same_bytes(tail.blocks(3), data[9:])
+    check_path(server, client, path)
+
+
+def test_get_with_hands_over_the_slabs_own_pages_on_the_same_host(server: LiveServer) -> None:
+    with Client(server.unix_target, token=ALICE_TOKEN) as client:
+        namespace, hashes = ns(), keys(8, salt="read-in-place")
+        data = patterned_blocks(8, seed=27)
+        assert client.put(namespace, hashes, data) == 8
+        use = _Collector(8)
+        assert client.get_with(namespace, hashes, use) == 8
+        slab = client._slab
+        assert slab is not None
+        low, high = slab.array.ctypes.data, slab.array.ctypes.data + slab.array.size
+        assert use.calls == [list(range(8))] and low <= use.sources[0] < high
+        assert same_bytes(use.blocks(8), data)
+        methods = server.spy.methods_of(client.settings.client_id)
+        assert methods["Acquire"] == 1 and methods["Get"] == 0
+
+
+def test_get_with_of_blocks_split_across_runs_of_free_pages_round_trips_exactly(
+    make_server: ServerFactory, open_client: Callable[..., AnyClient], kind: str, path: str
+) -> None:
+    """Blocks whose two pages lie apart are handed over one at a time, from a buffer."""
+    server = make_server(host_bytes=32 * BLOCK_BYTES, disk_bytes=0)
+    client = open_client(server, path, kind)
+    small = ns("one-page-model", KVLayout(1, 2, 8, 4))  # half a tiny block: one page
+    filler = keys(64, salt="filler")
+    assert client.put(small, filler, patterned_blocks(64, seed=12, layout=small.layout)) == 64
+    assert client.delete(small, filler[::2]) == 32  # 32 free runs of one page each
+    namespace, hashes = ns(), keys(8, salt="split-get-with")
+    data = patterned_blocks(8, seed=28)
+    assert client.put(namespace, hashes, data) == 8
+    use = _Collector(8)
+    assert client.get_with(namespace, hashes, use) == 8
+    if path == "shm":
+        assert use.calls == [[i] for i in range(8)]
+    assert same_bytes(use.blocks(8), data)
+
+
+def test_a_block_whose_pages_change_while_in_use_is_not_handed_over(
+    server: LiveServer, open_client: Callable[..., AnyClient], kind: str
+) -> None:
+    """``use`` sees the slab's pages; one that changes while it copies (here: a stray write
+    into block 3, which the copy saw) counts as never received, and the block is a miss
+    from then on, never its changed bytes."""
+    client = open_client(server, "shm", kind)
+    namespace, hashes = ns(), keys(6, salt="changed-in-use")
+    data = patterned_blocks(6, seed=29)
+    assert client.put(namespace, hashes, data) == 6
+
+    def scribble(indices: Sequence[int], blocks: torch.Tensor) -> None:
+        blocks[3 - indices[0], 5] ^= 0x10  # a stray write the copy below sees
+        use(indices, blocks)
+
+    use = _Collector(6)
+    assert client.get_with(namespace, hashes, scribble) == 3
+    assert same_bytes(use.blocks(3), data[:3])
+    assert client.stats().checksum_failures == 1
+    assert client.lookup(namespace, hashes) == 3
+    assert same_bytes(client.get(namespace, hashes), data[:3])
+
+
+def test_a_use_that_raises_ends_the_get_and_leaves_nothing_leased(
+    server: LiveServer, client: AnyClient, path: str
+) -> None:
+    namespace, hashes = ns(), keys(6, salt="use-raises")
+    data = patterned_blocks(6, seed=30)
+    assert client.put(namespace, hashes, data) == 6
+    before = client.stats().tiers[Tier.HOST].hits
+
+    def fail(indices: Sequence[int], blocks: torch.Tensor) -> None:
+        raise RuntimeError("the engine's pages are gone")
+
+    with pytest.raises(RuntimeError, match="pages are gone"):
+        client.get_with(namespace, hashes, fail)
+    stats = client.stats()
+    assert stats.num_leases == 0
+    if path == "shm":  # nothing was kept: no hit counted
+        assert stats.tiers[Tier.HOST].hits == before
+    use = _Collector(6)
+    assert client.get_with(namespace, hashes, use) == 6
+    assert same_bytes(use.blocks(6), data)
+
+
 def test_get_of_a_partly_cached_chain_returns_the_leading_run(client: AnyClient) -> None:
     namespace, hashes = ns(), keys(6, salt="partial")
     data = patterned_blocks(6, seed=4)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import os
 import subprocess
+from collections.abc import Sequence
 
 import pytest
 import torch
@@ -46,11 +47,27 @@ def restart(sidecar_factory: SidecarFactory, sidecar: Sidecar, how: str) -> Side
     return sidecar_factory(*FLAGS, disk_path=sidecar.disk_path, socket_dir=sidecar.socket_dir)
 
 
-def put_then_get(client: Client, salt: str) -> torch.Tensor:
+def put_then_get(client: Client, salt: str, *, in_place: bool = False) -> torch.Tensor:
+    """``in_place``: through ``put_with`` and ``get_with`` (the slab's pages themselves)."""
     hashes, data = batch(salt)
-    assert client.put(NAMESPACE, hashes, data, write_policy=WritePolicy.WRITE_THROUGH) \
+    if not in_place:
+        assert client.put(NAMESPACE, hashes, data, write_policy=WritePolicy.WRITE_THROUGH) \
+            == NUM_BLOCKS
+        return client.get(NAMESPACE, hashes)
+    rows = data.view(torch.uint8).reshape(NUM_BLOCKS, -1)
+
+    def fill(indices: Sequence[int], out: torch.Tensor) -> None:
+        out.copy_(rows[list(indices)])
+
+    assert client.put_with(NAMESPACE, hashes, fill, write_policy=WritePolicy.WRITE_THROUGH) \
         == NUM_BLOCKS
-    return client.get(NAMESPACE, hashes)
+    got = torch.zeros_like(rows)
+
+    def use(indices: Sequence[int], blocks: torch.Tensor) -> None:
+        got[list(indices)] = blocks
+
+    count = client.get_with(NAMESPACE, hashes, use)
+    return got[:count].view(data.dtype).reshape(count, *data.shape[1:])
 
 
 async def aput_then_get(client: AsyncClient, salt: str) -> torch.Tensor:
@@ -72,7 +89,7 @@ def through_one_client(first: Sidecar, restarted: object, flavour: str, kind: st
             assert client.uses_shared_memory == shm
             got["before"] = put_then_get(client, "before")
             restarted()  # type: ignore[operator]
-            got["after"] = put_then_get(client, "after")
+            got["after"] = put_then_get(client, "after", in_place=True)  # a stale mapping
             got["before again"] = client.get(NAMESPACE, batch("before")[0])
             assert client.uses_shared_memory == shm  # remapped, not fallen back to streams
         return got

@@ -13,7 +13,7 @@ import asyncio
 import fcntl
 import os
 import secrets
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 
 import grpc
@@ -93,7 +93,7 @@ async def test_a_commit_whose_pages_differ_from_the_clients_checksums_stores_not
         assert (await get_blocks(stub, NS, hashes))[0] == 0
 
 
-READ_PATHS = ["leased", "streamed", "in-process", "copied-to-disk", "copied-to-gpu"]
+READ_PATHS = ["leased", "leased-in-place", "streamed", "in-process", "copied-to-disk", "copied-to-gpu"]
 
 
 @pytest.mark.asyncio
@@ -129,6 +129,16 @@ async def test_a_page_changed_between_the_copy_and_the_commit_is_a_miss_on_every
             async with AsyncClient(served.unix_target, token="t" * 32) as client:
                 assert await client.uses_shared_memory()
                 got = await client.get(NAMESPACE, hashes)
+        elif path == "leased-in-place":  # get_with: handed over where it lies in the slab
+            rows = torch.zeros((4, BLOCK_BYTES), dtype=torch.uint8)
+
+            def use(indices: Sequence[int], blocks: torch.Tensor) -> None:
+                rows[list(indices)] = blocks
+
+            async with AsyncClient(served.unix_target, token="t" * 32) as client:
+                assert await client.uses_shared_memory()
+                count = await client.get_with(NAMESPACE, hashes, use)
+            got = as_blocks(bytes(rows[:count].numpy()))
         elif path == "streamed":
             num_blocks, streamed, _ = await get_blocks(stub, NS, hashes)
             assert streamed == data[: num_blocks * BLOCK_BYTES]

@@ -16,7 +16,7 @@ import grpc
 import torch
 
 from tierkv.client import base
-from tierkv.client.base import BlockFill
+from tierkv.client.base import BlockFill, BlockUse
 from tierkv.client.effects import Flow, run_async
 from tierkv.client.flows import ClientFlows
 from tierkv.client.results import ServerStats
@@ -153,6 +153,13 @@ class AsyncClient(ClientFlows):
                        timeout_s: float | None = None) -> int:
         """Copy the leading cached blocks into ``out[:k]``; returns ``k``."""
         return await self._run(self._get_into(namespace, hashes, out, timeout_s))
+
+    async def get_with(self, namespace: Namespace, hashes: Sequence[bytes], use: BlockUse, *,
+                       timeout_s: float | None = None) -> int:
+        """Hand the leading cached blocks to ``use`` (``BlockUse``: on a worker thread, as the
+        server's slab pages when it is on this host), checked; returns how many leading blocks
+        were handed over good."""
+        return await self._run(self._get_with(namespace, hashes, use, timeout_s))
 
     async def get(self, namespace: Namespace, hashes: Sequence[bytes],
                   device: str | torch.device = "cpu", *,

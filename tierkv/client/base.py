@@ -182,6 +182,19 @@ not have yet only, in one or more runs, and again for a block the put writes a s
 (into a restarted server's slab); over a stream, once for every block.
 An exception from it aborts the put and propagates."""
 
+BlockUse = Callable[[Sequence[int], torch.Tensor], None]
+"""What ``get_with`` calls to hand blocks over: ``use(indices, blocks)`` gets the blocks at
+``indices`` (consecutive positions in the call's hashes, ascending) as ``blocks``, a
+``[len(indices), block_bytes]`` uint8 tensor, one row a block, to copy out before it returns.
+On the same host it is the server's slab pages themselves (no other copy): valid only during the
+call, never to be written. Their checksums are checked once it returned, so a change to the
+pages before or during its copy shows: the blocks from the first that fails on count as never
+received (``get_with`` returns how many leading blocks were), whatever ``use`` did with them. It
+runs on the calling thread (``Client``) or a worker thread (``AsyncClient``), in block order, in
+one or more runs; a block may be handed over again (a get read again from a restarted server);
+over a stream, once, from a buffer already checked. An exception from it ends the get (the
+blocks it was handed count as not received) and propagates."""
+
 
 class SlabMapping:
     """The server's HOST slab mapped into this process (shared memory, read and write).
@@ -575,6 +588,41 @@ class ClientBase:
         for index, (actual, expected) in enumerate(zip(got, lease.checksums, strict=True)):
             if actual != expected:
                 return index
+        return None
+
+
+    def _read_lease_with(self, slab: SlabMapping, lease: pb.LeaseResponse,
+                         namespace: Namespace, use: BlockUse, done: int, num_blocks: int
+                         ) -> int | None:
+        """Hand a read lease's blocks (blocks ``done`` on of a call of ``num_blocks``) to
+        ``use`` where they lie in the slab, then check each against its checksum there; returns
+        the index (in the lease) of the first bad one, or None. A block whose pages lie apart is
+        copied into a buffer and checked before ``use`` sees it. Runs on a worker thread in
+        ``AsyncClient``."""
+        _check_slab(slab, lease)
+        if len(lease.checksums) != lease.num_blocks:
+            raise ServiceUnavailableError("the server gave no checksums with its read lease")
+        block_bytes = namespace.layout.bytes_per_block
+        expected, first = lease.checksums, 0
+        for indices, pages in slab.runs(lease, range(done, done + lease.num_blocks),
+                                        block_bytes, num_blocks):
+            if len(pages) == 1:  # back to back in one range: handed over where they lie
+                use(indices, torch.from_numpy(pages[0]).view(len(indices), block_bytes))
+                got = checksums([pages[0][k * block_bytes : (k + 1) * block_bytes]
+                                 for k in range(len(indices))])
+            else:
+                bounce, offset = np.empty(block_bytes, np.uint8), 0
+                parts = []
+                for page in pages:
+                    parts.append((bounce[offset : offset + page.size], page))
+                    offset += page.size
+                got = copy_with_checksums([parts])
+                if got[0] == expected[first]:
+                    use(indices, torch.from_numpy(bounce).view(1, block_bytes))
+            for k, actual in enumerate(got):
+                if actual != expected[first + k]:
+                    return first + k
+            first += len(indices)
         return None
 
 

@@ -210,28 +210,67 @@ class ClientFlows(base.ClientBase):
                   timeout_s: float | None) -> Flow[int]:
         flat = check_out(namespace.layout, out, len(hashes))
         target = flat if flat.device.type == "cpu" else torch.empty(flat.numel(), dtype=torch.uint8)
-        num_blocks: int | None = None
+        block_bytes = namespace.layout.bytes_per_block
+
+        def read(slab: base.SlabMapping, lease: pb.LeaseResponse, done: int) -> int | None:
+            return self._read_lease(slab, lease, namespace, target, done)
+
+        def rest(done: int) -> Flow[int]:
+            return self._get_streamed(namespace, hashes[done:], target[done * block_bytes :],
+                                      timeout_s)
+
+        num_blocks = yield from self._get_leased(namespace, hashes, read, rest, timeout_s)
+        if target is not flat:
+            size = num_blocks * block_bytes
+            flat[:size].copy_(target[:size])
+        return num_blocks
+
+    def _get_with(self, namespace: Namespace, hashes: Sequence[bytes], use: base.BlockUse,
+                  timeout_s: float | None) -> Flow[int]:
+        if not hashes:
+            return 0
+
+        def read(slab: base.SlabMapping, lease: pb.LeaseResponse, done: int) -> int | None:
+            return self._read_lease_with(slab, lease, namespace, use, done, len(hashes))
+
+        def rest(done: int) -> Flow[int]:
+            buffer = torch.empty((len(hashes) - done, namespace.layout.bytes_per_block),
+                                 dtype=torch.uint8)
+            got = yield from self._get_streamed(namespace, hashes[done:], buffer.view(-1),
+                                                timeout_s)
+            if got:
+                yield Copy(use, list(range(done, done + got)), buffer[:got])
+            return got
+
+        return (yield from self._get_leased(namespace, hashes, read, rest, timeout_s))
+
+    def _get_leased(
+        self, namespace: Namespace, hashes: Sequence[bytes],
+        read: Callable[[base.SlabMapping, pb.LeaseResponse, int], int | None],
+        rest: Callable[[int], Flow[int]], timeout_s: float | None,
+    ) -> Flow[int]:
+        """A get through the slab (``read`` copies a lease's blocks, from block ``done`` on,
+        and says which one was bad), read again once from a restarted server's; ``rest(done)``
+        streams from block ``done`` on when the server is not on this host or HOST leased none."""
         for attempt in range(2):
             yield from self._describe()
             if self._slab is None:
                 break
             try:
                 with self._leasing():
-                    num_blocks = yield from self._get_shared(namespace, hashes, target, timeout_s)
-                break
+                    return (yield from self._get_shared(namespace, hashes, read, rest,
+                                                        timeout_s))
             except base.REMAP_ERRORS:
                 if attempt:
                     raise
                 self._forget_server()
-        if num_blocks is None:
-            num_blocks = yield from self._get_streamed(namespace, hashes, target, timeout_s)
-        if target is not flat:
-            size = num_blocks * namespace.layout.bytes_per_block
-            flat[:size].copy_(target[:size])
-        return num_blocks
+        return (yield from rest(0))
 
-    def _get_shared(self, namespace: Namespace, hashes: Sequence[bytes], flat: torch.Tensor,
-                    timeout_s: float | None) -> Flow[int]:
+    def _get_shared(
+        self, namespace: Namespace, hashes: Sequence[bytes],
+        read: Callable[[base.SlabMapping, pb.LeaseResponse, int], int | None],
+        rest: Callable[[int], Flow[int]], timeout_s: float | None,
+    ) -> Flow[int]:
         slab = self._slab
         assert slab is not None
         done = 0
@@ -248,7 +287,7 @@ class ClientFlows(base.ClientBase):
             release = pb.LeaseRequest(lease_id=lease.lease_id, num_copied=0)
             checked = False
             try:
-                bad = yield Copy(self._read_lease, slab, lease, namespace, flat, done)
+                bad = yield Copy(read, slab, lease, done)
                 release.num_copied = lease.num_blocks if bad is None else bad
                 checked = True
             finally:
@@ -269,9 +308,7 @@ class ClientFlows(base.ClientBase):
             if count == 0:
                 # Stored, but HOST could lease none of them (its room pinned, leased or in
                 # use): the stream reads them where they are, without a page of HOST.
-                block_bytes = namespace.layout.bytes_per_block
-                done += yield from self._get_streamed(
-                    namespace, hashes[done:], flat[done * block_bytes :], timeout_s)
+                done += yield from rest(done)
                 break
         return done
 

@@ -21,7 +21,7 @@ import grpc
 import torch
 
 from tierkv.client import base
-from tierkv.client.base import BlockFill
+from tierkv.client.base import BlockFill, BlockUse
 from tierkv.client.effects import Flow, run_blocking
 from tierkv.client.flows import ClientFlows
 from tierkv.client.results import ServerStats
@@ -165,6 +165,13 @@ class Client(ClientFlows):
                  timeout_s: float | None = None) -> int:
         """Copy the leading cached blocks into ``out[:k]``; returns ``k``."""
         return self._run(self._get_into(namespace, hashes, out, timeout_s))
+
+    def get_with(self, namespace: Namespace, hashes: Sequence[bytes], use: BlockUse, *,
+                 timeout_s: float | None = None) -> int:
+        """Hand the leading cached blocks to ``use`` (``BlockUse``: on this thread, as the
+        server's slab pages when it is on this host, so the bytes are copied once, by ``use``),
+        checked; returns how many leading blocks were handed over good."""
+        return self._run(self._get_with(namespace, hashes, use, timeout_s))
 
     def get(self, namespace: Namespace, hashes: Sequence[bytes],
             device: str | torch.device = "cpu", *, timeout_s: float | None = None) -> torch.Tensor:
