@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from tests.support.harness import BackgroundServer
+from tests.support.service_fixtures import mapped_slab
 from tierkv import Client, ConfigError, KVLayout, Namespace
 from tierkv.bench.report import fresh_hashes
 from tierkv.integrations.vllm.geometry import BlockGeometry
@@ -166,48 +167,92 @@ def test_scattered_blocks_of_several_requests_save_and_load_bit_exact(
         loader.close()
 
 
-def test_a_layer_is_in_place_while_later_layers_are_still_being_scattered(
+def test_no_layer_is_waited_for_before_the_whole_load_landed_and_was_checked(
     server: BackgroundServer, monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """On the CPU the fetching thread scatters a sync load layer after layer, and
-    ``wait_for_layer(i)`` waits for layer i only: with the scatter of every later layer held
-    (a gate on the worker's own copy, standing for a slow one), layer 0 is in place and
-    waited for, the others untouched; released, every layer lands bit-exact before the model
-    asks for it."""
+    """On the CPU the fetching thread scatters a sync load out of the sidecar's pages, and
+    the checksums are read after that copy: ``wait_for_layer`` of even the first layer waits
+    for the whole load (with the scatter held by a gate, standing for a slow one, it does not
+    return), then every layer is in place, bit-exact."""
     target = server.unix_target
     source = random_caches(GEOMETRY, seed=7)
     hashes, ids = fresh_hashes(3), [4, 12, 20]
     put_blocks(target, NAMESPACE, hashes, blocks_of(source, GEOMETRY, [1, 2, 3]))
-    gate = threading.Event()
-    scatter = WorkerSide._scatter
+    gate, entered = threading.Event(), threading.Event()
+    scatterer = WorkerSide._scatterer
 
-    def held(self: WorkerSide, op: BlockOp, staging: torch.Tensor, count: int, index: int, *,
-             wait: bool) -> None:
-        if index > 0:
+    def held(self: WorkerSide, op: BlockOp, namespace: Namespace) -> Any:
+        scatter = scatterer(self, op, namespace)
+
+        def gated(indices: Sequence[int], blocks: torch.Tensor) -> None:
+            scatter(indices, blocks)
+            entered.set()
             assert gate.wait(30.0)
-        scatter(self, op, staging, count, index, wait=wait)
 
-    monkeypatch.setattr(WorkerSide, "_scatter", held)
+        return gated
+
+    monkeypatch.setattr(WorkerSide, "_scatterer", held)
     dest = filled_caches(GEOMETRY, 0x2222)
     loader = new_worker(target)
+    waited = threading.Event()
     try:
         loader.register(dest)
         loader.start_load(loads(("r", hashes, ids)))
-        first, *later = GEOMETRY.layer_names
-        loader.wait_for_layer(first)  # returns while the later layers are held
-        expected = blocks_of(source, GEOMETRY, [1, 2, 3])
-        assert torch.equal(bits(blocks_of(dest, GEOMETRY, ids)[:, 0]), bits(expected[:, 0]))
-        assert bool((bits(blocks_of(dest, GEOMETRY, ids)[:, 1:]) == 0x2222).all())
-        gate.set()  # the later layers arrive without the model asking for them
-        deadline = time.monotonic() + 30.0
-        while not torch.equal(bits(blocks_of(dest, GEOMETRY, ids)), bits(expected)):
-            assert time.monotonic() < deadline, "the later layers never arrived"
-            time.sleep(0.01)
-        for name in later:
+        first = GEOMETRY.layer_names[0]
+        waiter = threading.Thread(target=lambda: (loader.wait_for_layer(first), waited.set()))
+        waiter.start()
+        assert entered.wait(30.0)  # every layer is copied, the checksums not read yet
+        assert not waited.wait(0.3), "a layer was handed to the model before its check"
+        gate.set()
+        waiter.join(30.0)
+        assert waited.is_set()
+        for name in GEOMETRY.layer_names[1:]:
             loader.wait_for_layer(name)
         assert loader.take_load_errors() == set()
+        expected = blocks_of(source, GEOMETRY, [1, 2, 3])
+        assert torch.equal(bits(blocks_of(dest, GEOMETRY, ids)), bits(expected))
     finally:
         gate.set()
+        loader.close()
+
+
+@pytest.mark.parametrize("asynchronous", [False, True], ids=["sync", "async"])
+def test_a_block_whose_pages_were_changed_in_the_slab_is_a_load_error_from_there_on(
+    server: BackgroundServer, asynchronous: bool,
+) -> None:
+    """A stray write into block 2's pages in the sidecar's slab: the load scatters what it
+    read, the checksum after that copy fails, and blocks 2 and 3 are load errors (vLLM
+    recomputes them); blocks 0 and 1 are exact, and the sidecar counts the damage."""
+    target = server.unix_target
+    source = random_caches(GEOMETRY, seed=8)
+    hashes, ids = fresh_hashes(4), [3, 9, 15, 21]
+    put_blocks(target, NAMESPACE, hashes, blocks_of(source, GEOMETRY, [0, 1, 2, 3]))
+    lease = server.store.acquire(NAMESPACE, hashes)
+    try:
+        offset = lease.blocks[2][0][0]
+    finally:
+        server.store.release(lease.lease_id)
+    with mapped_slab(server.store.host_shm_name) as slab:
+        slab[offset + 100] ^= 0x04
+    dest = filled_caches(GEOMETRY, 0x4444)
+    loader = new_worker(target, load_mode="async" if asynchronous else "sync")
+    try:
+        loader.register(dest)
+        step = loads(("r", hashes, ids), asynchronous=asynchronous)
+        if asynchronous:
+            loader.start_load(step)
+            assert wait_received(loader) == {"r"}
+            errors = loader.take_load_errors()
+        else:
+            errors = load_step(loader, step)
+        assert errors == {15, 21}
+        assert loader.counters.blocks_loaded == 2 and loader.counters.blocks_failed == 2
+        assert torch.equal(bits(blocks_of(dest, GEOMETRY, [3, 9])),
+                           bits(blocks_of(source, GEOMETRY, [0, 1])))
+        assert server.store.stats().checksum_failures == 1
+        with Client(target) as client:
+            assert client.lookup(NAMESPACE, hashes) == 2  # the damaged block is gone
+    finally:
         loader.close()
 
 

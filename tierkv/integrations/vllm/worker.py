@@ -6,14 +6,16 @@ physical layout is read from the tensors' strides by the index operations; C pac
 the backend does, which is why the namespace names the backend's layout and device).
 
 * Loads (``load_mode="sync"``): ``start_load`` fetches each request's blocks from the sidecar
-  into a staging tensor on a worker thread. On the CPU that thread then scatters them into
-  vLLM's blocks layer after layer (one ``index_copy_`` per layer per request), and
-  ``wait_for_layer`` waits for its layer only, while later layers are still being scattered;
-  on the GPU ``wait_for_layer`` issues its layer's copy on the side stream. A block the
-  sidecar no longer has, or a sidecar that fails, makes that block and every later one of the
-  request a load error: reported to vLLM, never left looking loaded. Asynchronous loads fetch
-  and scatter every layer on another thread while the request waits, and report the request
-  received when done.
+  on a worker thread. On the CPU that thread scatters them out of the sidecar's leased slab
+  pages straight into vLLM's blocks (``Client.get_with``: one ``index_copy_`` per layer, then
+  the checksums of the pages it read; no staging copy), and ``wait_for_layer`` waits for that
+  load: a layer is never used before every block's checksum held. On the GPU they are
+  fetched into pinned staging and ``wait_for_layer`` issues its layer's copy on the side
+  stream. A block the sidecar no longer has, one whose checksum fails, or a sidecar that
+  fails, makes that block and every later one of the request a load error: reported to vLLM
+  (which recomputes them over whatever the scatter left), never left looking loaded.
+  Asynchronous loads fetch and scatter every layer on another thread while the request
+  waits, and report the request received when done.
 * Saves: ``save`` queues one put of the blocks vLLM computed in this step (all the step's
   requests) for a saver thread. On the CPU the saver gathers them (one ``index_select`` per
   layer) straight into the sidecar's leased slab pages (``Client.put_with``: one pass over the
@@ -28,7 +30,7 @@ the backend does, which is why the namespace names the backend's layout and devi
   engine never waits for the sidecar, and a sidecar that failed a load is not asked again for
   a moment.
 * Staging buffers are reused (a fresh one page-faults once a 4 KiB page, as long as the copy
-  itself takes): loads land in one buffer per loading thread; a save's buffer is the saver's
+  itself takes): GPU loads land in one buffer per loading thread; a save's buffer is the saver's
   until its put has returned, then kept (at most ``IDLE_SAVE_BUFFERS``) for a later save.
 * On the CPU, the index operations see each block's page as one row of 16-byte (else 8-byte)
   elements when the caches' layout allows: torch moves those bytes unchanged, and faster than
@@ -44,11 +46,12 @@ import threading
 import time
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as wait_until_done
 from dataclasses import dataclass, field
 
 import torch
 
-from tierkv.client import Client
+from tierkv.client import BlockUse, Client
 from tierkv.errors import ConfigError
 from tierkv.integrations.vllm.geometry import BlockGeometry, EngineGeometry
 from tierkv.integrations.vllm.scheduler import BlockOp, StepMetadata
@@ -76,12 +79,10 @@ class WorkerCounters:
 @dataclass(frozen=True, slots=True)
 class _Load:
     op: BlockOp
-    staging: torch.Tensor  # [n, L, H, N, C]
+    # [n, L, H, N, C] on the GPU, where ``wait_for_layer`` issues each layer's copy out of it
+    # on the side stream; None on the CPU, where the fetch scatters every layer itself.
+    staging: torch.Tensor | None
     fetched: Future[int]  # how many leading blocks arrived (counted and errors noted by then)
-    # On the CPU: set by the fetching thread as it scatters each layer into vLLM's blocks
-    # (the model waits for its layer only). None on the GPU, where ``wait_for_layer`` issues
-    # each layer's copy on the side stream.
-    layers_ready: tuple[threading.Event, ...] | None = None
 
 
 class _GatherWindowClosedError(Exception):
@@ -165,10 +166,10 @@ class WorkerSide:
         self._saver = threading.Thread(target=self._save_loop, name="tierkv-save", daemon=True)
         self._saver.start()
         self._stream: torch.cuda.Stream | None = None
-        # Each group's synchronous loads of a step land in its buffer, kept for the next steps:
-        # a fresh one each step costs a page fault per 4 KiB (as much as the copy itself).
-        # Asynchronous loads (one thread) have their own; saves take idle buffers (under the
-        # lock).
+        # On the GPU each group's synchronous loads of a step land in its pinned buffer, kept
+        # for the next steps: a fresh one each step costs a page fault per 4 KiB (as much as
+        # the copy itself). Asynchronous loads (one thread) have their own; saves take idle
+        # buffers (under the lock). CPU loads need none.
 
     @property
     def geometry(self) -> BlockGeometry:
@@ -278,21 +279,21 @@ class WorkerSide:
             ops = [op for op in meta.loads if op.group == g]
             if not ops:
                 continue
+            if self._stream is None:
+                for op in ops:
+                    fetched = self._fetcher.submit(self._fetch_and_scatter, namespaces[g], op,
+                                                   deadline)
+                    self._loads.append(_Load(op, None, fetched))
+                continue
             group.load_buffer = self._reused(group, group.load_buffer,
                                              sum(len(op.hashes) for op in ops))
             first = 0
             for op in ops:
                 staging = group.load_buffer[first : first + len(op.hashes)]
                 first += len(op.hashes)
-                if self._stream is not None:
-                    fetched = self._fetcher.submit(self._fetch, self._load_client,
-                                                   namespaces[g], op, staging, deadline)
-                    self._loads.append(_Load(op, staging, fetched))
-                    continue
-                ready = tuple(threading.Event() for _ in group.layers)
-                fetched = self._fetcher.submit(self._fetch_and_scatter, namespaces[g], op,
-                                               staging, deadline, ready)
-                self._loads.append(_Load(op, staging, fetched, ready))
+                fetched = self._fetcher.submit(self._fetch, self._load_client, namespaces[g],
+                                               op, deadline, staging)
+                self._loads.append(_Load(op, staging, fetched))
         for op in meta.async_loads:
             self._async_loader.submit(self._load_between_steps, namespaces[op.group], op)
 
@@ -301,10 +302,13 @@ class WorkerSide:
         waiting request; its errors are recorded before the request is reported received."""
         try:
             group = self._groups[op.group]
+            deadline = time.monotonic() + self.settings.load_timeout_s
+            if self._stream is None:  # scattered out of the slab as it is fetched
+                self._fetch(self._async_client, namespace, op, deadline)
+                return
             group.async_buffer = self._reused(group, group.async_buffer, len(op.hashes))
             staging = group.async_buffer[: len(op.hashes)]
-            count = self._fetch(self._async_client, namespace, op, staging,
-                                time.monotonic() + self.settings.load_timeout_s)
+            count = self._fetch(self._async_client, namespace, op, deadline, staging)
             for index in range(len(group.layers)):
                 self._scatter(op, staging, count, index, wait=True)
         except Exception as exc:  # a bug must not leave the request waiting forever
@@ -315,18 +319,24 @@ class WorkerSide:
             with self._lock:
                 self._received.add(op.req_id)
 
-    def _fetch(self, client: Client, namespace: Namespace, op: BlockOp, staging: torch.Tensor,
-               deadline: float) -> int:
-        """How many leading blocks of ``op`` arrived in ``staging`` by ``deadline`` (0 when the
-        sidecar failed, or failed a moment ago: the rest of the step does not wait for it). The
-        blocks that did not arrive are load errors from here on."""
+    def _fetch(self, client: Client, namespace: Namespace, op: BlockOp, deadline: float,
+               staging: torch.Tensor | None = None) -> int:
+        """How many leading blocks of ``op`` arrived by ``deadline``, in ``staging`` or, without
+        it, scattered into vLLM's blocks (0 when the sidecar failed, or failed a moment ago:
+        the rest of the step does not wait for it). The blocks that did not arrive are load
+        errors from here on."""
         count = 0
         now = time.monotonic()
         if self._down_until <= now < deadline:
             try:
-                count = client.get_into(namespace, list(op.hashes),
-                                        self._blocks_of(staging, namespace, len(op.hashes)),
-                                        timeout_s=deadline - now)
+                if staging is None:
+                    count = client.get_with(namespace, list(op.hashes),
+                                            self._scatterer(op, namespace),
+                                            timeout_s=deadline - now)
+                else:
+                    count = client.get_into(namespace, list(op.hashes),
+                                            self._blocks_of(staging, namespace, len(op.hashes)),
+                                            timeout_s=deadline - now)
             except Exception as exc:  # whatever it is, the blocks are reported, never raised
                 self._down_until = time.monotonic() + max(1.0, self.settings.lookup_timeout_s * 4)
                 log.warning("tierkv load of %d blocks failed (%s); vLLM recomputes them",
@@ -338,27 +348,33 @@ class WorkerSide:
             self._load_errors.update(op.block_ids[count:])
         return count
 
-    def _fetch_and_scatter(self, namespace: Namespace, op: BlockOp, staging: torch.Tensor,
-                           deadline: float, ready: tuple[threading.Event, ...]) -> int:
-        """A synchronous load on the CPU, on the fetching thread: fetch (verified into
-        ``staging``), then scatter layer after layer, setting each layer's event once its
-        bytes are in vLLM's blocks, while the model computes the layers before it. A scatter
-        that fails makes every block of the load an error; every event is set whatever
-        happens, so the model never waits for a layer that will not come."""
+    def _fetch_and_scatter(self, namespace: Namespace, op: BlockOp, deadline: float) -> int:
+        """A synchronous load on the CPU, on the fetching thread: every layer scattered out of
+        the slab into vLLM's blocks, checked. Anything else that fails makes every block of the
+        load an error (a bug must not leave the forward half loaded)."""
         try:
-            count = self._fetch(self._load_client, namespace, op, staging, deadline)
-            for index, layer_ready in enumerate(ready):
-                self._scatter(op, staging, count, index, wait=False)
-                layer_ready.set()
-            return count
-        except Exception as exc:  # a bug must not leave the forward waiting, nor half loaded
+            return self._fetch(self._load_client, namespace, op, deadline)
+        except Exception as exc:
             log.exception("tierkv: scattering a load failed (%s); vLLM recomputes it", exc)
             with self._lock:
                 self._load_errors.update(op.block_ids)
             return 0
-        finally:
-            for layer_ready in ready:
-                layer_ready.set()
+
+    def _scatterer(self, op: BlockOp, namespace: Namespace) -> BlockUse:
+        """What ``get_with`` hands ``op``'s blocks to: each layer of them into vLLM's blocks
+        (the same bytes, viewed in the cache's dtype: an fp8 cache's pages are never
+        converted)."""
+        group = self._groups[op.group]
+        page_shape = (namespace.layout.num_layers, *group.geometry.page_shape)
+        dtype = group.geometry.cache_dtype
+
+        def scatter(indices: Sequence[int], blocks: torch.Tensor) -> None:
+            source = blocks.view(dtype).view((len(indices), *page_shape))
+            ids = torch.tensor([op.block_ids[i] for i in indices], dtype=torch.long)
+            for index, rows in enumerate(group.rows):
+                rows.index_copy_(0, ids, group.as_rows(source[:, index]))
+
+        return scatter
 
     def wait_for_layer(self, layer_name: str) -> None:
         """Scatter layer ``layer_name`` of every load of this step (of its group) into vLLM's
@@ -371,30 +387,26 @@ class WorkerSide:
         for load in self._loads:
             if load.op.group != g:
                 continue
-            if load.layers_ready is not None:  # the fetching thread scatters it (CPU)
-                while not load.layers_ready[index].wait(0.05) and not load.fetched.done():
-                    pass  # (a fetch cancelled at close never sets its events)
+            if load.staging is None:  # the fetching thread scatters every layer (CPU)
+                wait_until_done([load.fetched])  # (returns too for a fetch cancelled at close)
                 continue
             self._scatter(load.op, load.staging, load.fetched.result(), index, wait=False)
-            if self._stream is not None:  # the forward pass reads the layer next
-                device = self._groups[g].layers[index].device
-                torch.cuda.current_stream(device).wait_stream(self._stream)
+            assert self._stream is not None  # (staging: a GPU load)
+            device = self._groups[g].layers[index].device  # the forward pass reads it next
+            torch.cuda.current_stream(device).wait_stream(self._stream)
         if len(self._loaded_layers) == len(self._layer_index):
             self._loads = []
 
     def _scatter(self, op: BlockOp, staging: torch.Tensor, count: int, index: int, *,
                  wait: bool) -> None:
-        """Layer ``index`` of the ``count`` fetched leading blocks into vLLM's blocks; ``wait``
-        for the GPU copy to finish (an asynchronous load is done only when its bytes are)."""
+        """Layer ``index`` of the ``count`` leading blocks fetched into pinned ``staging`` into
+        vLLM's blocks on the GPU, on the side stream; ``wait`` for the copy to finish (an
+        asynchronous load is done only when its bytes are)."""
         if count == 0:
             return
-        group = self._groups[op.group]
-        layer = group.layers[index]
+        assert self._stream is not None  # (the CPU scatters out of the slab: ``_scatterer``)
+        layer = self._groups[op.group].layers[index]
         source = staging[:count, index]
-        if self._stream is None:
-            ids = torch.tensor(op.block_ids[:count], dtype=torch.long)
-            group.rows[index].index_copy_(0, ids, group.as_rows(source))
-            return
         with torch.cuda.stream(self._stream):  # the index tensor is made (and freed) on it too
             ids = torch.tensor(op.block_ids[:count], dtype=torch.long, device=layer.device)
             layer.index_copy_(0, ids, source.to(layer.device, non_blocking=True))
