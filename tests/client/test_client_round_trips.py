@@ -587,6 +587,47 @@ def test_releases_a_failed_call_carried_are_sent_again(tmp_path: Path) -> None:
         server.close()
 
 
+class _ServerOfSlowReleases(SpyServicer):
+    """A server that answers a Release only after a while (a busy loop, a long GC)."""
+
+    async def Release(self, request: Any, context: Any) -> Any:
+        await asyncio.sleep(0.5)
+        return await super().Release(request, context)
+
+
+@pytest.mark.parametrize("kind", ["sync", "async"])
+def test_a_stats_counts_the_releases_being_sent_on_their_own(tmp_path: Path, kind: str) -> None:
+    """The queued release of a get is due and on its way (the client's sender took it off the
+    queue) when the caller asks for stats: the Stats waits for it, so it counts no lease the
+    caller has let go of (it once raced the sender and counted the lease still held)."""
+    server = BackgroundServer(tmp_path / "slow", servicer=_ServerOfSlowReleases)
+    namespace, hashes = ns(), keys(4, salt="sending")
+
+    async def in_async() -> tuple[int, int]:
+        async with AsyncClient(server.unix_target, token=ALICE_TOKEN,
+                               release_delay_s=0.01) as client:
+            assert await client.put(namespace, hashes, patterned_blocks(4, seed=21)) == 4
+            assert len(await client.get(namespace, hashes)) == 4
+            await asyncio.sleep(0.2)  # due, taken and sent; the server is still on it
+            held = server.store.num_leases
+            return held, (await client.stats()).num_leases
+
+    try:
+        if kind == "async":
+            held, counted = asyncio.run(in_async())
+        else:
+            with Client(server.unix_target, token=ALICE_TOKEN, release_delay_s=0.01) as client:
+                assert client.put(namespace, hashes, patterned_blocks(4, seed=21)) == 4
+                assert len(client.get(namespace, hashes)) == 4
+                time.sleep(0.2)
+                held = server.store.num_leases
+                counted = client.stats().num_leases
+        assert held == 1  # the release had not arrived when the stats was asked for
+        assert counted == 0
+    finally:
+        server.close()
+
+
 def test_a_lease_past_the_end_of_the_slab_is_refused_before_any_copy(tmp_path: Path) -> None:
     server = BackgroundServer(tmp_path / "bad", servicer=_ServerOfLeasesPastTheSlab)
     try:

@@ -395,6 +395,9 @@ class ClientBase:
         self._releases: list[pb.LeaseRequest] = []
         self._releases_since_s = 0.0
         self._releases_lock = threading.Lock()
+        # Releases taken off the queue to be sent on their own and not answered yet (by the
+        # sender of due releases, say): a call that reads what releases change waits for them.
+        self._num_releases_sending = 0
 
     def _defer_release(self, release: pb.LeaseRequest) -> None:
         """Queue ``release`` for the next call that carries releases."""
@@ -424,6 +427,16 @@ class ClientBase:
             if self._releases:
                 self._releases_since_s = time.monotonic()
             return taken
+
+    def _sending_releases(self, num_releases: int) -> None:
+        """Count ``num_releases`` (negative: answered) as taken and being sent on their own."""
+        with self._releases_lock:
+            self._num_releases_sending += num_releases
+
+    def _releases_sending(self) -> bool:
+        """Whether releases taken to be sent on their own are still unanswered."""
+        with self._releases_lock:
+            return self._num_releases_sending > 0
 
     def _releases_due_in_s(self) -> float | None:
         """Seconds until the queued releases are due on their own (None: none queued)."""

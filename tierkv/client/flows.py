@@ -51,6 +51,9 @@ _MAX_UINT32 = 2**32 - 1
 _CARRIES_RELEASES = frozenset({"Acquire", "Allocate", "Release"})
 """Calls that carry queued releases in their request (Release: is one), or need none sent."""
 
+_RELEASES_POLL_S = 0.001
+"""How often a call waiting for releases being sent on their own looks again."""
+
 CLEAR_TIMEOUT_S = 3600.0
 """A Clear's deadline when the call names none: clearing millions of blocks takes minutes, far
 beyond the deadline of other calls (``ClientSettings.timeout_s``)."""
@@ -83,9 +86,13 @@ class ClientFlows(base.ClientBase):
     def _call(self, method: str, request: Any, timeout_s: float | None = None,
               retry: bool = True) -> Flow[Any]:
         """A unary call under the client's retry policy. A call that carries no releases
-        sends the queued ones first: whatever it reads (stats, a lookup) counts them."""
+        sends the queued ones first, and waits for those another thread or task is sending:
+        whatever it reads (stats, a lookup) counts them."""
         if method not in _CARRIES_RELEASES or not self._carries_releases():
             yield from self._send_releases()
+            waited_until_s = time.monotonic() + self.settings.timeout_s
+            while self._releases_sending() and time.monotonic() < waited_until_s:
+                yield Sleep(_RELEASES_POLL_S)
         return (yield from self._retrying(
             Unary(method, request, timeout_s or self.settings.timeout_s), retry))
 
@@ -93,10 +100,14 @@ class ClientFlows(base.ClientBase):
         """Send every queued release on its own (a lease that expired meanwhile, or of a
         server that restarted, is not an error: the client's copy was checked)."""
         while releases := self._take_releases():
-            for release in releases:
-                with contextlib.suppress(TierKVError):
-                    yield from self._retrying(
-                        Unary("Release", release, self.settings.timeout_s), retry=False)
+            self._sending_releases(len(releases))
+            try:
+                for release in releases:
+                    with contextlib.suppress(TierKVError):
+                        yield from self._retrying(
+                            Unary("Release", release, self.settings.timeout_s), retry=False)
+            finally:
+                self._sending_releases(-len(releases))
 
     def _describe(self) -> Flow[ServerInfo]:
         """The server's facts; fetched once, and again when the server's slab went away."""
