@@ -11,7 +11,7 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -396,7 +396,6 @@ def close_the_slab_once_in(thread_prefix: str, monkeypatch: pytest.MonkeyPatch) 
     replaced, ``_forget_server`` closes the mapping (``del self.array``) under another that is
     between its lease call and its copy. Played here by running the client's own
     ``_forget_server`` right before the first copy made on a thread named ``thread_prefix``."""
-    original_parts = client_base.SlabMapping.parts
     original_adopt = client_base.ClientBase._adopt
     clients: list[Any] = []
     done = threading.Event()
@@ -405,16 +404,22 @@ def close_the_slab_once_in(thread_prefix: str, monkeypatch: pytest.MonkeyPatch) 
         clients.append(self)
         original_adopt(self, info)
 
-    def parts(self: Any, *args: Any, **kwargs: Any) -> Any:
-        if threading.current_thread().name.startswith(thread_prefix) and not done.is_set():
-            done.set()
-            for client in clients:
-                if client._slab is self:
-                    client._forget_server()  # as another thread's describe() does
-        return original_parts(self, *args, **kwargs)
+    def closing_first(original: Callable[..., Any]) -> Callable[..., Any]:
+        def locate(self: Any, *args: Any, **kwargs: Any) -> Any:
+            if threading.current_thread().name.startswith(thread_prefix) and not done.is_set():
+                done.set()
+                for client in clients:
+                    if client._slab is self:
+                        client._forget_server()  # as another thread's describe() does
+            return original(self, *args, **kwargs)
+        return locate
 
     monkeypatch.setattr(client_base.ClientBase, "_adopt", adopt)
-    monkeypatch.setattr(client_base.SlabMapping, "parts", parts)
+    # Every copy in or out of the slab first asks the mapping where the pages lie: by block
+    # (``parts``: put, get_into) or by run of blocks (``runs``: put_with, get_with).
+    for name in ("parts", "runs"):
+        monkeypatch.setattr(client_base.SlabMapping, name,
+                            closing_first(getattr(client_base.SlabMapping, name)))
 
 
 def test_the_saver_thread_survives_a_client_error_that_is_not_a_tierkv_error(
