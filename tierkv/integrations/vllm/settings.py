@@ -40,8 +40,9 @@ class ConnectorSettings:
     bounds a load (a failed load is reported and vLLM recomputes the blocks);
     ``save_queue_bytes`` bounds the blocks waiting to be saved (more are dropped and counted).
     ``load_mode``: ``sync`` loads blocks in the step that schedules the request (on a GPU layer
-    by layer as the model reaches each layer; on a CPU whole, before the first layer); ``async`` loads them between steps while the request waits
-    (vLLM's ``WAITING_FOR_REMOTE_KVS``), so other requests run meanwhile.
+    by layer as the model reaches each layer; on a CPU whole, before the first layer);
+    ``async`` loads them between steps while the request waits (vLLM's
+    ``WAITING_FOR_REMOTE_KVS``), so other requests run meanwhile.
     """
 
     address: str = DEFAULT_TARGET
