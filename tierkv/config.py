@@ -9,6 +9,7 @@ from __future__ import annotations
 import enum
 import os
 import shutil
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -178,6 +179,54 @@ class DiskTierConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class TenantShares:
+    """How every tier (GPU, HOST, DISK) is shared among tenants.
+
+    ``weights``: a named tenant is guaranteed ``capacity * weight / sum(weights)`` of each tier:
+    no other tenant's put evicts its blocks while it holds no more than that. A tenant not
+    named is guaranteed nothing: it borrows room no one uses, and gives it back by eviction.
+    ``caps``: the most of each tier a tenant may hold, a fraction in (0, 1] (1 when not
+    named); a tenant at its cap evicts its own blocks. No weights (the default): no tenant is
+    guaranteed anything and each borrows, so that one tenant's blocks go by LRU as without
+    tenants. Design: docs/design/tenants.md
+    """
+
+    weights: dict[str, float] = field(default_factory=dict)
+    caps: dict[str, float] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        for tenant, weight in self.weights.items():
+            if not (isinstance(weight, int | float) and 0 < weight < float("inf")):
+                raise ConfigError(
+                    f"tenant_weights: {tenant}'s weight must be a positive number, got {weight!r}")
+        for tenant, cap in self.caps.items():
+            if not (isinstance(cap, int | float) and 0 < cap <= 1):
+                raise ConfigError(
+                    f"tenant_caps: {tenant}'s cap must be a fraction in (0, 1], got {cap!r}")
+            if tenant in self.weights and self.share_fraction(tenant) > cap:
+                raise ConfigError(
+                    f"tenant_caps: {tenant}'s cap ({cap:g}) is below its guaranteed share "
+                    f"({self.share_fraction(tenant):.3g} of each tier, from tenant_weights)")
+        object.__setattr__(self, "weights", dict(self.weights))
+        object.__setattr__(self, "caps", dict(self.caps))
+
+    @classmethod
+    def equal(cls, tenants: Iterable[str], caps: dict[str, float] | None = None
+              ) -> TenantShares:
+        """Equal guarantees for ``tenants`` (those of a tokens file, by default)."""
+        return cls({tenant: 1.0 for tenant in tenants}, dict(caps or {}))
+
+    def share_fraction(self, tenant: str) -> float:
+        """The fraction of each tier guaranteed to ``tenant`` (0: it only borrows)."""
+        weight = self.weights.get(tenant)
+        return 0.0 if weight is None else weight / sum(self.weights.values())
+
+    def cap_fraction(self, tenant: str) -> float:
+        """The most of each tier ``tenant`` may hold, as a fraction of it."""
+        return self.caps.get(tenant, 1.0)
+
+
+@dataclass(frozen=True, slots=True)
 class StoreConfig:
     """The whole store: its tiers and its policies.
 
@@ -190,6 +239,7 @@ class StoreConfig:
     commit when they differ from the client's checksums; off, the commit records the client's
     checksums as they are, and a page that differs is a miss on every later read (every read
     and every copy checks them). Write-through records are checked at the commit either way.
+    ``tenants``: each tenant's guaranteed share and cap of every tier (``TenantShares``).
     """
 
     host: HostTierConfig
@@ -201,6 +251,7 @@ class StoreConfig:
     num_workers: int = 4
     presence_slots: int = 1 << 21
     verify_commit: bool = False
+    tenants: TenantShares = field(default_factory=TenantShares)
 
     def __post_init__(self) -> None:
         _check_positive("num_workers", self.num_workers)

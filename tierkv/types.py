@@ -16,6 +16,23 @@ from tierkv.layout import DType, KVLayout
 
 
 @dataclass(frozen=True, slots=True)
+class TenantTierStats:
+    """One tenant's share of one tier at one instant (``TenantShares``). ``used_bytes``: what it
+    holds there, reserved room included, in whole pages (paged tiers) or record bytes (DISK);
+    ``share_bytes``: what it is guaranteed (no other tenant's write evicts its blocks while
+    ``used_bytes <= share_bytes``); ``cap_bytes``: the most it may hold; ``evicted_by_others``:
+    its blocks evicted there to make room for another tenant, since start (only ever while it
+    held more than its share)."""
+
+    tenant: str
+    tier: Tier
+    share_bytes: int
+    cap_bytes: int
+    used_bytes: int
+    evicted_by_others: int
+
+
+@dataclass(frozen=True, slots=True)
 class TierStats:
     """One tier at one instant. ``used_bytes`` counts reserved in-flight copies too, and never
     exceeds ``capacity_bytes``. ``stored_bytes``: the KV bytes of the blocks the tier holds (a

@@ -15,18 +15,23 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from tierkv.buffers import BufferPool
-from tierkv.config import StoreConfig, Tier
+from tierkv.config import StoreConfig, TenantShares, Tier
 from tierkv.copy_engine import CopyEngine
 from tierkv.errors import CapacityError, TierKVError
-from tierkv.eviction import EvictionPolicy, Residency
-from tierkv.paging import Location
+from tierkv.eviction import EvictionPolicy, Residency, Victims
+from tierkv.paging import Location, location_num_pages
 from tierkv.shm.presence import Fingerprinter, PresenceTable
 from tierkv.store.index import DOOMED, DiskLedger, Entry, Ledger, NamespaceState, PagedLedger, is_busy
 from tierkv.store.pins import PinTable
+from tierkv.store.tenants import TenantShare
 from tierkv.tiers.disk import DiskTier, DiskWrite
 from tierkv.types import RemoteStats
 
 log = logging.getLogger(__name__)
+
+
+SizeOf = Callable[[Residency[Entry]], int]
+"""A copy's size in its tier's units (pages, or record bytes)."""
 
 
 def _record_bytes(node: Residency[Entry]) -> int:
@@ -120,6 +125,7 @@ class StoreCore:
         eviction: EvictionPolicy | None = None,
     ) -> None:
         self.config = config
+        self.tenants = config.tenants  # the shares in force (a reload replaces them)
         self.eviction = eviction or EvictionPolicy()
         self.lock = threading.Lock()
         # Notified whenever room may have been freed (a reader finished, pages were released).
@@ -127,7 +133,8 @@ class StoreCore:
         self.namespaces: dict[bytes, NamespaceState] = {}
         self.paged = paged
         self.disk = disk
-        self.disk_ledger = DiskLedger(disk.config.capacity_bytes) if disk is not None else None
+        self.disk_ledger = (DiskLedger(disk.config.capacity_bytes, config.tenants)
+                            if disk is not None else None)
         self.ledgers: dict[Tier, Ledger] = dict(paged)
         if self.disk_ledger is not None:
             self.ledgers[Tier.DISK] = self.disk_ledger
@@ -151,6 +158,45 @@ class StoreCore:
         self.spill = spill
 
     # --- books ----------------------------------------------------------------------------
+
+    def share_of(self, state: NamespaceState, tier: Tier) -> TenantShare:
+        """The share of ``tier`` of ``state``'s tenant (what its blocks there are charged to)."""
+        share = state.shares[tier]
+        if share is None:
+            share = self.ledgers[tier].shares.of(state.namespace.tenant)
+            state.shares[tier] = share
+        return share
+
+    def configure_tenants_locked(self, tenants: TenantShares) -> None:
+        """Adopt new shares and caps in every tier (nothing is evicted until room is needed)."""
+        self.tenants = tenants
+        for ledger in self.ledgers.values():
+            ledger.shares.configure(tenants)
+
+    def pin_room_locked(self, state: NamespaceState) -> dict[Tier, int] | None:
+        """What ``state``'s tenant may still pin in each tier, in the tier's bytes: its share
+        less what it has pinned there (a pinned block cannot be evicted, so pins beyond the
+        share would hold room guaranteed to others); None when no tenant is guaranteed
+        anything (pins are then unbounded, as without tenants). O(pins)."""
+        if not self.tenants.weights:
+            return None
+        tenant = state.namespace.tenant
+        room = {tier: self.share_of(state, tier).share_bytes for tier in self.ledgers}
+        for entry in self.pins.entries():
+            if entry.ns.namespace.tenant == tenant:
+                for tier, num_bytes in self.held_bytes(entry).items():
+                    room[tier] -= num_bytes
+        return room
+
+    def held_bytes(self, entry: Entry) -> dict[Tier, int]:
+        """The bytes ``entry``'s copies take in each tier that holds one (its share's units)."""
+        held: dict[Tier, int] = {}
+        for tier, ledger in self.ledgers.items():
+            node = entry.residency(tier)
+            if node is not None:
+                held[tier] = (entry.ns.record_bytes if tier is Tier.DISK else
+                              location_num_pages(node.location) * ledger.shares.unit_bytes)
+        return held
 
     def tier_below(self, tier: Tier) -> Tier | None:
         """The next enabled tier below ``tier``."""
@@ -179,7 +225,7 @@ class StoreCore:
         ledger.num_blocks += 1
         ledger.stored_bytes += entry.ns.block_bytes
         if entry not in self.pins:
-            ledger.lru.push_mru(node, entry.priority)
+            self.share_of(entry.ns, tier).lru.push_mru(node, entry.priority)
 
     def drop_locked(self, entry: Entry, tier: Tier) -> None:
         """Remove ``entry``'s copy in ``tier`` and free its room; forget the entry if it was the
@@ -187,17 +233,18 @@ class StoreCore:
         node = entry.residency(tier)
         assert node is not None
         ledger = self.ledgers[tier]
-        ledger.lru.remove(node)
+        share = self.share_of(entry.ns, tier)
+        share.lru.remove(node)
         entry.set_residency(tier, None)
         ledger.num_blocks -= 1
         ledger.stored_bytes -= entry.ns.block_bytes
         if isinstance(ledger, PagedLedger):
-            ledger.release(node.location)
+            ledger.release(node.location, share)
             self.undemotable.pop(entry, None)
             self.changed.notify_all()
         else:
             assert isinstance(ledger, DiskLedger)
-            ledger.release_bytes(entry.ns.record_bytes)
+            ledger.release_bytes(entry.ns.record_bytes, share)
             self._pending_deletes.append(entry.raw_key)
         if entry.top_tier() is None:
             self.forget_locked(entry)
@@ -234,7 +281,7 @@ class StoreCore:
         for tier in Tier:
             node = entry.residency(tier)
             if node is not None:
-                self.ledgers[tier].lru.remove(node)
+                self.share_of(entry.ns, tier).lru.remove(node)
         entry.priority = DOOMED
         if entry.disk is not None:
             # At once, even under readers (LMDB reads see a snapshot): a deferred delete could
@@ -295,7 +342,7 @@ class StoreCore:
         for tier in Tier:
             node = entry.residency(tier)
             if node is not None and node.linked:
-                self.ledgers[tier].lru.touch(node, priority)
+                self.share_of(entry.ns, tier).lru.touch(node, priority)
 
     def count_read_locked(self, tier: Tier | None, num_blocks: int = 1) -> None:
         """Count blocks a read (a get or an acquire) gave its caller from ``tier``, where their
@@ -318,28 +365,29 @@ class StoreCore:
 
     def touch_locked(self, entry: Entry) -> None:
         """Mark ``entry`` most recently used in every tier it is in."""
-        # Each tier spelled out: this runs for every block of every put and get.
-        ledgers, priority = self.ledgers, entry.priority
+        # Each tier spelled out: this runs for every block of every put and get. A linked copy's
+        # share was set when it was linked.
+        shares, priority = entry.ns.shares, entry.priority
         if entry.gpu is not None:
-            ledgers[Tier.GPU].lru.touch(entry.gpu, priority)
+            shares[Tier.GPU].lru.touch(entry.gpu, priority)  # type: ignore[union-attr]
         if entry.host is not None:
-            ledgers[Tier.HOST].lru.touch(entry.host, priority)
+            shares[Tier.HOST].lru.touch(entry.host, priority)  # type: ignore[union-attr]
         if entry.disk is not None:
-            ledgers[Tier.DISK].lru.touch(entry.disk, priority)
+            shares[Tier.DISK].lru.touch(entry.disk, priority)  # type: ignore[union-attr]
 
     def relink_locked(self, entry: Entry) -> None:
         """Link an entry's copies back into their LRU lists (after its pins went)."""
         for tier in Tier:
             node = entry.residency(tier)
             if node is not None and not node.linked:
-                self.ledgers[tier].lru.push_mru(node, entry.priority)
+                self.share_of(entry.ns, tier).lru.push_mru(node, entry.priority)
 
     def unlink_all_locked(self, entry: Entry) -> None:
         """Take an entry's copies out of the LRU lists (it was pinned)."""
         for tier in Tier:
             node = entry.residency(tier)
             if node is not None:
-                self.ledgers[tier].lru.remove(node)
+                self.share_of(entry.ns, tier).lru.remove(node)
 
     def expire_pins_locked(self) -> None:
         """Unpin entries whose TTL ran out."""
@@ -399,43 +447,135 @@ class StoreCore:
 
     # --- reserving room -------------------------------------------------------------------
 
+    def pick_victims_locked(
+        self, ledger: Ledger, share: TenantShare, needed: int, size_of: SizeOf,
+        excluded: Callable[[Entry], bool],
+    ) -> tuple[Victims[Entry], int]:
+        """Victims (not marked yet) that make room for ``needed`` units (pages of a paged tier,
+        record bytes on DISK) held by ``share``'s tenant, and how many units are still missing
+        with them (0: enough), in this order:
+
+        1. its own blocks, as many as its cap asks for;
+        2. for room still missing, up to what it is guaranteed and does not hold yet: blocks of
+           the tenants over their share, from each in turn, never below its share;
+        3. then its own blocks (it is at or past its share: it pays with its own room);
+        4. then, its own being pinned or in use, other tenants' blocks beyond their share.
+
+        A tenant at or under its share never loses a block to another's write. Within a tenant,
+        the eviction policy's order (LRU, lowest priority class first). ``Victims.busy_size``:
+        units readers hold now among those it may take (evictable once they finish)."""
+        book = ledger.shares
+        unit = book.unit_bytes
+        free = ledger.capacity_bytes // unit - ledger.used_bytes // unit
+        picked: Victims[Entry] = Victims()
+        chosen: set[Entry] = set()
+        taken: dict[str, int] = {}  # units taken from each tenant
+
+        def passed_over(entry: Entry) -> bool:
+            return entry in chosen or excluded(entry)
+
+        def take(owner: TenantShare, units: int, limit: int) -> int:
+            """Up to ``units`` of ``owner``'s blocks (``limit``: never more than that)."""
+            limit -= taken.get(owner.tenant, 0)
+            if units <= 0 or limit <= 0:
+                return 0
+            got = self.eviction.pick_victims(owner.lru, min(units, limit), size_of,
+                                             passed_over, is_busy)
+            size = 0
+            for entry in got.owners:
+                node = entry.residency(ledger.tier)
+                assert node is not None
+                units_of = size_of(node)
+                if size + units_of > limit:
+                    break  # never below its share
+                size += units_of
+                chosen.add(entry)
+                picked.owners.append(entry)
+            picked.size += size
+            picked.busy_size += got.busy_size
+            picked.walked_size += got.walked_size
+            taken[owner.tenant] = taken.get(owner.tenant, 0) + size
+            return size
+
+        def from_others(units: int) -> int:
+            got = 0
+            for other in list(book.over.values()):
+                if got >= units:
+                    break
+                if other is not share:
+                    from_other = take(other, units - got, other.excess_bytes // unit)
+                    if from_other:
+                        got += from_other
+                        book.turn(other)
+            return got
+
+        everything = share.used_bytes // unit
+        over_cap = -(-(share.used_bytes + needed * unit - share.cap_bytes) // unit)
+        if over_cap > 0:
+            own = take(share, over_cap, everything)
+            if own < over_cap:
+                return picked, over_cap - own
+        missing = needed - free - picked.size
+        if missing > 0:
+            missing -= from_others(min(missing, -share.excess_bytes // unit))
+        if missing > 0:
+            missing -= take(share, missing, everything)
+        if missing > 0:
+            missing -= from_others(missing)
+        return picked, max(0, missing)
+
     def reserve_disk_locked(
-        self, num_records: int, record_bytes: int, exclude: frozenset[Entry] = frozenset()
+        self, num_records: int, record_bytes: int, share: TenantShare,
+        exclude: frozenset[Entry] = frozenset(),
     ) -> None:
-        """Reserve room for records, dropping LRU records (no copies needed) to make it;
-        ``exclude`` are never dropped (a put's own chain)."""
+        """Reserve room for records held by ``share``'s tenant, dropping records (no copies
+        needed) to make it as ``pick_victims_locked`` chooses them; ``exclude`` are never
+        dropped (a put's own chain)."""
         ledger = self.disk_ledger
         assert ledger is not None
         needed = num_records * record_bytes
-        if ledger.try_reserve_bytes(needed):
+        if share.used_bytes + needed <= share.cap_bytes and ledger.try_reserve_bytes(needed, share):
             return
         self.expire_pins_locked()
-        shortfall = ledger.used_bytes + needed - ledger.capacity_bytes
-        picked = self.eviction.pick_victims(ledger.lru, shortfall, _record_bytes,
-                                            exclude.__contains__, is_busy)
-        victims = picked.owners
-        if picked.size < shortfall:
+        picked, missing = self.pick_victims_locked(ledger, share, needed, _record_bytes,
+                                                   exclude.__contains__)
+        if missing:
             raise CapacityError(
                 f"disk tier: no room for {num_records} record(s) of {record_bytes} B in "
-                f"{ledger.capacity_bytes} B: the rest is pinned or in use"
+                f"{ledger.capacity_bytes} B for tenant {share.tenant!r}: the rest is pinned or in "
+                "use, or guaranteed to other tenants"
             )
-        for entry in victims:
+        for entry in picked.owners:
+            self.count_eviction_locked(entry, Tier.DISK, share)
             self.drop_locked(entry, Tier.DISK)
-            ledger.counters.evictions += 1
             if self.spill is not None:  # DISK eviction demotes to the spill tier
                 self._pending_takes.append((entry.raw_key, time.monotonic()))
-        reserved = ledger.try_reserve_bytes(needed)
+        reserved = ledger.try_reserve_bytes(needed, share)
         assert reserved
+
+    def count_eviction_locked(self, entry: Entry, tier: Tier, requester: TenantShare) -> None:
+        """Count ``entry``'s copy in ``tier`` as evicted to make room for ``requester``."""
+        self.ledgers[tier].counters.evictions += 1
+        share = self.share_of(entry.ns, tier)
+        if share is not requester:
+            share.evicted_by_others += 1
 
     def release_room_locked(self, tier: Tier, entry: Entry, location: Location) -> None:
         """Give back room reserved for ``entry`` in ``tier`` that will not be used."""
         if tier is Tier.DISK:
             assert self.disk_ledger is not None
-            self.disk_ledger.release_bytes(entry.ns.record_bytes)
+            self.disk_ledger.release_bytes(entry.ns.record_bytes, self.share_of(entry.ns, tier))
         else:
-            self.release_pages_locked(tier, location)
+            self.release_pages_locked(tier, location, entry.ns)
 
-    def release_pages_locked(self, tier: Tier, location: Location) -> None:
-        """Give back reserved pages that will not be used."""
-        self.paged[tier].release(location)
+    def release_pages_locked(self, tier: Tier, location: Location, state: NamespaceState
+                             ) -> None:
+        """Give back pages reserved for a block of ``state`` that will not be used."""
+        self.paged[tier].release(location, self.share_of(state, tier))
         self.changed.notify_all()
+
+    def release_records_locked(self, state: NamespaceState, num_records: int) -> None:
+        """Give back DISK room reserved for ``num_records`` records of ``state``."""
+        assert self.disk_ledger is not None
+        self.disk_ledger.release_bytes(num_records * state.record_bytes,
+                                       self.share_of(state, Tier.DISK))

@@ -11,11 +11,12 @@ from functools import cached_property
 
 import numpy as np
 
-from tierkv.config import Tier
-from tierkv.eviction import PriorityLru, Residency
+from tierkv.config import TenantShares, Tier
+from tierkv.eviction import Residency
 from tierkv.keys import Namespace, NamespaceId
-from tierkv.paging import Location, PageAllocator, first_page
+from tierkv.paging import Location, PageAllocator, first_page, location_num_pages
 from tierkv.shm.presence import Fingerprinter
+from tierkv.store.tenants import ShareBook, TenantShare
 from tierkv.tiers.paged import PagedSlab
 
 DOOMED = -1
@@ -70,6 +71,8 @@ class NamespaceState:
     namespace: Namespace
     record_bytes: int
     blocks: dict[bytes, Entry] = field(default_factory=dict)
+    # Its tenant's share of each tier, by ``Tier`` (set by the store on first use).
+    shares: list[TenantShare | None] = field(default_factory=lambda: [None] * len(Tier))
     # This namespace's presence-table fingerprints (set by the store on first use).
     presence_fingerprint: Fingerprinter | None = None
 
@@ -106,12 +109,14 @@ class TierCounters:
 
 
 class Ledger(abc.ABC):
-    """What the store knows of one tier: its budget, its LRU and its counters."""
+    """What the store knows of one tier: its budget, its tenants' shares (each with the LRU of
+    its blocks there) and its counters."""
 
-    def __init__(self, tier: Tier, capacity_bytes: int) -> None:
+    def __init__(self, tier: Tier, capacity_bytes: int, unit_bytes: int,
+                 tenants: TenantShares) -> None:
         self.tier = tier
         self.capacity_bytes = capacity_bytes
-        self.lru: PriorityLru[Entry] = PriorityLru()
+        self.shares = ShareBook(tier, capacity_bytes, unit_bytes, tenants)
         self.num_blocks = 0
         self.stored_bytes = 0  # KV bytes of the blocks held (their layouts' bytes_per_block)
         self.counters = TierCounters()
@@ -129,8 +134,8 @@ class Ledger(abc.ABC):
 class PagedLedger(Ledger):
     """A GPU or HOST tier: pages of a slab."""
 
-    def __init__(self, tier: Tier, slab: PagedSlab) -> None:
-        super().__init__(tier, slab.capacity_bytes)
+    def __init__(self, tier: Tier, slab: PagedSlab, tenants: TenantShares) -> None:
+        super().__init__(tier, slab.capacity_bytes, slab.page_bytes, tenants)
         self.slab = slab
         self.allocator = PageAllocator(slab.num_pages)
         # HOST: the checksum of the block stored at each first page (``tierkv.checksums``), set
@@ -151,18 +156,24 @@ class PagedLedger(Ledger):
         """Whether one block of ``num_bytes`` could ever fit."""
         return self.pages_for(num_bytes) <= self.allocator.num_pages
 
-    def try_reserve(self, sizes_bytes: list[int]) -> list[Location] | None:
-        """Pages for blocks of the given sizes, adjacent when possible; None if not free now."""
-        return self.allocator.try_allocate(self.pages_of(sizes_bytes))
+    def try_reserve(self, sizes_bytes: list[int], share: TenantShare) -> list[Location] | None:
+        """Pages for blocks of the given sizes, adjacent when possible, held by ``share``'s
+        tenant from now on; None if not free now."""
+        pages = self.pages_of(sizes_bytes)
+        locations = self.allocator.try_allocate(pages)
+        if locations is not None:
+            share.charge(sum(pages) * self.slab.page_bytes)
+        return locations
 
     def pages_of(self, sizes_bytes: list[int]) -> list[int]:
         """The pages each block of ``sizes_bytes`` takes (a batch's sizes are mostly one)."""
         per_size = {size: self.pages_for(size) for size in set(sizes_bytes)}
         return [per_size[size] for size in sizes_bytes]
 
-    def release(self, location: Location) -> None:
-        """Give pages back."""
+    def release(self, location: Location, share: TenantShare) -> None:
+        """Give pages ``share``'s tenant held back."""
         self.allocator.free(location)
+        share.credit(location_num_pages(location) * self.slab.page_bytes)
 
     def set_checksum(self, location: Location, value: int) -> None:
         """Record the checksum of the block published at ``location``."""
@@ -176,8 +187,8 @@ class PagedLedger(Ledger):
 class DiskLedger(Ledger):
     """The DISK tier: a byte budget of records."""
 
-    def __init__(self, capacity_bytes: int) -> None:
-        super().__init__(Tier.DISK, capacity_bytes)
+    def __init__(self, capacity_bytes: int, tenants: TenantShares) -> None:
+        super().__init__(Tier.DISK, capacity_bytes, 1, tenants)
         self._used_bytes = 0
 
     @property
@@ -189,17 +200,19 @@ class DiskLedger(Ledger):
         """Whether one record of ``num_bytes`` could ever fit."""
         return num_bytes <= self.capacity_bytes
 
-    def try_reserve_bytes(self, num_bytes: int) -> bool:
-        """Reserve ``num_bytes`` if they are free now."""
+    def try_reserve_bytes(self, num_bytes: int, share: TenantShare) -> bool:
+        """Reserve ``num_bytes`` for ``share``'s tenant if they are free now."""
         if self._used_bytes + num_bytes > self.capacity_bytes:
             return False
         self._used_bytes += num_bytes
+        share.charge(num_bytes)
         return True
 
-    def release_bytes(self, num_bytes: int) -> None:
-        """Give record bytes back."""
+    def release_bytes(self, num_bytes: int, share: TenantShare) -> None:
+        """Give record bytes ``share``'s tenant held back."""
         self._used_bytes -= num_bytes
         assert self._used_bytes >= 0
+        share.credit(num_bytes)
 
 
 def is_busy(entry: Entry) -> bool:

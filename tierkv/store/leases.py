@@ -100,6 +100,7 @@ class _Quarantined:
     client_id: str
     until_s: float
     locations: list[Location]
+    state: NamespaceState  # whose tenant the pages are charged to until they are freed
 
 
 class Leases:
@@ -374,18 +375,19 @@ class Leases:
                     self._expired_counts.popitem(last=False)
             elif lease.verify and state_of(lease.client_id) is Liveness.ALIVE:
                 self._quarantine.append(_Quarantined(lease.client_id, now + QUARANTINE_S,
-                                                     list(lease.reservation.locations.values())))
+                                                     list(lease.reservation.locations.values()),
+                                                     lease.reservation.state))
             else:
                 for location in lease.reservation.locations.values():
-                    self.core.release_pages_locked(Tier.HOST, location)
+                    self.core.release_pages_locked(Tier.HOST, location, lease.reservation.state)
         if self._quarantine:
             kept: list[_Quarantined] = []
             for held in self._quarantine:
                 if held.until_s > now and state_of(held.client_id) is Liveness.ALIVE:
                     kept.append(held)
                     continue
-                for location in held.locations:
-                    self.core.release_pages_locked(Tier.HOST, location)
+                for location in held.locations:  # its tenant held them until now
+                    self.core.release_pages_locked(Tier.HOST, location, held.state)
             self._quarantine = kept
         return len(expired)
 

@@ -19,7 +19,8 @@ from tierkv.eviction import Residency
 from tierkv.logs import Throttle
 from tierkv.paging import Location, location_num_pages
 from tierkv.store.core import StoreCore
-from tierkv.store.index import DOOMED, Entry, NamespaceState, PagedLedger, is_busy
+from tierkv.store.index import DOOMED, Entry, NamespaceState, PagedLedger
+from tierkv.store.tenants import TenantShare
 from tierkv.tiers.paged import PagedSlab
 from tierkv.tiers.records import RecordStatus, encode_record
 
@@ -50,12 +51,16 @@ class Mover:
     def reserve_pages(
         self,
         tier: Tier,
+        state: NamespaceState,
         sizes_bytes: list[int],
         exclude: frozenset[Entry] = frozenset(),
         wait: bool = True,
         drop: bool | None = None,
     ) -> list[Location]:
-        """Pages in ``tier`` for blocks of ``sizes_bytes``, evicting (and demoting) as needed.
+        """Pages in ``tier`` for blocks of ``sizes_bytes`` of ``state``'s tenant (held by it
+        from now on), evicting (and demoting) as needed: victims as
+        ``StoreCore.pick_victims_locked`` chooses them (the tenant's own past its cap, others'
+        only past their share).
 
         ``exclude`` are never victims (a put's own chain). With ``wait`` (a put), room held by
         blocks being read or copied, here and in the tier a victim is demoted to, is waited for
@@ -69,59 +74,68 @@ class Mover:
         pages_needed = sum(ledger.pages_of(sizes_bytes))
         may_drop = wait if drop is None else drop
         deadline = time.monotonic() + _RESERVE_WAIT_S
+        share = self.core.share_of(state, tier)
         while True:
             with self.core.lock:
-                locations = ledger.try_reserve(sizes_bytes)
-                if locations is not None:
-                    return locations
-                shortfall = pages_needed - ledger.allocator.num_free_pages
-                victims, busy_pages = self._pick_victims_locked(ledger, shortfall, exclude,
-                                                                may_drop)
+                if share.used_bytes + pages_needed * ledger.slab.page_bytes <= share.cap_bytes:
+                    locations = ledger.try_reserve(sizes_bytes, share)
+                    if locations is not None:
+                        return locations
+                victims, shortfall, busy_pages = self._pick_victims_locked(
+                    ledger, share, pages_needed, exclude, may_drop)
                 if not victims:
                     if not wait or busy_pages < shortfall or time.monotonic() > deadline:
                         break
                     self.core.changed.wait(_RESERVE_POLL_S)
                     continue
-            if not self._evict(ledger, victims, wait, may_drop):
+            if not self._evict(ledger, victims, wait, may_drop, share):
                 break
         raise CapacityError(
             f"{tier.label} tier: no room for {len(sizes_bytes)} block(s) "
             f"({pages_needed} pages of {ledger.slab.page_bytes} B) in "
-            f"{ledger.capacity_bytes} B: the rest is pinned or in use"
+            f"{ledger.capacity_bytes} B for tenant {share.tenant!r}: the rest is pinned or in "
+            "use, or guaranteed to other tenants"
         )
 
     def _pick_victims_locked(
-        self, ledger: PagedLedger, pages_needed: int, exclude: frozenset[Entry], may_drop: bool
-    ) -> tuple[list[Entry], int]:
-        """Busy-marked victims worth ``pages_needed``, or ``([], pages that are busy now)``:
-        pages held by readers or in-flight copies, which will be evictable later. Without
-        ``may_drop``, blocks whose demotion failed are passed over (docs/design/eviction.md, moves 4)."""
+        self, ledger: PagedLedger, share: TenantShare, pages_needed: int,
+        exclude: frozenset[Entry], may_drop: bool,
+    ) -> tuple[list[Entry], int, int]:
+        """Busy-marked victims that make room for ``pages_needed`` of ``share``'s tenant, or
+        ``([], pages it lacks, pages that are busy now)``: pages held by readers or in-flight
+        copies, which will be evictable later (waiting is worth it only if those cover it).
+        Without ``may_drop``, blocks whose demotion failed are passed over
+        (docs/design/eviction.md, moves 4)."""
         core = self.core
         core.expire_pins_locked()
         undemotable = {} if may_drop else core.undemotable
         retry_before_s = core.clock() - UNDEMOTABLE_RETRY_S
-        picked = core.eviction.pick_victims(
-            ledger.lru, pages_needed, _num_pages,
+        picked, missing = core.pick_victims_locked(
+            ledger, share, pages_needed, _num_pages,
             lambda owner: owner in exclude or undemotable.get(owner, -math.inf) > retry_before_s,
-            is_busy,
         )
-        if picked.size >= pages_needed:
+        if not missing:
             for entry in picked.owners:
                 core.mark_busy_locked(entry)
-            return picked.owners, 0
+            return picked.owners, 0, 0
+        # Room that may come free by waiting: pages readers hold among those it may take, and
+        # pages reserved by copies in flight (used, but neither linked nor pinned; a walk of
+        # the tier, on this failing path only).
         pinned_pages = sum(
             location_num_pages(node.location)
             for node in (e.residency(ledger.tier) for e in self.core.pins.entries())
             if node is not None
         )
+        linked_pages = sum(_num_pages(node) for lru in ledger.shares.lrus()
+                           for node in lru.iter_lru())
         used_pages = ledger.allocator.num_pages - ledger.allocator.num_free_pages
-        in_flight_pages = used_pages - picked.walked_size - pinned_pages
-        return [], picked.busy_size + picked.size + in_flight_pages
+        in_flight_pages = used_pages - linked_pages - pinned_pages
+        return [], missing + picked.size, picked.busy_size + picked.size + in_flight_pages
 
     # --- copies between tiers ----------------------------------------------------------------
 
-    def _evict(self, ledger: PagedLedger, victims: list[Entry], wait: bool, may_drop: bool
-               ) -> bool:
+    def _evict(self, ledger: PagedLedger, victims: list[Entry], wait: bool, may_drop: bool,
+               requester: TenantShare) -> bool:
         """Demote or drop busy-marked victims out of ``ledger``'s tier, freeing their pages;
         False if one kept its pages.
 
@@ -165,8 +179,8 @@ class Mover:
                 if entry.readers > 1 or (failed and not may_drop):
                     all_freed = False  # a reader came after it was picked, or it is kept
                 elif entry.priority != DOOMED and entry.residency(tier) is not None:
+                    core.count_eviction_locked(entry, tier, requester)
                     core.drop_locked(entry, tier)
-                    ledger.counters.evictions += 1
                 core.release_busy_locked(entry)
         return all_freed
 
@@ -251,8 +265,19 @@ class Mover:
         self, entries: list[Entry], source: Tier, destination: Tier, wait: bool,
         exclude: frozenset[Entry],
     ) -> set[Entry]:
+        by_tenant: dict[str, list[Entry]] = {}
+        for entry in entries:
+            by_tenant.setdefault(entry.ns.namespace.tenant, []).append(entry)
+        if len(by_tenant) > 1:  # each tenant's copies are charged to it, and make room as it
+            done: set[Entry] = set()
+            for group in by_tenant.values():
+                try:
+                    done |= self._copy_paged(group, source, destination, wait, exclude)
+                except CapacityError as exc:
+                    log.debug("%s -> %s: %s", source.label, destination.label, exc)
+            return done
         sizes = [entry.ns.block_bytes for entry in entries]
-        locations = self.reserve_pages(destination, sizes, exclude, wait)
+        locations = self.reserve_pages(destination, entries[0].ns, sizes, exclude, wait)
         checksums: dict[Entry, int] = {}
         if source is Tier.DISK:
             # A HOST copy's checksum is the record's, verified as it was copied in; never a
@@ -440,17 +465,19 @@ class Mover:
         self.drop_damaged(damaged, source)
         entries = written
         with self.core.lock:
-            by_size: dict[int, int] = {}
+            # Each namespace's records are charged to its tenant (and make room as it).
+            by_state: dict[NamespaceState, int] = {}
             for entry in entries:
-                by_size[entry.ns.record_bytes] = by_size.get(entry.ns.record_bytes, 0) + 1
-            reserved: list[tuple[int, int]] = []
+                by_state[entry.ns] = by_state.get(entry.ns, 0) + 1
+            reserved: list[tuple[NamespaceState, int]] = []
             try:
-                for size, count in by_size.items():
-                    self.core.reserve_disk_locked(count, size, exclude)
-                    reserved.append((count, size))
+                for state, count in by_state.items():
+                    self.core.reserve_disk_locked(count, state.record_bytes,
+                                                  self.core.share_of(state, Tier.DISK), exclude)
+                    reserved.append((state, count))
             except CapacityError:
-                for count, size in reserved:
-                    self.core.disk_ledger.release_bytes(count * size)  # type: ignore[union-attr]
+                for state, count in reserved:
+                    self.core.release_records_locked(state, count)
                 raise
             job = self.core.submit_disk_locked(records)
         try:
@@ -462,7 +489,7 @@ class Mover:
                             "this one of %d): %s", num_failures, len(records), exc)
             with self.core.lock:
                 for entry in entries:
-                    self.core.disk_ledger.release_bytes(entry.ns.record_bytes)  # type: ignore[union-attr]
+                    self.core.release_records_locked(entry.ns, 1)
             return set()
         return self._publish(entries, entries, [0] * len(entries), Tier.DISK, {})
 

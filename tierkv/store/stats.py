@@ -8,7 +8,7 @@ from collections.abc import Sized
 
 from tierkv.keys import Namespace
 from tierkv.store.core import StoreCore
-from tierkv.types import NamespaceStats, RemoteStats, StoreStats, TierStats
+from tierkv.types import NamespaceStats, RemoteStats, StoreStats, TenantTierStats, TierStats
 
 
 def snapshot(core: StoreCore, leases: Sized, num_sessions: int,
@@ -53,3 +53,16 @@ def namespace_snapshot(
             found[namespace_id] = NamespaceStats(namespace, 0, 0, num_sessions)
     return sorted(found.values(), key=lambda s: (-s.stored_bytes, s.namespace.tenant,
                                                  s.namespace.model_id))
+
+
+def tenant_snapshot(core: StoreCore, tenant: str | None) -> list[TenantTierStats]:
+    """Each tenant's (``tenant``'s, or everyone's known to the books) share of each tier, by
+    tenant then tier. O(tenants x tiers)."""
+    with core.lock:
+        return sorted(
+            (TenantTierStats(share.tenant, tier, share.share_bytes, share.cap_bytes,
+                             share.used_bytes, share.evicted_by_others)
+             for tier, ledger in core.ledgers.items()
+             for share in ([ledger.shares.of(tenant)] if tenant is not None
+                           else ledger.shares.shares.values())),
+            key=lambda s: (s.tenant, s.tier))

@@ -21,7 +21,7 @@ from typing import Any, ParamSpec, TypeVar
 import torch
 
 from tierkv.checks import check_blocks, check_hashes, check_lookup_hashes, check_ttl
-from tierkv.config import Priority, StoreConfig, Tier, WritePolicy
+from tierkv.config import Priority, StoreConfig, TenantShares, Tier, WritePolicy
 from tierkv.errors import (
     ConfigError,
     InvalidArgumentError,
@@ -43,12 +43,19 @@ from tierkv.store.leases import Leases, LeaseWriter, ReadLease, WriteLease
 from tierkv.store.migrate import Mover
 from tierkv.store.reads import Reader
 from tierkv.store.sessions import SessionTable, TokenIds
-from tierkv.store.stats import namespace_snapshot, snapshot
+from tierkv.store.stats import namespace_snapshot, snapshot, tenant_snapshot
 from tierkv.store.writes import Writer
 from tierkv.tiers.disk import DiskTier
 from tierkv.tiers.gpu import DeviceSlab
 from tierkv.tiers.host import HostSlab
-from tierkv.types import ClearResult, NamespaceStats, ResumedSession, SessionInfo, StoreStats
+from tierkv.types import (
+    ClearResult,
+    NamespaceStats,
+    ResumedSession,
+    SessionInfo,
+    StoreStats,
+    TenantTierStats,
+)
 
 log = logging.getLogger(__name__)
 P = ParamSpec("P")
@@ -80,10 +87,10 @@ class TieredStore:
         self._disk: DiskTier | None = None
         self._presence: PresenceTable | None = None
         try:
-            paged = {Tier.HOST: PagedLedger(Tier.HOST, self._host)}
+            paged = {Tier.HOST: PagedLedger(Tier.HOST, self._host, config.tenants)}
             if config.gpu.enabled:
                 self._gpu = DeviceSlab(config.gpu)
-                paged[Tier.GPU] = PagedLedger(Tier.GPU, self._gpu)
+                paged[Tier.GPU] = PagedLedger(Tier.GPU, self._gpu, config.tenants)
             if config.disk is not None:
                 self._disk = DiskTier(config.disk)
             if config.presence_slots:
@@ -327,7 +334,9 @@ class TieredStore:
 
     def pin(self, namespace: Namespace, hashes: Sequence[bytes], ttl_s: float | None = None) -> int:
         """Keep the leading stored blocks of ``hashes`` from eviction until ``unpin`` (or for
-        ``ttl_s`` seconds). Returns how many were pinned."""
+        ``ttl_s`` seconds). Returns how many were pinned: the run ends at the first block not
+        stored, or, with tenants' shares, at the first whose pin would take its tenant's pinned
+        bytes in a tier past its guaranteed share there."""
         state = self._state(namespace)
         keys = check_hashes(hashes)
         ttl = check_ttl(ttl_s)
@@ -335,10 +344,17 @@ class TieredStore:
         num_pinned = 0
         with core.lock:
             core.expire_pins_locked()  # expired pins go now, not only under eviction
+            room = core.pin_room_locked(state)
             for key in keys:
                 entry = state.blocks.get(key)
                 if entry is None:
                     break
+                if room is not None and entry not in core.pins:
+                    held = core.held_bytes(entry)
+                    if any(num_bytes > room[tier] for tier, num_bytes in held.items()):
+                        break
+                    for tier, num_bytes in held.items():
+                        room[tier] -= num_bytes
                 if core.pins.pin(entry, ttl):
                     core.unlink_all_locked(entry)
                 num_pinned += 1
@@ -405,6 +421,19 @@ class TieredStore:
             self._core.expire_pins_locked()
         remote = self._remote.stats() if self._remote is not None else None
         return snapshot(self._core, self._leases, self._sessions.num_sessions, remote)
+
+    def tenant_stats(self, tenant: str | None = None) -> list[TenantTierStats]:
+        """``tenant``'s share of each tier (or every tenant's the store has met), by tenant
+        then tier: what it is guaranteed, its cap, what it holds and what it lost to others."""
+        self._check_open()
+        return tenant_snapshot(self._core, tenant)
+
+    def set_tenant_shares(self, tenants: TenantShares) -> None:
+        """Adopt new shares and caps at once (a reload): who may lose blocks to another
+        tenant's write changes with the next write that needs room; nothing is evicted now."""
+        self._check_open()
+        with self._core.lock:
+            self._core.configure_tenants_locked(tenants)
 
     def namespace_stats(self, tenant: str | None = None) -> list[NamespaceStats]:
         """Each namespace (of ``tenant``, or everyone's) that is registered or named by a

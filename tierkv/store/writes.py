@@ -115,7 +115,7 @@ class Writer:
         """Pages in ``target`` for the blocks ``indices`` of ``keys`` (a REMOTE fill names its
         own), never evicting ``own``; ``wait`` and ``drop`` as ``Mover.reserve_pages``."""
         locations = self.mover.reserve_pages(
-            target, [state.block_bytes] * len(indices), own, wait=wait, drop=drop
+            target, state, [state.block_bytes] * len(indices), own, wait=wait, drop=drop
         ) if indices else []
         return Reservation(state, keys, priority, target,
                            plan if plan is not None else PutPlan(new_indices=list(indices)),
@@ -127,7 +127,8 @@ class Writer:
             for index in indices:
                 location = reservation.locations.pop(index, None)
                 if location is not None:
-                    self.core.release_pages_locked(reservation.target, location)
+                    self.core.release_pages_locked(reservation.target, location,
+                                                   reservation.state)
 
     def abort(self, reservation: Reservation) -> None:
         """Give back every page of ``reservation``: nothing of it becomes visible."""
@@ -244,14 +245,14 @@ class Writer:
         if core.disk is None:
             return checksums
         with core.lock:
-            core.reserve_disk_locked(len(records), state.record_bytes, own)
+            core.reserve_disk_locked(len(records), state.record_bytes,
+                                     core.share_of(state, Tier.DISK), own)
             job = core.submit_disk_locked(records)
         try:
             core.wait_disk(job)
         except TierKVError:
             with core.lock:
-                assert core.disk_ledger is not None
-                core.disk_ledger.release_bytes(len(records) * state.record_bytes)
+                core.release_records_locked(state, len(records))
             raise
         return checksums
 
@@ -286,7 +287,7 @@ class Writer:
                             core.touch_locked(entry)  # its copies in the other tiers too
                         continue
                     # A concurrent put of the same key won, or only its record was wanted.
-                    core.release_pages_locked(target, location)
+                    core.release_pages_locked(target, location, state)
                 if entry is not None and not with_records:
                     core.touch_locked(entry)
             if with_records:
@@ -317,8 +318,7 @@ class Writer:
                 core.link_locked(entry, Tier.DISK, 0)
                 num_linked += 1
             else:
-                assert core.disk_ledger is not None
-                core.disk_ledger.release_bytes(state.record_bytes)
+                core.release_records_locked(state, 1)
         return num_linked
 
     def flush_to_disk(self) -> int:
@@ -331,7 +331,8 @@ class Writer:
         for tier in sorted(core.paged):
             with core.lock:
                 ledger = core.ledgers[tier]
-                candidates = [node.owner for node in ledger.lru.iter_lru()]
+                candidates = [node.owner for lru in ledger.shares.lrus()
+                              for node in lru.iter_lru()]
                 candidates += [e for e in core.pins.entries() if e.residency(tier) is not None]
             for start in range(0, len(candidates), _FLUSH_BATCH):
                 with core.busy() as marks:

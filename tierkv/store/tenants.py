@@ -1,0 +1,109 @@
+"""Tenants' shares of one tier: what each tenant is guaranteed there and may hold at most, what it
+holds (stored and reserved), and the LRU of its blocks there. One ``ShareBook`` per tier, owned
+by that tier's ledger; guarded by the store's lock. Victims are chosen from these books by
+``StoreCore.pick_victims_locked``. Design: docs/design/tenants.md
+"""
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+from tierkv.config import TenantShares, Tier
+from tierkv.eviction import PriorityLru
+
+if TYPE_CHECKING:
+    from tierkv.store.index import Entry
+
+
+class TenantShare:
+    """One tenant in one tier: its guarantee and cap, what it holds, its LRU and counters.
+
+    ``used_bytes`` counts every byte of the tier the tenant holds: blocks stored, pinned, read
+    and room reserved for its writes (leases included), in the tier's units (whole pages of a
+    paged tier, record bytes on DISK). The tenant is *over its share* while ``used_bytes``
+    exceeds ``share_bytes``; only then may another tenant's write evict its blocks.
+    """
+
+    __slots__ = ("_book", "cap_bytes", "evicted_by_others", "lru", "share_bytes", "tenant",
+                 "used_bytes")
+
+    def __init__(self, book: ShareBook, tenant: str, share_bytes: int, cap_bytes: int) -> None:
+        self._book = book
+        self.tenant = tenant
+        self.share_bytes = share_bytes
+        self.cap_bytes = cap_bytes
+        self.used_bytes = 0
+        self.lru: PriorityLru[Entry] = PriorityLru()
+        # Its blocks evicted to make room for another tenant (only ever while it was over its
+        # share: the books' promise).
+        self.evicted_by_others = 0
+
+    @property
+    def excess_bytes(self) -> int:
+        """How far it holds more than it is guaranteed (negative: room it has left)."""
+        return self.used_bytes - self.share_bytes
+
+    def charge(self, num_bytes: int) -> None:
+        """It holds ``num_bytes`` more (reserved or stored)."""
+        self.used_bytes += num_bytes
+        if self.used_bytes > self.share_bytes:
+            over = self._book.over
+            if self.tenant not in over:
+                over[self.tenant] = self
+
+    def credit(self, num_bytes: int) -> None:
+        """It holds ``num_bytes`` less."""
+        self.used_bytes -= num_bytes
+        assert self.used_bytes >= 0, f"tenant {self.tenant!r}: more given back than held"
+        if self.used_bytes <= self.share_bytes:
+            self._book.over.pop(self.tenant, None)
+
+
+class ShareBook:
+    """Every tenant's share of one tier, and which tenants are over their share now (oldest
+    first: victims are taken from them in turn)."""
+
+    def __init__(self, tier: Tier, capacity_bytes: int, unit_bytes: int,
+                 plan: TenantShares) -> None:
+        self.tier = tier
+        self.capacity_bytes = capacity_bytes
+        self.unit_bytes = unit_bytes  # a page of a paged tier, 1 on DISK
+        self.shares: dict[str, TenantShare] = {}
+        self.over: dict[str, TenantShare] = {}
+        self._plan = plan
+
+    def of(self, tenant: str) -> TenantShare:
+        """``tenant``'s share (made on first use, from the plan)."""
+        share = self.shares.get(tenant)
+        if share is None:
+            share = TenantShare(self, tenant, *self._room_of(tenant))
+            self.shares[tenant] = share
+        return share
+
+    def configure(self, plan: TenantShares) -> None:
+        """Adopt new shares and caps: who is over its share (and so who loses blocks to
+        another tenant's write next) changes at once; nothing is evicted here."""
+        self._plan = plan
+        self.over.clear()
+        for tenant, share in self.shares.items():
+            share.share_bytes, share.cap_bytes = self._room_of(tenant)
+            if share.used_bytes > share.share_bytes:
+                self.over[tenant] = share
+
+    def _room_of(self, tenant: str) -> tuple[int, int]:
+        """``(share_bytes, cap_bytes)`` of ``tenant``, in whole units of the tier."""
+        unit = self.unit_bytes
+        units = self.capacity_bytes // unit
+        share = int(units * self._plan.share_fraction(tenant)) * unit
+        cap = max(share, int(units * self._plan.cap_fraction(tenant)) * unit)
+        return share, cap
+
+    def turn(self, share: TenantShare) -> None:
+        """``share`` gave up blocks: the next victims come from the tenants after it."""
+        if self.over.pop(share.tenant, None) is not None:
+            self.over[share.tenant] = share
+
+    def lrus(self) -> Iterator[PriorityLru[Entry]]:
+        """Every tenant's LRU of this tier."""
+        for share in self.shares.values():
+            yield share.lru
