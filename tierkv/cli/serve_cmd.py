@@ -44,6 +44,7 @@ from tierkv.config import (
     HostTierConfig,
     RemoteTierConfig,
     StoreConfig,
+    TenantShares,
     WritePolicy,
 )
 from tierkv.errors import ConfigError
@@ -88,7 +89,30 @@ def build_config(args: argparse.Namespace | Resolved) -> StoreConfig:
                                   on_corrupt=DiskCorruptAction(settings["disk_on_corrupt"]))
         return StoreConfig(host=host, gpu=gpu, disk=disk, remote=_remote_config(settings),
                            write_policy=WritePolicy(settings["write_policy"]),
-                           verify_commit=settings["verify_commit"])
+                           verify_commit=settings["verify_commit"],
+                           tenants=tenant_shares(settings))
+
+
+def tenant_shares(settings: Resolved) -> TenantShares:
+    """``tenant_weights`` and ``tenant_caps`` (weight 1 for each tenant of ``tokens_file``
+    when no weights are given); a ``ConfigError`` names the setting."""
+    def pairs(name: str) -> dict[str, float]:
+        found: dict[str, float] = {}
+        for item in settings[name]:
+            tenant, sep, number = item.partition("=")
+            try:
+                if not sep or not tenant:
+                    raise ValueError
+                found[tenant] = float(number)
+            except ValueError:
+                raise settings.error(name, f"{item!r} is not TENANT=NUMBER") from None
+        return found
+
+    weights, caps = pairs("tenant_weights"), pairs("tenant_caps")
+    if not weights and settings["tokens_file"]:
+        weights = dict.fromkeys(sorted(set(load_tokens(Path(settings["tokens_file"])).values())),
+                                1.0)
+    return TenantShares(weights, caps)
 
 
 def _remote_label(config: StoreConfig) -> str | None:

@@ -110,6 +110,14 @@ SETTINGS: tuple[Setting, ...] = (
     _setting("tokens_file", Kind.STR, "",
              "file of '<token> <tenant>' lines; every call must then carry a token (empty: "
              "no tokens, every call is the tenant 'default')", metavar="PATH"),
+    _setting("tenant_weights", Kind.LIST, (),
+             "TENANT=WEIGHT: a tenant's guaranteed share of every tier is the tier times its "
+             "weight over the sum of weights; no other tenant's put evicts its blocks while it "
+             "holds no more (a tenant not named is guaranteed nothing and only borrows); "
+             "none given: weight 1 for every tenant of tokens_file", metavar="TENANT=WEIGHT"),
+    _setting("tenant_caps", Kind.LIST, (),
+             "TENANT=FRACTION: the most of every tier a tenant may hold, in (0, 1]; at its cap "
+             "it evicts its own blocks", metavar="TENANT=FRACTION"),
     _setting("admin_tenants", Kind.LIST, (),
              "tenants whose operator calls (stats of every namespace, clear) reach every "
              "tenant's namespaces", metavar="TENANT"),
