@@ -530,7 +530,9 @@ class TierKVServicer(pb_grpc.TierKVServicer):
         namespaces = await self._run(self.store.namespace_stats,
                                      None if caller.is_admin else caller.tenant)
         holding = [n for n in namespaces if n.num_blocks or n.num_sessions]
-        return stats_to(stats, holding[:limit])
+        tenants = await self._run(self.store.tenant_stats,
+                                  None if caller.is_admin else caller.tenant)
+        return stats_to(stats, holding[:limit], tenants)
 
     async def Clear(self, request: pb.ClearRequest, context: Any
                     ) -> AsyncIterator[pb.ClearProgress]:

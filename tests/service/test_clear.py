@@ -313,3 +313,17 @@ def test_same_host_lookups_miss_at_once_after_a_clear(tmp_path: Path) -> None:
         assert intact(server, BOB_TOKEN)
     finally:
         server.close()
+
+
+def test_stats_show_a_tenant_its_own_shares_and_an_admin_everyones(
+    server: BackgroundServer,
+) -> None:
+    fill(server, ALICE_TOKEN, seed=1)
+    fill(server, BOB_TOKEN, seed=2)
+    with client(server, ALICE_TOKEN) as alice, client(server, ADMIN_TOKEN) as ops:
+        own = alice.stats().tenants
+        assert {t.tenant for t in own} == {"alice"}
+        assert {t.tier for t in own} == set(server.store.stats().tiers)
+        assert all(t.used_bytes > 0 for t in own)
+        assert {t.tenant for t in ops.stats().tenants} >= {"alice", "bob"}
+        assert alice.stats().as_dict()["tenants"][0]["tenant"] == "alice"

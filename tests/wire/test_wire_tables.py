@@ -47,6 +47,7 @@ from tierkv.store import (
     RemoteStats,
     SessionInfo,
     StoreStats,
+    TenantTierStats,
     TierStats,
     WriteLease,
 )
@@ -278,7 +279,11 @@ def test_stats_round_trip_and_their_fields_cover_both_sides() -> None:
     assert list(convert.STORE_STATS_FIELDS) == store_fields
     assert set(convert.STORE_STATS_FIELDS) == (
         set(pb.StatsResponse.DESCRIPTOR.fields_by_name)
-        - {"tiers", "bytes_moved", "namespaces", "remote"})
+        - {"tiers", "bytes_moved", "namespaces", "remote", "tenants"})
+    assert set(convert.TENANT_STATS_FIELDS) == (
+        {f.name for f in dataclasses.fields(TenantTierStats)} - {"tenant", "tier"})
+    assert set(convert.TENANT_STATS_FIELDS) == (
+        set(pb.TenantTierStats.DESCRIPTOR.fields_by_name) - {"tenant", "tier"})
     assert list(convert.REMOTE_STATS_FIELDS) == [f.name for f in dataclasses.fields(RemoteStats)]
     assert set(convert.REMOTE_STATS_FIELDS) == set(pb.RemoteStats.DESCRIPTOR.fields_by_name)
     assert set(convert.NAMESPACE_STATS_FIELDS) == (
@@ -288,20 +293,27 @@ def test_stats_round_trip_and_their_fields_cover_both_sides() -> None:
 
     tiers = {tier: TierStats(tier, *range(10 * tier, 10 * tier + 8)) for tier in Tier}
     stats = dataclasses.replace(_store_stats(tiers), remote=RemoteStats(True, *range(200, 213)))
-    wire = pb.StatsResponse.FromString(convert.stats_to(stats, NAMESPACES).SerializeToString())
-    back = convert.stats_from(wire, TierStats, ServerStats, NamespaceStats, RemoteStats)
+    tenants = (TenantTierStats("alice", Tier.HOST, 2**33, 2**34, 7, 3),
+               TenantTierStats("bob", Tier.DISK, 0, 1, 2, 0))
+    wire = pb.StatsResponse.FromString(
+        convert.stats_to(stats, NAMESPACES, tenants).SerializeToString())
+    back = convert.stats_from(wire, TierStats, ServerStats, NamespaceStats, RemoteStats,
+                              TenantTierStats)
     assert back == ServerStats(**{f.name: getattr(stats, f.name)
-                                  for f in dataclasses.fields(StoreStats)}, namespaces=NAMESPACES)
+                                  for f in dataclasses.fields(StoreStats)}, namespaces=NAMESPACES,
+                               tenants=tenants)
+    assert back.as_dict()["tenants"][0]["tier"] == "host"
     assert isinstance(back, StoreStats) and list(back.tiers) == list(Tier)
     assert back.as_dict()["bytes_moved"] == {"disk->host": 5, "host->disk": 2**40}
 
 
 def test_stats_of_an_older_server_read_with_zero_and_empty_new_fields() -> None:
     old = pb.StatsResponse(num_leases=3, puts=4)  # what a server before these fields sends
-    back = convert.stats_from(old, TierStats, ServerStats, NamespaceStats, RemoteStats)
+    back = convert.stats_from(old, TierStats, ServerStats, NamespaceStats, RemoteStats,
+                              TenantTierStats)
     assert (back.num_leases, back.puts, back.leases_expired, back.num_sessions) == (3, 4, 0, 0)
     assert back.remote is None
-    assert (back.bytes_moved, back.namespaces) == ({}, ())
+    assert (back.bytes_moved, back.namespaces, back.tenants) == ({}, (), ())
 
 
 def test_server_info_round_trips_and_covers_describe() -> None:
@@ -327,7 +339,8 @@ def test_stats_of_a_newer_server_with_a_tier_this_client_does_not_know_still_rea
     wire.tiers.add(tier="remote", capacity_bytes=1)
     wire.bytes_moved.add(source="disk", destination="remote", num_bytes=9)
     wire.namespaces.add(tenant="t", namespace=pb.Namespace(model_id="m", dtype="fp3"))
-    back = convert.stats_from(wire, TierStats, ServerStats, NamespaceStats, RemoteStats)
+    back = convert.stats_from(wire, TierStats, ServerStats, NamespaceStats, RemoteStats,
+                              TenantTierStats)
     assert list(back.tiers) == [Tier.HOST] and back.tiers[Tier.HOST].used_bytes == 1
     assert set(back.bytes_moved) == {(Tier.HOST, Tier.DISK), (Tier.DISK, Tier.HOST)}
     assert back.namespaces == ()

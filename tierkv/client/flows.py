@@ -32,7 +32,14 @@ from tierkv.client.results import ServerStats
 from tierkv.config import Priority, WritePolicy
 from tierkv.errors import InvalidArgumentError, ServiceUnavailableError, TierKVError
 from tierkv.keys import Namespace
-from tierkv.types import ClearResult, NamespaceStats, RemoteStats, SessionInfo, TierStats
+from tierkv.types import (
+    ClearResult,
+    NamespaceStats,
+    RemoteStats,
+    SessionInfo,
+    TenantTierStats,
+    TierStats,
+)
 from tierkv.wire import tierkv_pb2 as pb
 from tierkv.wire.convert import (
     LookupDetail,
@@ -389,7 +396,8 @@ class ClientFlows(base.ClientBase):
                 f"max_namespaces must be an int in [0, {_MAX_UINT32}], got {max_namespaces!r}")
         response = yield from self._call(
             "Stats", pb.StatsRequest(max_namespaces=max_namespaces), timeout_s)
-        return stats_from(response, TierStats, ServerStats, NamespaceStats, RemoteStats)
+        return stats_from(response, TierStats, ServerStats, NamespaceStats, RemoteStats,
+                          TenantTierStats)
 
     def _clear(self, tenant: str | None, model_id: str | None, namespace: Namespace | None,
                all_namespaces: bool, progress: Callable[[int, int], None] | None,

@@ -177,6 +177,9 @@ REMOTE_STATS_FIELDS = ("connected", "hits", "misses", "corrupt", "lookups", "err
                        "bytes_read", "bytes_written", "written", "demoted", "queue_drops",
                        "write_failures", "queued_bytes")
 """The REMOTE tier's figures, named alike by ``tierkv.types.RemoteStats`` and the wire."""
+TENANT_STATS_FIELDS = ("share_bytes", "cap_bytes", "used_bytes", "evicted_by_others")
+"""One tenant's share of one tier, named alike by ``tierkv.types.TenantTierStats`` and the
+wire (``tenant`` and ``tier`` besides)."""
 
 S = TypeVar("S")
 
@@ -192,6 +195,16 @@ class StoreStatsView(Protocol):
     def bytes_moved(self) -> Mapping[tuple[Tier, Tier], int]: ...
 
 
+class TenantStatsView(Protocol):
+    """What the wire needs of one tenant's share of a tier (``tierkv.types.TenantTierStats``:
+    also ``TENANT_STATS_FIELDS``)."""
+
+    @property
+    def tenant(self) -> str: ...
+    @property
+    def tier(self) -> Tier: ...
+
+
 class NamespaceStatsView(Protocol):
     """What the wire needs of one namespace's stats (``tierkv.types.NamespaceStats``: also
     ``NAMESPACE_STATS_FIELDS``)."""
@@ -200,9 +213,10 @@ class NamespaceStatsView(Protocol):
     def namespace(self) -> Namespace: ...
 
 
-def stats_to(stats: StoreStatsView, namespaces: Sequence[NamespaceStatsView] = ()
-             ) -> pb.StatsResponse:
-    """The wire form of a stats snapshot and of the namespaces reported with it."""
+def stats_to(stats: StoreStatsView, namespaces: Sequence[NamespaceStatsView] = (),
+             tenants: Sequence[TenantStatsView] = ()) -> pb.StatsResponse:
+    """The wire form of a stats snapshot and of the namespaces and tenants' shares reported
+    with it."""
     tiers = [
         pb.TierStats(tier=tier.label, **{name: getattr(s, name) for name in TIER_STATS_FIELDS})
         for tier, s in stats.tiers.items()
@@ -214,6 +228,9 @@ def stats_to(stats: StoreStatsView, namespaces: Sequence[NamespaceStatsView] = (
     return pb.StatsResponse(
         tiers=tiers, bytes_moved=moved,
         namespaces=[namespace_stats_to(n) for n in namespaces],
+        tenants=[pb.TenantTierStats(tenant=t.tenant, tier=t.tier.label,
+                                    **{name: getattr(t, name) for name in TENANT_STATS_FIELDS})
+                 for t in tenants],
         remote=None if remote is None else pb.RemoteStats(
             **{name: getattr(remote, name) for name in REMOTE_STATS_FIELDS}),
         **{name: getattr(stats, name) for name in STORE_STATS_FIELDS},
@@ -229,12 +246,14 @@ def namespace_stats_to(stats: NamespaceStatsView) -> pb.NamespaceStats:
 
 def stats_from(response: pb.StatsResponse, tier_stats: Callable[..., Any],
                store_stats: Callable[..., S], namespace_stats: Callable[..., Any],
-               remote_stats: Callable[..., Any]) -> S:
+               remote_stats: Callable[..., Any], tenant_stats: Callable[..., Any]) -> S:
     """A ``StatsResponse`` as ``store_stats(tiers=..., bytes_moved=..., namespaces=...,
-    **counters)``, each tier as ``tier_stats(tier=Tier, **fields)``, each namespace as
-    ``namespace_stats(namespace=Namespace, **counts)``, the REMOTE tier's as
-    ``remote_stats(**fields)`` (the client passes ``tierkv.TierStats``, its ``ServerStats``,
-    ``tierkv.types.NamespaceStats`` and ``RemoteStats``: the wire is below the types).
+    tenants=..., **counters)``, each tier as ``tier_stats(tier=Tier, **fields)``, each
+    namespace as ``namespace_stats(namespace=Namespace, **counts)``, the REMOTE tier's as
+    ``remote_stats(**fields)``, each tenant's share as ``tenant_stats(tenant=str, tier=Tier,
+    **fields)`` (the client passes ``tierkv.TierStats``, its ``ServerStats``,
+    ``tierkv.types.NamespaceStats``, ``RemoteStats`` and ``TenantTierStats``: the wire is below
+    the types).
     Tiers with a label this side does not know (a newer server's) are left out, and so are the
     moves between them and namespaces that do not parse; an older server's missing fields read
     as 0 and empty."""
@@ -260,8 +279,12 @@ def stats_from(response: pb.StatsResponse, tier_stats: Callable[..., Any],
             namespace=namespace, **{name: getattr(n, name) for name in NAMESPACE_STATS_FIELDS}))
     remote = remote_stats(**{name: getattr(response.remote, name) for name in REMOTE_STATS_FIELDS}
                           ) if response.HasField("remote") else None
+    tenants = tuple(
+        tenant_stats(tenant=t.tenant, tier=TIER_FROM_LABEL[t.tier],
+                        **{name: getattr(t, name) for name in TENANT_STATS_FIELDS})
+        for t in response.tenants if t.tier in TIER_FROM_LABEL)
     return store_stats(tiers=tiers, bytes_moved=moved, namespaces=tuple(namespaces),
-                       remote=remote,
+                       remote=remote, tenants=tenants,
                        **{name: getattr(response, name) for name in STORE_STATS_FIELDS})
 
 
