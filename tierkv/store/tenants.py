@@ -98,10 +98,13 @@ class ShareBook:
         cap = max(share, int(units * self._plan.cap_fraction(tenant)) * unit)
         return share, cap
 
-    def turn(self, share: TenantShare) -> None:
-        """``share`` gave up blocks: the next victims come from the tenants after it."""
-        if self.over.pop(share.tenant, None) is not None:
-            self.over[share.tenant] = share
+    def next_turn(self) -> TenantShare:
+        """The tenant over its share whose turn it is to give up blocks (the set must not be
+        empty); it goes to the end of the turns."""
+        tenant, share = next(iter(self.over.items()))
+        del self.over[tenant]
+        self.over[tenant] = share
+        return share
 
     def lrus(self) -> Iterator[PriorityLru[Entry]]:
         """Every tenant's LRU of this tier."""
