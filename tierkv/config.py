@@ -187,8 +187,8 @@ class TenantShares:
     named is guaranteed nothing: it borrows room no one uses, and gives it back by eviction.
     ``caps``: the most of each tier a tenant may hold, a fraction in (0, 1] (1 when not
     named); a tenant at its cap evicts its own blocks. No weights (the default): no tenant is
-    guaranteed anything and each borrows, so that one tenant's blocks go by LRU as without
-    tenants. Design: docs/design/tenants.md
+    guaranteed anything and each borrows; one tenant's blocks go by LRU as without tenants,
+    several tenants each recycle their own. Design: docs/design/tenants.md
     """
 
     weights: dict[str, float] = field(default_factory=dict)

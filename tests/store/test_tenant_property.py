@@ -60,7 +60,7 @@ PLANS = [
     TenantShares({"alice": 1.0, "bob": 1.0, "carol": 1.0}),
     TenantShares({"bob": 1.0}, caps={"alice": 0.75}),
 ]
-LEASE_TTL_S = 3600.0  # held across steps: no lease may expire within an example
+LEASE_TTL_S = 600.0  # held across steps (the longest a lease may be): none expires in an example
 tenants = st.sampled_from(TENANTS)
 starts = st.integers(0, NUM_KEYS - 1)
 lengths = st.integers(1, 4)
