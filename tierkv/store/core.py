@@ -159,7 +159,7 @@ class StoreCore:
 
     # --- books ----------------------------------------------------------------------------
 
-    def share_of(self, state: NamespaceState, tier: Tier) -> TenantShare:
+    def share_of_locked(self, state: NamespaceState, tier: Tier) -> TenantShare:
         """The share of ``tier`` of ``state``'s tenant (what its blocks there are charged to)."""
         share = state.shares[tier]
         if share is None:
@@ -181,7 +181,7 @@ class StoreCore:
         if not self.tenants.weights:
             return None
         tenant = state.namespace.tenant
-        room = {tier: self.share_of(state, tier).share_bytes for tier in self.ledgers}
+        room = {tier: self.share_of_locked(state, tier).share_bytes for tier in self.ledgers}
         for entry in self.pins.entries():
             if entry.ns.namespace.tenant == tenant:
                 for tier, num_bytes in self.held_bytes(entry).items():
@@ -225,7 +225,7 @@ class StoreCore:
         ledger.num_blocks += 1
         ledger.stored_bytes += entry.ns.block_bytes
         if entry not in self.pins:
-            self.share_of(entry.ns, tier).lru.push_mru(node, entry.priority)
+            self.share_of_locked(entry.ns, tier).lru.push_mru(node, entry.priority)
 
     def drop_locked(self, entry: Entry, tier: Tier) -> None:
         """Remove ``entry``'s copy in ``tier`` and free its room; forget the entry if it was the
@@ -233,7 +233,7 @@ class StoreCore:
         node = entry.residency(tier)
         assert node is not None
         ledger = self.ledgers[tier]
-        share = self.share_of(entry.ns, tier)
+        share = self.share_of_locked(entry.ns, tier)
         share.lru.remove(node)
         entry.set_residency(tier, None)
         ledger.num_blocks -= 1
@@ -281,7 +281,7 @@ class StoreCore:
         for tier in Tier:
             node = entry.residency(tier)
             if node is not None:
-                self.share_of(entry.ns, tier).lru.remove(node)
+                self.share_of_locked(entry.ns, tier).lru.remove(node)
         entry.priority = DOOMED
         if entry.disk is not None:
             # At once, even under readers (LMDB reads see a snapshot): a deferred delete could
@@ -342,7 +342,7 @@ class StoreCore:
         for tier in Tier:
             node = entry.residency(tier)
             if node is not None and node.linked:
-                self.share_of(entry.ns, tier).lru.touch(node, priority)
+                self.share_of_locked(entry.ns, tier).lru.touch(node, priority)
 
     def count_read_locked(self, tier: Tier | None, num_blocks: int = 1) -> None:
         """Count blocks a read (a get or an acquire) gave its caller from ``tier``, where their
@@ -380,14 +380,14 @@ class StoreCore:
         for tier in Tier:
             node = entry.residency(tier)
             if node is not None and not node.linked:
-                self.share_of(entry.ns, tier).lru.push_mru(node, entry.priority)
+                self.share_of_locked(entry.ns, tier).lru.push_mru(node, entry.priority)
 
     def unlink_all_locked(self, entry: Entry) -> None:
         """Take an entry's copies out of the LRU lists (it was pinned)."""
         for tier in Tier:
             node = entry.residency(tier)
             if node is not None:
-                self.share_of(entry.ns, tier).lru.remove(node)
+                self.share_of_locked(entry.ns, tier).lru.remove(node)
 
     def expire_pins_locked(self) -> None:
         """Unpin entries whose TTL ran out."""
@@ -556,7 +556,7 @@ class StoreCore:
     def count_eviction_locked(self, entry: Entry, tier: Tier, requester: TenantShare) -> None:
         """Count ``entry``'s copy in ``tier`` as evicted to make room for ``requester``."""
         self.ledgers[tier].counters.evictions += 1
-        share = self.share_of(entry.ns, tier)
+        share = self.share_of_locked(entry.ns, tier)
         if share is not requester:
             share.evicted_by_others += 1
 
@@ -564,18 +564,18 @@ class StoreCore:
         """Give back room reserved for ``entry`` in ``tier`` that will not be used."""
         if tier is Tier.DISK:
             assert self.disk_ledger is not None
-            self.disk_ledger.release_bytes(entry.ns.record_bytes, self.share_of(entry.ns, tier))
+            self.disk_ledger.release_bytes(entry.ns.record_bytes, self.share_of_locked(entry.ns, tier))
         else:
             self.release_pages_locked(tier, location, entry.ns)
 
     def release_pages_locked(self, tier: Tier, location: Location, state: NamespaceState
                              ) -> None:
         """Give back pages reserved for a block of ``state`` that will not be used."""
-        self.paged[tier].release(location, self.share_of(state, tier))
+        self.paged[tier].release(location, self.share_of_locked(state, tier))
         self.changed.notify_all()
 
     def release_records_locked(self, state: NamespaceState, num_records: int) -> None:
         """Give back DISK room reserved for ``num_records`` records of ``state``."""
         assert self.disk_ledger is not None
         self.disk_ledger.release_bytes(num_records * state.record_bytes,
-                                       self.share_of(state, Tier.DISK))
+                                       self.share_of_locked(state, Tier.DISK))

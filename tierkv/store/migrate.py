@@ -74,7 +74,8 @@ class Mover:
         pages_needed = sum(ledger.pages_of(sizes_bytes))
         may_drop = wait if drop is None else drop
         deadline = time.monotonic() + _RESERVE_WAIT_S
-        share = self.core.share_of(state, tier)
+        with self.core.lock:  # made on first use: never two shares of one tenant
+            share = self.core.share_of_locked(state, tier)
         while True:
             with self.core.lock:
                 if share.used_bytes + pages_needed * ledger.slab.page_bytes <= share.cap_bytes:
@@ -473,7 +474,7 @@ class Mover:
             try:
                 for state, count in by_state.items():
                     self.core.reserve_disk_locked(count, state.record_bytes,
-                                                  self.core.share_of(state, Tier.DISK), exclude)
+                                                  self.core.share_of_locked(state, Tier.DISK), exclude)
                     reserved.append((state, count))
             except CapacityError:
                 for state, count in reserved:

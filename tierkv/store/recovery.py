@@ -64,7 +64,7 @@ def recover(core: StoreCore, show_progress: bool = False) -> int:
                     orphans[ns_id] = orphans.get(ns_id, 0) + 1
                 surplus.append(raw_key)
                 continue
-            if not ledger.try_reserve_bytes(size, core.share_of(state, Tier.DISK)):
+            if not ledger.try_reserve_bytes(size, core.share_of_locked(state, Tier.DISK)):
                 surplus.append(raw_key)
                 continue
             block_hash = bytes(key.block_hash)

@@ -246,7 +246,7 @@ class Writer:
             return checksums
         with core.lock:
             core.reserve_disk_locked(len(records), state.record_bytes,
-                                     core.share_of(state, Tier.DISK), own)
+                                     core.share_of_locked(state, Tier.DISK), own)
             job = core.submit_disk_locked(records)
         try:
             core.wait_disk(job)
