@@ -4,6 +4,9 @@ a cap bounds a tenant by its own blocks; a write that could only fit in another 
 guaranteed room is refused. Through the store's public API, with real tiers."""
 from __future__ import annotations
 
+import contextlib
+import threading
+
 import pytest
 
 from tests.support.tiny_blocks import (
@@ -315,3 +318,31 @@ def test_without_guarantees_pins_are_unbounded(make_store: StoreFactory) -> None
     store = registered(make_store(host_blocks=8), ALICE)
     assert store.put(ns_of(ALICE), keys(8), blocks(8, seed=1)) == 8
     assert store.pin(ns_of(ALICE), keys(8)) == 8
+
+
+def _put_two_at_once(store: TieredStore, start: threading.Barrier, salt: int) -> None:
+    start.wait()
+    with contextlib.suppress(CapacityError):
+        store.put(ns_of(BOB), keys(2, start=1000 + salt), blocks(2, seed=salt))
+
+
+def test_concurrent_writes_never_take_the_same_excess_twice(make_store: StoreFactory) -> None:
+    """An eviction demotes its victims with the lock let go; a second write choosing victims
+    meanwhile must not count the first one's as its owner's excess still to give. A holds 2
+    blocks beyond its share, B's two threads put 2 blocks each at once: A keeps its share."""
+    for attempt in range(6):
+        store = registered(make_store(host_blocks=8, disk_blocks=64,
+                                      tenants=TenantShares.equal([ALICE, BOB])), ALICE, BOB)
+        store.put(ns_of(ALICE), keys(6, start=100 * attempt), blocks(6, seed=1))
+        store.put(ns_of(BOB), keys(2, start=100 * attempt), blocks(2, seed=2))
+        start = threading.Barrier(2)
+        threads = [threading.Thread(target=_put_two_at_once, args=(store, start, salt))
+                   for salt in (10, 20)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(30)
+        alice = share(store, ALICE)
+        assert alice.evicted_by_others <= 2, attempt
+        assert alice.used_bytes >= alice.share_bytes == 4 * BLOCK_BYTES, attempt
+        store.close(flush=False)

@@ -498,18 +498,23 @@ class StoreCore:
             return size
 
         def from_others(units: int) -> int:
-            # Oldest turn first; each tenant visited moves to the end of the turns (O(1) a
-            # visit: no copy of the set, which holds up to every tenant).
+            # Oldest turn first (O(1) a tenant visited: the set, which may hold every tenant,
+            # is not copied); a tenant that gave up blocks goes to the end of the turns.
             got = 0
-            for _ in range(len(book.over)):
+            gave: list[TenantShare] = []
+            for other in book.over.values():
                 if got >= units:
                     break
-                other = book.next_turn()
                 if other is not share:
-                    got += take(other, units - got, other.excess_bytes // unit)
+                    from_other = take(other, units - got, other.spare_bytes // unit)
+                    if from_other:
+                        got += from_other
+                        gave.append(other)
+            for other in gave:
+                book.turn(other)
             return got
 
-        everything = share.used_bytes // unit
+        everything = (share.used_bytes - share.leaving_bytes) // unit
         over_cap = -(-(share.used_bytes + needed * unit - share.cap_bytes) // unit)
         if over_cap > 0:
             own = take(share, over_cap, everything)

@@ -89,7 +89,14 @@ class Mover:
                         break
                     self.core.changed.wait(_RESERVE_POLL_S)
                     continue
-            if not self._evict(ledger, victims, wait, may_drop, share):
+                leaving = self._leaving_locked(ledger, victims)
+            try:
+                freed = self._evict(ledger, victims, wait, may_drop, share)
+            finally:
+                with self.core.lock:
+                    for owner, num_bytes in leaving:
+                        owner.leaving_bytes -= num_bytes
+            if not freed:
                 break
         raise CapacityError(
             f"{tier.label} tier: no room for {len(sizes_bytes)} block(s) "
@@ -97,6 +104,20 @@ class Mover:
             f"{ledger.capacity_bytes} B for tenant {share.tenant!r}: the rest is pinned or in "
             "use, or guaranteed to other tenants"
         )
+
+    def _leaving_locked(self, ledger: PagedLedger, victims: list[Entry]
+                        ) -> list[tuple[TenantShare, int]]:
+        """Count the victims' bytes as leaving their owners' shares (credited back by the
+        caller once they are dropped or kept): until then no other pick, made while this
+        eviction demotes them without the lock, may count those bytes as its owners' to give
+        (tenants.md, 2)."""
+        leaving = [(self.core.share_of_locked(entry.ns, ledger.tier),
+                    location_num_pages(node.location) * ledger.slab.page_bytes)
+                   for entry in victims
+                   for node in (entry.residency(ledger.tier),) if node is not None]
+        for owner, num_bytes in leaving:
+            owner.leaving_bytes += num_bytes
+        return leaving
 
     def _pick_victims_locked(
         self, ledger: PagedLedger, share: TenantShare, pages_needed: int,

@@ -24,8 +24,8 @@ class TenantShare:
     exceeds ``share_bytes``; only then may another tenant's write evict its blocks.
     """
 
-    __slots__ = ("_book", "cap_bytes", "evicted_by_others", "lru", "share_bytes", "tenant",
-                 "used_bytes")
+    __slots__ = ("_book", "cap_bytes", "evicted_by_others", "leaving_bytes", "lru", "share_bytes",
+                 "tenant", "used_bytes")
 
     def __init__(self, book: ShareBook, tenant: str, share_bytes: int, cap_bytes: int) -> None:
         self._book = book
@@ -33,6 +33,9 @@ class TenantShare:
         self.share_bytes = share_bytes
         self.cap_bytes = cap_bytes
         self.used_bytes = 0
+        # Of ``used_bytes``, what victims picked and not dropped yet hold (a paged tier's
+        # eviction lets go of the lock while it demotes them): no other pick counts them again.
+        self.leaving_bytes = 0
         self.lru: PriorityLru[Entry] = PriorityLru()
         # Its blocks evicted to make room for another tenant (only ever while it was over its
         # share: the books' promise).
@@ -42,6 +45,11 @@ class TenantShare:
     def excess_bytes(self) -> int:
         """How far it holds more than it is guaranteed (negative: room it has left)."""
         return self.used_bytes - self.share_bytes
+
+    @property
+    def spare_bytes(self) -> int:
+        """What it may still lose to others: its excess less what is leaving already."""
+        return self.used_bytes - self.leaving_bytes - self.share_bytes
 
     def charge(self, num_bytes: int) -> None:
         """It holds ``num_bytes`` more (reserved or stored)."""
@@ -84,9 +92,12 @@ class ShareBook:
         """Adopt new shares and caps: who is over its share (and so who loses blocks to
         another tenant's write next) changes at once; nothing is evicted here."""
         self._plan = plan
+        turns = list(self.over)  # the turns keep their order
         self.over.clear()
         for tenant, share in self.shares.items():
             share.share_bytes, share.cap_bytes = self._room_of(tenant)
+        for tenant in turns + [t for t in self.shares if t not in turns]:
+            share = self.shares[tenant]
             if share.used_bytes > share.share_bytes:
                 self.over[tenant] = share
 
@@ -98,13 +109,10 @@ class ShareBook:
         cap = max(share, int(units * self._plan.cap_fraction(tenant)) * unit)
         return share, cap
 
-    def next_turn(self) -> TenantShare:
-        """The tenant over its share whose turn it is to give up blocks (the set must not be
-        empty); it goes to the end of the turns."""
-        tenant, share = next(iter(self.over.items()))
-        del self.over[tenant]
-        self.over[tenant] = share
-        return share
+    def turn(self, share: TenantShare) -> None:
+        """``share`` gave up blocks: the next victims come from the tenants after it."""
+        if self.over.pop(share.tenant, None) is not None:
+            self.over[share.tenant] = share
 
     def lrus(self) -> Iterator[PriorityLru[Entry]]:
         """Every tenant's LRU of this tier."""
