@@ -526,12 +526,13 @@ class TierKVServicer(pb_grpc.TierKVServicer):
     @unary
     async def Stats(self, request: pb.StatsRequest, context: Any, caller: Caller) -> Any:
         limit = request.max_namespaces or DEFAULT_STATS_NAMESPACES
-        stats = await self._run(self.store.stats)
-        namespaces = await self._run(self.store.namespace_stats,
-                                     None if caller.is_admin else caller.tenant)
+        # A caller that is not an admin sees its own tenant's figures only: the server-wide
+        # ones would tell it what other tenants put, read and hold.
+        scope = None if caller.is_admin else caller.tenant
+        stats = await self._run(self.store.stats, scope)
+        namespaces = await self._run(self.store.namespace_stats, scope)
         holding = [n for n in namespaces if n.num_blocks or n.num_sessions]
-        tenants = await self._run(self.store.tenant_stats,
-                                  None if caller.is_admin else caller.tenant)
+        tenants = await self._run(self.store.tenant_stats, scope)
         return stats_to(stats, holding[:limit], tenants)
 
     async def Clear(self, request: pb.ClearRequest, context: Any

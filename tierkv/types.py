@@ -22,7 +22,9 @@ class TenantTierStats:
     ``share_bytes``: what it is guaranteed (no other tenant's write evicts its blocks while
     ``used_bytes <= share_bytes``); ``cap_bytes``: the most it may hold; ``evicted_by_others``:
     its blocks evicted there to make room for another tenant, since start (only ever while it
-    held more than its share)."""
+    held more than its share). The rest are its part of the tier's ``TierStats``: its blocks
+    there and their KV bytes, its reads' hits and misses there, its blocks evicted from there
+    (by anyone), promoted and demoted into it."""
 
     tenant: str
     tier: Tier
@@ -30,6 +32,13 @@ class TenantTierStats:
     cap_bytes: int
     used_bytes: int
     evicted_by_others: int
+    num_blocks: int = 0
+    stored_bytes: int = 0
+    hits: int = 0
+    misses: int = 0
+    evictions: int = 0
+    promotions_in: int = 0
+    demotions_in: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,6 +110,14 @@ class StoreStats:
     server's own stream-Put leases included); ``leases_expired``: leases ended since start
     because their deadline passed or their client was gone. ``num_sessions``: chat sessions
     held, every tenant's (an expired one counts until it is dropped, which is lazy).
+
+    ``tenant``: None for the whole store; a tenant's name for that tenant's own view
+    (``TieredStore.stats(tenant)``, and what a server shows a caller that is not an admin
+    tenant): each tier's figures are its own (``capacity_bytes`` is its cap there), and so are
+    ``num_namespaces``, ``num_pinned``, ``puts``, ``gets``, ``promotions``, ``demotions``,
+    ``checksum_failures`` (of its blocks), ``num_leases`` and ``num_sessions``; the figures
+    kept for the store only (``failed_demotions``, ``leases_expired``, ``bytes_moved``,
+    ``remote``, and the bad records recovery dropped at start) read 0, empty and None there.
     """
 
     tiers: dict[Tier, TierStats]
@@ -117,6 +134,7 @@ class StoreStats:
     leases_expired: int
     num_sessions: int
     remote: RemoteStats | None = None
+    tenant: str | None = None
 
     def as_dict(self) -> dict[str, Any]:
         """Plain data (tier names as keys, ``bytes_moved`` keyed ``"host->disk"``), for JSON

@@ -77,9 +77,12 @@ def test_stats_prints_tiers_counters_and_the_callers_namespaces(
     assert main(["stats", "--target", server.target, "--token", ALICE_TOKEN]) == 0
     out = capsys.readouterr().out
     assert "host" in out and "disk" in out and "hit ratio" in out and "evictions" in out
-    assert "sessions 2" in out  # every tenant's
-    namespace_rows = [line.split() for line in out.splitlines()
-                      if line.startswith(("alice", "bob"))]
+    assert "tenant 'alice''s own figures" in out
+    assert "sessions 1" in out and "puts 2" in out  # her own, not Bob's
+    rows = [line.split() for line in out.splitlines() if line.startswith(("alice", "bob"))]
+    share_rows = [row for row in rows if row[1] in ("host", "disk")]
+    assert [row[:2] for row in share_rows] == [["alice", "host"], ["alice", "disk"]]
+    namespace_rows = [row for row in rows if row[1].startswith("model-")]
     assert [row[:3] for row in namespace_rows] == [["alice", "model-b", "2x2x8/8/fp16"],
                                                     ["alice", "model-a", "2x2x8/4/fp16"]]
     assert namespace_rows[1][4] == "3" and namespace_rows[1][-1] == "1"
@@ -106,7 +109,7 @@ def test_stats_watch_refreshes_until_ctrl_c(server: BackgroundServer) -> None:
     )
     assert process.stdout is not None
     lines = [process.stdout.readline() for _ in range(3)]  # three refreshes
-    assert all(json.loads(line)["tiers"]["host"]["num_blocks"] == 10 for line in lines)
+    assert all(json.loads(line)["tiers"]["host"]["num_blocks"] == 5 for line in lines)  # hers
     process.send_signal(signal.SIGINT)
     assert process.wait(timeout=30) == 0, process.stderr.read() if process.stderr else ""
     process.stdout.close()

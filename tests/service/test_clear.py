@@ -19,7 +19,15 @@ import pytest
 
 from tests.support.harness import ALICE_TOKEN, BOB_TOKEN, BackgroundServer
 from tests.support.tiny_blocks import BLOCK_BYTES, TINY_LAYOUT, blocks, keys, same_bytes
-from tierkv import AsyncClient, Client, InvalidArgumentError, KVLayout, Namespace, WritePolicy
+from tierkv import (
+    AsyncClient,
+    Client,
+    InvalidArgumentError,
+    KVLayout,
+    Namespace,
+    Tier,
+    WritePolicy,
+)
 from tierkv.errors import PermissionDeniedError
 from tierkv.store import ClearResult
 from tierkv.wire import tierkv_pb2 as pb
@@ -327,3 +335,41 @@ def test_stats_show_a_tenant_its_own_shares_and_an_admin_everyones(
         assert all(t.used_bytes > 0 for t in own)
         assert {t.tenant for t in ops.stats().tenants} >= {"alice", "bob"}
         assert alice.stats().as_dict()["tenants"][0]["tenant"] == "alice"
+
+
+def test_stats_show_a_tenant_only_its_own_figures_and_an_admin_the_servers(
+    server: BackgroundServer,
+) -> None:
+    """Bob's view (tiers, counters, namespaces, sessions, pins, leases) is his alone: Alice's
+    puts, reads, misses and pins change none of it, and the server-wide figures (checksum
+    failures, bytes moved) are not shown to him; the admin sees the whole server's."""
+    fill(server, BOB_TOKEN, seed=2)
+    with client(server, BOB_TOKEN) as bob, client(server, ALICE_TOKEN) as alice, \
+            client(server, ADMIN_TOKEN) as ops:
+        assert same_bytes(bob.get(MODEL_A, keys(3)), blocks(3, seed=2))
+        assert bob.lookup(MODEL_A, keys(5)) == 3
+        before = bob.stats()
+        assert before.tenant == "bob"
+        assert (before.puts, before.gets, before.num_namespaces, before.num_sessions) == (2, 1, 2, 1)
+        host = before.tiers[Tier.HOST]
+        assert (host.num_blocks, host.hits, host.misses) == (6, 3, 0)
+        assert host.stored_bytes == 6 * BLOCK_BYTES
+        assert host.capacity_bytes == server.store.stats().tiers[Tier.HOST].capacity_bytes
+        fill(server, ALICE_TOKEN, seed=1)
+        assert alice.pin(MODEL_A, keys(3)) == 3
+        assert same_bytes(alice.get(MODEL_A, keys(3)), blocks(3, seed=1))
+        assert len(alice.get(MODEL_A, [b"\x07" * 32])) == 0  # a miss of Alice's
+        after = bob.stats()
+        assert after.as_dict() | {"namespaces": None} == before.as_dict() | {"namespaces": None}
+        assert (after.checksum_failures, after.bytes_moved, after.remote) == (0, {}, None)
+        mine = alice.stats()
+        assert (mine.tenant, mine.num_pinned, mine.puts, mine.gets) == ("alice", 3, 2, 2)
+        assert mine.tiers[Tier.HOST].misses == 1
+        whole = ops.stats()
+        assert whole.tenant is None
+        assert (whole.puts, whole.num_namespaces, whole.num_sessions) == (4, 4, 2)
+        assert whole.tiers[Tier.HOST].num_blocks == 12
+        by_tenant = {(t.tenant, t.tier): t for t in whole.tenants}
+        assert by_tenant["alice", Tier.HOST].hits == 3
+        assert by_tenant["bob", Tier.HOST].hits == 3
+        assert sum(t.num_blocks for t in whole.tenants if t.tier is Tier.HOST) == 12

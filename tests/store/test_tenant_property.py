@@ -6,8 +6,9 @@ steps, write leases reserved and aborted, and reloads of the shares, and checks 
 step:
 
 - no tier holds more than its capacity;
-- every byte a tier holds is charged to exactly one tenant (the tenants' ``used_bytes`` sum
-  to the tier's);
+- every byte a tier holds is charged to exactly one tenant (the tenants' ``used_bytes`` sum to
+  the tier's, and so do their blocks, KV bytes and counters; each tenant's own ``stats`` view
+  agrees with its books);
 - no tenant loses a HOST block to another tenant's step while it holds no more than its
   share: the blocks it lost to others are at most what it held beyond its share before;
 - no tenant holds more than its cap, but by reads and pins it made before a reload;
@@ -224,6 +225,14 @@ class TenantMachine(RuleBasedStateMachine):
             assert 0 <= tier_stats.used_bytes <= tier_stats.capacity_bytes, tier_stats
             charged = [s for s in books if s.tier is tier]
             assert sum(s.used_bytes for s in charged) == tier_stats.used_bytes, (tier, charged)
+            for field in ("num_blocks", "stored_bytes", "hits", "misses", "evictions",
+                          "promotions_in", "demotions_in"):  # each counted to one tenant too
+                assert sum(getattr(s, field) for s in charged) == getattr(tier_stats, field), \
+                    (tier, field, charged)
+            for s in charged:  # a tenant's own view says what its books say
+                own = self.s.stats(s.tenant).tiers[tier]
+                assert (own.used_bytes, own.num_blocks, own.hits) == (s.used_bytes, s.num_blocks,
+                                                                      s.hits)
             if not self.reloaded:
                 for s in charged:
                     assert s.used_bytes <= s.cap_bytes, s

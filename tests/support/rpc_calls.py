@@ -92,6 +92,8 @@ def comparable(response: pb.StatsResponse) -> pb.StatsResponse:
     copy.num_namespaces = copy.gets = copy.leases_expired = 0
     for tier_stats in copy.tiers:
         tier_stats.hits = tier_stats.misses = 0
+    for tenant_stats in copy.tenants:
+        tenant_stats.hits = tenant_stats.misses = 0
     return copy
 
 

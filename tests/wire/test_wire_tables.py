@@ -273,13 +273,13 @@ NAMESPACES = (
 def test_stats_round_trip_and_their_fields_cover_both_sides() -> None:
     tier_fields = [f.name for f in dataclasses.fields(TierStats) if f.name != "tier"]
     store_fields = [f.name for f in dataclasses.fields(StoreStats)
-                    if f.name not in ("tiers", "bytes_moved", "remote")]
+                    if f.name not in ("tiers", "bytes_moved", "remote", "tenant")]
     assert list(convert.TIER_STATS_FIELDS) == tier_fields
     assert set(convert.TIER_STATS_FIELDS) == set(pb.TierStats.DESCRIPTOR.fields_by_name) - {"tier"}
     assert list(convert.STORE_STATS_FIELDS) == store_fields
     assert set(convert.STORE_STATS_FIELDS) == (
         set(pb.StatsResponse.DESCRIPTOR.fields_by_name)
-        - {"tiers", "bytes_moved", "namespaces", "remote", "tenants"})
+        - {"tiers", "bytes_moved", "namespaces", "remote", "tenants", "tenant"})
     assert set(convert.TENANT_STATS_FIELDS) == (
         {f.name for f in dataclasses.fields(TenantTierStats)} - {"tenant", "tier"})
     assert set(convert.TENANT_STATS_FIELDS) == (
@@ -293,7 +293,7 @@ def test_stats_round_trip_and_their_fields_cover_both_sides() -> None:
 
     tiers = {tier: TierStats(tier, *range(10 * tier, 10 * tier + 8)) for tier in Tier}
     stats = dataclasses.replace(_store_stats(tiers), remote=RemoteStats(True, *range(200, 213)))
-    tenants = (TenantTierStats("alice", Tier.HOST, 2**33, 2**34, 7, 3),
+    tenants = (TenantTierStats("alice", Tier.HOST, 2**33, 2**34, 7, 3, *range(300, 307)),
                TenantTierStats("bob", Tier.DISK, 0, 1, 2, 0))
     wire = pb.StatsResponse.FromString(
         convert.stats_to(stats, NAMESPACES, tenants).SerializeToString())
@@ -305,6 +305,11 @@ def test_stats_round_trip_and_their_fields_cover_both_sides() -> None:
     assert back.as_dict()["tenants"][0]["tier"] == "host"
     assert isinstance(back, StoreStats) and list(back.tiers) == list(Tier)
     assert back.as_dict()["bytes_moved"] == {"disk->host": 5, "host->disk": 2**40}
+    assert back.tenant is None
+    own = dataclasses.replace(stats, tenant="alice")  # a tenant's own view says whose it is
+    assert convert.stats_from(pb.StatsResponse.FromString(convert.stats_to(own).SerializeToString()),
+                              TierStats, ServerStats, NamespaceStats, RemoteStats,
+                              TenantTierStats).tenant == "alice"
 
 
 def test_stats_of_an_older_server_read_with_zero_and_empty_new_fields() -> None:

@@ -2,7 +2,9 @@
 
 A readable table by default, JSON with ``--json`` (one object per refresh with ``--watch``:
 JSON lines). ``--watch [SECONDS]`` refreshes until Ctrl-C. What a caller sees of namespaces is
-what its token reaches: its own tenant's, or every tenant's for an admin tenant.
+what its token reaches: its own tenant's, or every tenant's for an admin tenant; so are the
+tiers and counters (a caller that is not an admin tenant sees its own tenant's figures) and
+the tenants' shares of each tier.
 """
 
 from __future__ import annotations
@@ -127,8 +129,18 @@ def _remote_lines(stats: ServerStats) -> list[str]:
     ]
 
 
+def _tenants_table(stats: ServerStats) -> str:
+    """Each tenant's share of each tier: what it holds against its guarantee and cap."""
+    rows = [[t.tenant, t.tier.label, format_size(t.used_bytes), format_size(t.share_bytes),
+             format_size(t.cap_bytes), t.num_blocks, t.hits, t.misses, _ratio(t.hits, t.misses),
+             t.evictions, t.evicted_by_others]
+            for t in stats.tenants]
+    return table(["tenant", "tier", "used", "share", "cap", "blocks", "hits", "misses",
+                  "hit ratio", "evictions", "by others"], rows)
+
+
 def render(stats: ServerStats, target: str) -> str:
-    """The stats as text: tiers, counters, namespaces."""
+    """The stats as text: tiers, counters, tenants' shares, namespaces."""
     tier_rows = [
         [tier.label, f"{format_size(t.used_bytes)} / {format_size(t.capacity_bytes)}",
          f"{t.used_bytes / t.capacity_bytes:.0%}" if t.capacity_bytes else "-",
@@ -138,8 +150,10 @@ def render(stats: ServerStats, target: str) -> str:
     ]
     moved = ", ".join(f"{route_label(route)} {format_size(n)}"
                       for route, n in sorted(stats.bytes_moved.items())) or "none"
+    scope = (f" (tenant {stats.tenant!r}'s own figures: budget is its cap)"
+             if stats.tenant is not None else "")
     lines = [
-        f"tierkv at {target}",
+        f"tierkv at {target}{scope}",
         "",
         table(["tier", "used / budget", "full", "KV of used", "blocks", "hits", "misses",
                "hit ratio",
@@ -154,6 +168,8 @@ def render(stats: ServerStats, target: str) -> str:
         *_remote_lines(stats),
         "",
     ]
+    if stats.tenants:
+        lines += [_tenants_table(stats), ""]
     if stats.namespaces:
         lines.append(namespaces_table(stats.namespaces))
     else:

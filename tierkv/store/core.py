@@ -111,6 +111,16 @@ class GlobalCounters:
     leases_expired: int = 0
 
 
+@dataclass(slots=True)
+class TenantCounters:
+    """One tenant's part of ``GlobalCounters.puts``, ``gets`` and ``checksum_failures`` (of
+    its own blocks; its other figures are kept per tier, in its ``TenantShare``s)."""
+
+    puts: int = 0
+    gets: int = 0
+    checksum_failures: int = 0
+
+
 class StoreCore:
     """The lock and the books: namespaces, per-tier ledgers, pins, busy marks, the eviction
     policy and the queue of disk writes (moving bytes between tiers is ``Mover``'s job)."""
@@ -142,6 +152,7 @@ class StoreCore:
         self.presence = presence
         self.engine = CopyEngine()
         self.counters = GlobalCounters()
+        self.tenant_counters: dict[str, TenantCounters] = {}  # by tenant: ``counters_of_locked``
         # Entries whose demotion out of their paged tier failed, and when it last did (counted
         # once, in ``failed_demotions``); docs/design/eviction.md (moves, 4) says what becomes of
         # them. An entry leaves it with that tier's copy, or when it gets a copy below.
@@ -224,8 +235,11 @@ class StoreCore:
         ledger = self.ledgers[tier]
         ledger.num_blocks += 1
         ledger.stored_bytes += entry.ns.block_bytes
+        share = self.share_of_locked(entry.ns, tier)
+        share.num_blocks += 1
+        share.stored_bytes += entry.ns.block_bytes
         if entry not in self.pins:
-            self.share_of_locked(entry.ns, tier).lru.push_mru(node, entry.priority)
+            share.lru.push_mru(node, entry.priority)
 
     def drop_locked(self, entry: Entry, tier: Tier) -> None:
         """Remove ``entry``'s copy in ``tier`` and free its room; forget the entry if it was the
@@ -238,6 +252,8 @@ class StoreCore:
         entry.set_residency(tier, None)
         ledger.num_blocks -= 1
         ledger.stored_bytes -= entry.ns.block_bytes
+        share.num_blocks -= 1
+        share.stored_bytes -= entry.ns.block_bytes
         if isinstance(ledger, PagedLedger):
             ledger.release(node.location, share)
             self.undemotable.pop(entry, None)
@@ -293,7 +309,7 @@ class StoreCore:
     def damaged_locked(self, entry: Entry, tier: Tier) -> None:
         """``entry``'s bytes in ``tier`` failed their checksum: count it and delete the block
         (when its last reader is done), so that it is a miss from now on."""
-        self.counters.checksum_failures += 1
+        self.count_checksum_failures_locked(entry.ns)
         log.warning("block %s failed its checksum in %s; deleted", entry.raw_key.hex(), tier.label)
         if entry.priority != DOOMED:
             self.doom_locked(entry)
@@ -344,24 +360,52 @@ class StoreCore:
             if node is not None and node.linked:
                 self.share_of_locked(entry.ns, tier).lru.touch(node, priority)
 
-    def count_read_locked(self, tier: Tier | None, num_blocks: int = 1) -> None:
-        """Count blocks a read (a get or an acquire) gave its caller from ``tier``, where their
-        fastest copy was: a hit there and a miss in every faster tier; ``tier`` None: blocks
-        asked for and not given (not stored, damaged, or no room to serve them), a miss in
-        every tier. Counted once the caller has them, never when they are only planned."""
+    def count_read_locked(self, state: NamespaceState, tier: Tier | None,
+                          num_blocks: int = 1) -> None:
+        """Count blocks of ``state`` a read (a get or an acquire) gave its caller from
+        ``tier``, where their fastest copy was: a hit there and a miss in every faster tier;
+        ``tier`` None: blocks asked for and not given (not stored, damaged, or no room to serve
+        them), a miss in every tier. Counted once the caller has them, never when they are only
+        planned; in the tiers' counters and in the tenant's."""
         for other, ledger in self.ledgers.items():
             if tier is None or other < tier:
                 ledger.counters.misses += num_blocks
+                self.share_of_locked(state, other).misses += num_blocks
         if tier is not None:
             self.ledgers[tier].counters.hits += num_blocks
+            self.share_of_locked(state, tier).hits += num_blocks
 
-    def count_served_locked(self, tiers: Sequence[Tier], missed: bool) -> None:
-        """``count_read_locked`` for blocks a reader received, each from the tier in
-        ``tiers``, and, if ``missed``, the one miss that ended its read."""
+    def count_served_locked(self, state: NamespaceState, tiers: Sequence[Tier],
+                            missed: bool) -> None:
+        """``count_read_locked`` for blocks of ``state`` a reader received, each from the
+        tier in ``tiers``, and, if ``missed``, the one miss that ended its read."""
         for tier in set(tiers):
-            self.count_read_locked(tier, tiers.count(tier))
+            self.count_read_locked(state, tier, tiers.count(tier))
         if missed:
-            self.count_read_locked(None)
+            self.count_read_locked(state, None)
+
+    def count_put_locked(self, state: NamespaceState, num_puts: int) -> None:
+        """Count ``num_puts`` puts into ``state``: the store's and its tenant's."""
+        self.counters.puts += num_puts
+        self.counters_of_locked(state.namespace.tenant).puts += num_puts
+
+    def count_get_locked(self, state: NamespaceState) -> None:
+        """Count one read (a get or an acquire) of ``state``: the store's and its tenant's."""
+        self.counters.gets += 1
+        self.counters_of_locked(state.namespace.tenant).gets += 1
+
+    def count_checksum_failures_locked(self, state: NamespaceState, num_blocks: int = 1) -> None:
+        """Count ``num_blocks`` blocks of ``state`` whose bytes failed their checksum: in the
+        store's counter and its tenant's."""
+        self.counters.checksum_failures += num_blocks
+        self.counters_of_locked(state.namespace.tenant).checksum_failures += num_blocks
+
+    def counters_of_locked(self, tenant: str) -> TenantCounters:
+        """``tenant``'s counters (made on first use)."""
+        counters = self.tenant_counters.get(tenant)
+        if counters is None:
+            counters = self.tenant_counters[tenant] = TenantCounters()
+        return counters
 
     def touch_locked(self, entry: Entry) -> None:
         """Mark ``entry`` most recently used in every tier it is in."""
@@ -562,6 +606,7 @@ class StoreCore:
         """Count ``entry``'s copy in ``tier`` as evicted to make room for ``requester``."""
         self.ledgers[tier].counters.evictions += 1
         share = self.share_of_locked(entry.ns, tier)
+        share.evictions += 1
         if share is not requester:
             share.evicted_by_others += 1
 

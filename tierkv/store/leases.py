@@ -69,6 +69,7 @@ class _ReadCount:
     """What a read lease's release counts: the tier each leased block was read from, and
     whether the lease reached the end of the stored run (the block after it is a miss)."""
 
+    state: NamespaceState
     tiers: list[Tier]
     ends_run: bool
 
@@ -124,6 +125,12 @@ class Leases:
     def __len__(self) -> int:
         return len(self._active)
 
+    def num_of_locked(self, tenant: str) -> int:
+        """Leases open now on ``tenant``'s blocks or room, read and write (O(leases))."""
+        return sum(1 for lease in self._active.values()
+                   if (lease.count.state if isinstance(lease, _Read)
+                       else lease.reservation.state).namespace.tenant == tenant)
+
     @property
     def num_quarantined_pages(self) -> int:
         """HOST pages held back from expired write leases of live clients."""
@@ -148,7 +155,7 @@ class Leases:
         num_cached = 0
         with core.lock:
             self._expire_locked()
-            core.counters.gets += 1
+            core.count_get_locked(state)
             for key in keys:
                 entry = state.blocks.get(key)
                 tier = entry.top_tier() if entry is not None else None
@@ -183,7 +190,7 @@ class Leases:
             lease_id = self._new_id()
             ends_run = len(leased) == num_cached < len(keys)
             self._active[lease_id] = _Read(owner, client_id, self._clock() + ttl, leased,
-                                           _ReadCount(tiers[: len(leased)], ends_run))
+                                           _ReadCount(state, tiers[: len(leased)], ends_run))
         return ReadLease(lease_id, blocks[: len(leased)], num_cached, ttl, checksums)
 
     def release(self, lease_id: bytes, owner: str, corrupt_indices: Sequence[int] = (),
@@ -219,7 +226,7 @@ class Leases:
         kept = received_blocks(len(count.tiers), corrupt_indices, num_copied)
         damaged = kept < len(count.tiers) and kept in corrupt_indices
         # The miss: the block that ended the client's read.
-        self.core.count_served_locked(count.tiers[:kept], damaged or (
+        self.core.count_served_locked(count.state, count.tiers[:kept], damaged or (
             kept == len(count.tiers) and count.ends_run))
 
     # --- writes ------------------------------------
@@ -325,7 +332,7 @@ class Leases:
         bad = [i for i, claimed in zip(indices, checksums, strict=True) if actual[i] != claimed]
         if bad:
             with self.core.lock:
-                self.core.counters.checksum_failures += len(bad)
+                self.core.count_checksum_failures_locked(reservation.state, len(bad))
             raise IntegrityError(
                 f"{len(bad)} of {len(actual)} blocks in the slab differ from what the client "
                 f"wrote (first: block {bad[0]}); nothing is stored. A client mapping of an "

@@ -233,9 +233,13 @@ class Mover:
             if destination < source:
                 self.core.counters.promotions += len(done)
                 self.core.ledgers[destination].counters.promotions_in += len(done)
+                for entry in done:
+                    self.core.share_of_locked(entry.ns, destination).promotions_in += 1
             else:
                 self.core.counters.demotions += len(done)
                 self.core.ledgers[destination].counters.demotions_in += len(done)
+                for entry in done:
+                    self.core.share_of_locked(entry.ns, destination).demotions_in += 1
         return done
 
     def promote(self, entries: Sequence[Entry], destination: Tier) -> set[Entry]:
@@ -454,7 +458,7 @@ class Mover:
         with self.core.lock:
             for entry, status in failed:
                 if status is RecordStatus.CORRUPT:
-                    self.core.counters.checksum_failures += 1
+                    self.core.count_checksum_failures_locked(entry.ns)
                     log.warning("disk record %s failed its checks; dropped", entry.raw_key.hex())
                 # Safe although the entry is busy: LMDB readers see a snapshot, and nothing
                 # reuses a record's bytes in place.

@@ -42,7 +42,7 @@ class Reader:
         with self.core.busy() as marks:
             plan = self._plan_reads(state, keys, marks)
             num_ok = self._copy_out(plan, state.block_bytes, flat)
-        self.count_served(plan[:num_ok], missed_after or num_ok < len(keys))
+        self.count_served(state, plan[:num_ok], missed_after or num_ok < len(keys))
         if self.core.config.promote_on_read:
             self._promote_later(plan[:num_ok])
         return num_ok
@@ -54,7 +54,7 @@ class Reader:
         core = self.core
         plan: list[Planned] = []
         with core.lock:
-            core.counters.gets += 1
+            core.count_get_locked(state)
             for index, key in enumerate(keys):
                 entry = state.blocks.get(key)
                 tier = entry.top_tier() if entry is not None else None
@@ -66,11 +66,12 @@ class Reader:
                 core.touch_locked(entry)
         return plan
 
-    def count_served(self, served: Sequence[Planned], missed: bool) -> None:
-        """Count ``served`` as hits in the tiers they were read from and, if ``missed``, the
-        block after them as a miss."""
+    def count_served(self, state: NamespaceState, served: Sequence[Planned],
+                     missed: bool) -> None:
+        """Count ``served`` (blocks of ``state``) as hits in the tiers they were read from and,
+        if ``missed``, the block after them as a miss."""
         with self.core.lock:
-            self.core.count_served_locked([tier for _, _, tier in served], missed)
+            self.core.count_served_locked(state, [tier for _, _, tier in served], missed)
 
     def _copy_out(self, plan: list[Planned], block_bytes: int, flat: torch.Tensor) -> int:
         core = self.core

@@ -125,7 +125,7 @@ class RemoteLink:
                 if entry.priority != DOOMED and entry.host is not None:
                     by_namespace.setdefault(entry.ns, []).append(entry)
         records: list[tuple[bytes, bytes | bytearray, float]] = []
-        num_damaged = 0
+        damaged: dict[NamespaceState, int] = {}
         for ns, batch in by_namespace.items():
             encoded = encode_records([e.raw_key for e in batch], ns.fingerprint,
                                      [self.mover.host_bytes(e, Tier.HOST) for e in batch])
@@ -135,12 +135,13 @@ class RemoteLink:
                 if value == host.checksum_of(entry.host.location):
                     records.append((entry.raw_key, record, seen_s))
                 else:
-                    num_damaged += 1
-        if num_damaged:
+                    damaged[ns] = damaged.get(ns, 0) + 1
+        if damaged:
             log.warning("%d blocks evicted from HOST failed their checksum; not sent to REMOTE",
-                        num_damaged)
+                        sum(damaged.values()))
             with self.core.lock:
-                self.core.counters.checksum_failures += num_damaged
+                for ns, num_damaged in damaged.items():
+                    self.core.count_checksum_failures_locked(ns, num_damaged)
         if records:
             self.offer_demoted(records)
 

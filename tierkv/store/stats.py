@@ -8,6 +8,7 @@ from collections.abc import Sized
 
 from tierkv.keys import Namespace
 from tierkv.store.core import StoreCore
+from tierkv.store.leases import Leases
 from tierkv.types import NamespaceStats, RemoteStats, StoreStats, TenantTierStats, TierStats
 
 
@@ -55,13 +56,39 @@ def namespace_snapshot(
                                                  s.namespace.model_id))
 
 
+def tenant_view(core: StoreCore, leases: Leases, num_sessions: int, tenant: str) -> StoreStats:
+    """``tenant``'s own view of the store (``StoreStats.tenant``), under the store lock;
+    ``leases``: the lease table; ``num_sessions``: the tenant's sessions.
+    O(tiers + namespaces + pins + leases)."""
+    with core.lock:
+        shares = {tier: ledger.shares.of(tenant) for tier, ledger in sorted(core.ledgers.items())}
+        tiers = {
+            tier: TierStats(tier, s.cap_bytes, s.used_bytes, s.num_blocks, s.hits, s.misses,
+                            s.evictions, s.promotions_in, s.demotions_in, s.stored_bytes)
+            for tier, s in shares.items()
+        }
+        counters = core.counters_of_locked(tenant)
+        return StoreStats(
+            tiers,
+            sum(1 for state in core.namespaces.values() if state.namespace.tenant == tenant),
+            sum(1 for entry in core.pins.entries() if entry.ns.namespace.tenant == tenant),
+            sum(t.promotions_in for t in tiers.values()),
+            sum(t.demotions_in for t in tiers.values()),
+            0, counters.checksum_failures, counters.puts, counters.gets, {},
+            leases.num_of_locked(tenant), 0,
+            num_sessions, None, tenant,
+        )
+
+
 def tenant_snapshot(core: StoreCore, tenant: str | None) -> list[TenantTierStats]:
     """Each tenant's (``tenant``'s, or everyone's known to the books) share of each tier, by
     tenant then tier. O(tenants x tiers)."""
     with core.lock:
         return sorted(
             (TenantTierStats(share.tenant, tier, share.share_bytes, share.cap_bytes,
-                             share.used_bytes, share.evicted_by_others)
+                             share.used_bytes, share.evicted_by_others, share.num_blocks,
+                             share.stored_bytes, share.hits, share.misses, share.evictions,
+                             share.promotions_in, share.demotions_in)
              for tier, ledger in core.ledgers.items()
              for share in ([ledger.shares.of(tenant)] if tenant is not None
                            else ledger.shares.shares.values())),

@@ -24,8 +24,9 @@ class TenantShare:
     exceeds ``share_bytes``; only then may another tenant's write evict its blocks.
     """
 
-    __slots__ = ("_book", "cap_bytes", "evicted_by_others", "leaving_bytes", "lru", "share_bytes",
-                 "tenant", "used_bytes")
+    __slots__ = ("_book", "cap_bytes", "demotions_in", "evicted_by_others", "evictions", "hits",
+                 "leaving_bytes", "lru", "misses", "num_blocks", "promotions_in", "share_bytes",
+                 "stored_bytes", "tenant", "used_bytes")
 
     def __init__(self, book: ShareBook, tenant: str, share_bytes: int, cap_bytes: int) -> None:
         self._book = book
@@ -40,6 +41,15 @@ class TenantShare:
         # Its blocks evicted to make room for another tenant (only ever while it was over its
         # share: the books' promise).
         self.evicted_by_others = 0
+        # Its part of the tier's own figures (``tierkv.types.TierStats``): what it holds there
+        # and its counters since start, kept by the store core beside the tier's.
+        self.num_blocks = 0
+        self.stored_bytes = 0
+        self.hits = 0
+        self.misses = 0
+        self.evictions = 0
+        self.promotions_in = 0
+        self.demotions_in = 0
 
     @property
     def excess_bytes(self) -> int:

@@ -43,7 +43,7 @@ from tierkv.store.leases import Leases, LeaseWriter, ReadLease, WriteLease
 from tierkv.store.migrate import Mover
 from tierkv.store.reads import Reader
 from tierkv.store.sessions import SessionTable, TokenIds
-from tierkv.store.stats import namespace_snapshot, snapshot, tenant_snapshot
+from tierkv.store.stats import namespace_snapshot, snapshot, tenant_snapshot, tenant_view
 from tierkv.store.writes import Writer
 from tierkv.tiers.disk import DiskTier
 from tierkv.tiers.gpu import DeviceSlab
@@ -413,12 +413,18 @@ class TieredStore:
         self._check_open()
         return self._reader.wait_for_background(timeout_s)
 
-    def stats(self) -> StoreStats:
+    def stats(self, tenant: str | None = None) -> StoreStats:
         """A consistent snapshot of every tier's bytes, blocks and counters (``num_pinned``
-        counts only pins that have not expired)."""
+        counts only pins that have not expired); with ``tenant``, that tenant's own view
+        (``StoreStats.tenant`` says what it holds)."""
         self._check_open()
         with self._core.lock:
             self._core.expire_pins_locked()
+        if tenant is not None:
+            num_sessions = sum(count for namespace, count
+                               in self._sessions.counts_by_namespace().values()
+                               if namespace.tenant == tenant)
+            return tenant_view(self._core, self._leases, num_sessions, tenant)
         remote = self._remote.stats() if self._remote is not None else None
         return snapshot(self._core, self._leases, self._sessions.num_sessions, remote)
 

@@ -232,7 +232,7 @@ class Writer:
         bad = [i for i in indices if expected is not None and checksums[i] != expected[i]]
         if bad:
             with core.lock:
-                core.counters.checksum_failures += len(bad)
+                core.count_checksum_failures_locked(state, len(bad))
             raise IntegrityError(
                 f"{len(bad)} of {len(indices)} blocks differ from what their writer wrote "
                 f"(first: block {bad[0]}); nothing is stored"
@@ -269,7 +269,7 @@ class Writer:
         new, blocks = plan.new_set, state.blocks
         with_records = bool(plan.disk_indices) and core.disk is not None
         with core.lock:
-            core.counters.puts += count_put
+            core.count_put_locked(state, count_put)
             num_stored = 0
             # Tail first, each block linked or touched where it is met: the head ends most
             # recently used, in one pass over the keys (this runs for every block of a put).

@@ -177,7 +177,9 @@ REMOTE_STATS_FIELDS = ("connected", "hits", "misses", "corrupt", "lookups", "err
                        "bytes_read", "bytes_written", "written", "demoted", "queue_drops",
                        "write_failures", "queued_bytes")
 """The REMOTE tier's figures, named alike by ``tierkv.types.RemoteStats`` and the wire."""
-TENANT_STATS_FIELDS = ("share_bytes", "cap_bytes", "used_bytes", "evicted_by_others")
+TENANT_STATS_FIELDS = ("share_bytes", "cap_bytes", "used_bytes", "evicted_by_others",
+                       "num_blocks", "stored_bytes", "hits", "misses", "evictions",
+                       "promotions_in", "demotions_in")
 """One tenant's share of one tier, named alike by ``tierkv.types.TenantTierStats`` and the
 wire (``tenant`` and ``tier`` besides)."""
 
@@ -226,7 +228,7 @@ def stats_to(stats: StoreStatsView, namespaces: Sequence[NamespaceStatsView] = (
              for (source, destination), num_bytes in sorted(stats.bytes_moved.items())]
     remote = getattr(stats, "remote", None)
     return pb.StatsResponse(
-        tiers=tiers, bytes_moved=moved,
+        tiers=tiers, bytes_moved=moved, tenant=getattr(stats, "tenant", None) or "",
         namespaces=[namespace_stats_to(n) for n in namespaces],
         tenants=[pb.TenantTierStats(tenant=t.tenant, tier=t.tier.label,
                                     **{name: getattr(t, name) for name in TENANT_STATS_FIELDS})
@@ -248,7 +250,8 @@ def stats_from(response: pb.StatsResponse, tier_stats: Callable[..., Any],
                store_stats: Callable[..., S], namespace_stats: Callable[..., Any],
                remote_stats: Callable[..., Any], tenant_stats: Callable[..., Any]) -> S:
     """A ``StatsResponse`` as ``store_stats(tiers=..., bytes_moved=..., namespaces=...,
-    tenants=..., **counters)``, each tier as ``tier_stats(tier=Tier, **fields)``, each
+    tenants=..., tenant=..., **counters)`` (``tenant`` None: the whole server's figures),
+    each tier as ``tier_stats(tier=Tier, **fields)``, each
     namespace as ``namespace_stats(namespace=Namespace, **counts)``, the REMOTE tier's as
     ``remote_stats(**fields)``, each tenant's share as ``tenant_stats(tenant=str, tier=Tier,
     **fields)`` (the client passes ``tierkv.TierStats``, its ``ServerStats``,
@@ -284,7 +287,7 @@ def stats_from(response: pb.StatsResponse, tier_stats: Callable[..., Any],
                         **{name: getattr(t, name) for name in TENANT_STATS_FIELDS})
         for t in response.tenants if t.tier in TIER_FROM_LABEL)
     return store_stats(tiers=tiers, bytes_moved=moved, namespaces=tuple(namespaces),
-                       remote=remote, tenants=tenants,
+                       remote=remote, tenants=tenants, tenant=response.tenant or None,
                        **{name: getattr(response, name) for name in STORE_STATS_FIELDS})
 
 

@@ -291,7 +291,7 @@ class TierStats(_message.Message):
     def __init__(self, tier: _Optional[str] = ..., capacity_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., num_blocks: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., evictions: _Optional[int] = ..., promotions_in: _Optional[int] = ..., demotions_in: _Optional[int] = ..., stored_bytes: _Optional[int] = ...) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("tiers", "num_namespaces", "num_pinned", "promotions", "demotions", "failed_demotions", "checksum_failures", "puts", "gets", "num_leases", "leases_expired", "num_sessions", "bytes_moved", "namespaces", "remote", "tenants")
+    __slots__ = ("tiers", "num_namespaces", "num_pinned", "promotions", "demotions", "failed_demotions", "checksum_failures", "puts", "gets", "num_leases", "leases_expired", "num_sessions", "bytes_moved", "namespaces", "remote", "tenants", "tenant")
     TIERS_FIELD_NUMBER: _ClassVar[int]
     NUM_NAMESPACES_FIELD_NUMBER: _ClassVar[int]
     NUM_PINNED_FIELD_NUMBER: _ClassVar[int]
@@ -308,6 +308,7 @@ class StatsResponse(_message.Message):
     NAMESPACES_FIELD_NUMBER: _ClassVar[int]
     REMOTE_FIELD_NUMBER: _ClassVar[int]
     TENANTS_FIELD_NUMBER: _ClassVar[int]
+    TENANT_FIELD_NUMBER: _ClassVar[int]
     tiers: _containers.RepeatedCompositeFieldContainer[TierStats]
     num_namespaces: int
     num_pinned: int
@@ -324,23 +325,38 @@ class StatsResponse(_message.Message):
     namespaces: _containers.RepeatedCompositeFieldContainer[NamespaceStats]
     remote: RemoteStats
     tenants: _containers.RepeatedCompositeFieldContainer[TenantTierStats]
-    def __init__(self, tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., num_namespaces: _Optional[int] = ..., num_pinned: _Optional[int] = ..., promotions: _Optional[int] = ..., demotions: _Optional[int] = ..., failed_demotions: _Optional[int] = ..., checksum_failures: _Optional[int] = ..., puts: _Optional[int] = ..., gets: _Optional[int] = ..., num_leases: _Optional[int] = ..., leases_expired: _Optional[int] = ..., num_sessions: _Optional[int] = ..., bytes_moved: _Optional[_Iterable[_Union[BytesMoved, _Mapping]]] = ..., namespaces: _Optional[_Iterable[_Union[NamespaceStats, _Mapping]]] = ..., remote: _Optional[_Union[RemoteStats, _Mapping]] = ..., tenants: _Optional[_Iterable[_Union[TenantTierStats, _Mapping]]] = ...) -> None: ...
+    tenant: str
+    def __init__(self, tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., num_namespaces: _Optional[int] = ..., num_pinned: _Optional[int] = ..., promotions: _Optional[int] = ..., demotions: _Optional[int] = ..., failed_demotions: _Optional[int] = ..., checksum_failures: _Optional[int] = ..., puts: _Optional[int] = ..., gets: _Optional[int] = ..., num_leases: _Optional[int] = ..., leases_expired: _Optional[int] = ..., num_sessions: _Optional[int] = ..., bytes_moved: _Optional[_Iterable[_Union[BytesMoved, _Mapping]]] = ..., namespaces: _Optional[_Iterable[_Union[NamespaceStats, _Mapping]]] = ..., remote: _Optional[_Union[RemoteStats, _Mapping]] = ..., tenants: _Optional[_Iterable[_Union[TenantTierStats, _Mapping]]] = ..., tenant: _Optional[str] = ...) -> None: ...
 
 class TenantTierStats(_message.Message):
-    __slots__ = ("tenant", "tier", "share_bytes", "cap_bytes", "used_bytes", "evicted_by_others")
+    __slots__ = ("tenant", "tier", "share_bytes", "cap_bytes", "used_bytes", "evicted_by_others", "num_blocks", "stored_bytes", "hits", "misses", "evictions", "promotions_in", "demotions_in")
     TENANT_FIELD_NUMBER: _ClassVar[int]
     TIER_FIELD_NUMBER: _ClassVar[int]
     SHARE_BYTES_FIELD_NUMBER: _ClassVar[int]
     CAP_BYTES_FIELD_NUMBER: _ClassVar[int]
     USED_BYTES_FIELD_NUMBER: _ClassVar[int]
     EVICTED_BY_OTHERS_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    STORED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    HITS_FIELD_NUMBER: _ClassVar[int]
+    MISSES_FIELD_NUMBER: _ClassVar[int]
+    EVICTIONS_FIELD_NUMBER: _ClassVar[int]
+    PROMOTIONS_IN_FIELD_NUMBER: _ClassVar[int]
+    DEMOTIONS_IN_FIELD_NUMBER: _ClassVar[int]
     tenant: str
     tier: str
     share_bytes: int
     cap_bytes: int
     used_bytes: int
     evicted_by_others: int
-    def __init__(self, tenant: _Optional[str] = ..., tier: _Optional[str] = ..., share_bytes: _Optional[int] = ..., cap_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., evicted_by_others: _Optional[int] = ...) -> None: ...
+    num_blocks: int
+    stored_bytes: int
+    hits: int
+    misses: int
+    evictions: int
+    promotions_in: int
+    demotions_in: int
+    def __init__(self, tenant: _Optional[str] = ..., tier: _Optional[str] = ..., share_bytes: _Optional[int] = ..., cap_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., evicted_by_others: _Optional[int] = ..., num_blocks: _Optional[int] = ..., stored_bytes: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., evictions: _Optional[int] = ..., promotions_in: _Optional[int] = ..., demotions_in: _Optional[int] = ...) -> None: ...
 
 class RemoteStats(_message.Message):
     __slots__ = ("connected", "hits", "misses", "corrupt", "lookups", "errors", "skipped", "bytes_read", "bytes_written", "written", "demoted", "queue_drops", "queued_bytes", "write_failures")
