@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import logging
 import ssl
+from collections.abc import Sequence
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -158,6 +159,11 @@ class TierKVServer:
         self.metrics.attach(store)
         self._reaper = asyncio.create_task(self._reap_leases())
         await self._set_health(health_pb2.HealthCheckResponse.SERVING)
+
+    def set_access(self, tokens: dict[str, str], admin_tenants: Sequence[str]) -> None:
+        """Adopt a reloaded tokens file and admin tenants (``TierKVServicer.set_access``): the
+        next call is checked against them; calls under way finish as they began."""
+        self.servicer.set_access(tokens, admin_tenants)
 
     async def stop(self, close_store: bool = True) -> None:
         """Graceful stop: NOT_SERVING, drain in-flight calls, stop the metrics endpoint, then

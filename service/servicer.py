@@ -123,7 +123,8 @@ class TierKVServicer(pb_grpc.TierKVServicer):
 
     def __init__(self, config: ServiceConfig) -> None:
         self.config = config
-        self._auth = Authenticator(config.tokens)
+        # Who may call, and which callers are admins: replaced as one pair by ``set_access``.
+        self._access = (Authenticator(config.tokens), frozenset(config.admin_tenants))
         self._store: TieredStore | None = None
         self._executor = ThreadPoolExecutor(config.num_workers, "tierkv-rpc")
         self._buffers = BufferPool(2 * config.max_put_bytes)
@@ -134,6 +135,13 @@ class TierKVServicer(pb_grpc.TierKVServicer):
     def attach(self, store: TieredStore) -> None:
         """Start serving ``store``."""
         self._store = store
+
+    def set_access(self, tokens: dict[str, str], admin_tenants: Sequence[str]) -> None:
+        """Adopt reloaded tokens and admin tenants: every call checked from now on uses them
+        (one assignment on the event loop: a call sees the old pair or the new, never half).
+        A server started without tokens stays without (the caller checks it)."""
+        assert bool(tokens) == self._access[0].required, "tokens cannot be turned on or off"
+        self._access = (Authenticator(tokens), frozenset(admin_tenants))
 
     def close(self) -> None:
         """Stop the worker threads (after the server stopped)."""
@@ -147,14 +155,15 @@ class TierKVServicer(pb_grpc.TierKVServicer):
 
     async def _caller(self, context: grpc.aio.ServicerContext) -> Caller:
         metadata = context.invocation_metadata()
-        tenant = self._auth.tenant_of(metadata)
+        auth, admin_tenants = self._access
+        tenant = auth.tenant_of(metadata)
         if tenant is None:
             raise CallRefusedError(grpc.StatusCode.UNAUTHENTICATED, "missing or unknown bearer token")
         if self._store is None:
             raise CallRefusedError(grpc.StatusCode.UNAVAILABLE, "the store is still recovering")
         CALLER_TENANT.set(tenant)
         client_id = client_id_of(metadata)
-        is_admin = not self._auth.required or tenant in self.config.admin_tenants
+        is_admin = not auth.required or tenant in admin_tenants
         return Caller(tenant, f"{tenant}/{client_id}", client_id, is_admin)
 
     async def _run(self, fn: Callable[..., R], *args: Any, **kwargs: Any) -> R:

@@ -22,7 +22,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tierkv.cli.main import main
-from tierkv.cli.serve_cmd import build_config, build_service_config
+from tierkv.cli.serve_cmd import build_config, build_service_config, read_reload
 from tierkv.cli.setting_values import MAX_SIZE_BYTES, toml_value
 from tierkv.cli.settings import (
     SETTINGS,
@@ -33,7 +33,7 @@ from tierkv.cli.settings import (
     resolve,
     unknown_variables,
 )
-from tierkv.config import GiB, MiB
+from tierkv.config import GiB, MiB, TenantShares
 from tierkv.errors import ConfigError
 
 # Every flag and variable `tierkv serve` had before the schema; deployments use them.
@@ -537,3 +537,70 @@ def test_a_store_that_cannot_open_stops_the_started_server_cleanly(tmp_path: Pat
                   "--disk-path", str(blocker / "disk"))
     _one_error_line(done, "")
     assert str(blocker / "disk") in done.stderr
+
+
+# --- a reload (SIGHUP): tokens file and tenants' shares ------------------------------------
+
+
+def _tokens(path: Path, tenants: dict[str, str]) -> Path:
+    path.write_text("".join(f"{token} {tenant}\n" for token, tenant in tenants.items()))
+    return path
+
+
+def test_a_reload_reads_the_tokens_file_and_the_shares_again(tmp_path: Path) -> None:
+    tokens = _tokens(tmp_path / "tokens", {"a" * 16: "alice", "b" * 16: "bob"})
+    config = toml_file(tmp_path, 'tenant_weights = ["alice=1", "bob=1"]\n')
+    argv = [*FIXED, "--tokens-file", str(tokens), "--config", str(config)]
+    args = build_parser().parse_args(argv)
+    started = resolve(argv, {})
+    assert build_config(started).tenants.weights == {"alice": 1.0, "bob": 1.0}
+    _tokens(tokens, {"a" * 16: "alice", "b" * 16: "bob", "c" * 16: "carol"})
+    config.write_text('tenant_weights = ["alice=3", "bob=1"]\ntenant_caps = ["carol=0.25"]\n'
+                      'admin_tenants = ["alice"]\nmax_namespaces_per_tenant = 9\n')
+    reload = read_reload(args, started, {})
+    assert reload.tokens["c" * 16] == "carol"
+    assert reload.shares == TenantShares({"alice": 3.0, "bob": 1.0}, {"carol": 0.25})
+    assert reload.admin_tenants == ("alice",)
+    assert reload.ignored == ("max_namespaces_per_tenant",)  # takes a restart, and is said so
+
+
+def test_a_reload_without_weights_gives_every_tenant_of_the_new_file_an_equal_share(
+        tmp_path: Path) -> None:
+    tokens = _tokens(tmp_path / "tokens", {"a" * 16: "alice"})
+    argv = [*FIXED, "--tokens-file", str(tokens)]
+    started = resolve(argv, {})
+    _tokens(tokens, {"a" * 16: "alice", "c" * 16: "carol"})
+    reload = read_reload(build_parser().parse_args(argv), started, {})
+    assert reload.shares.weights == {"alice": 1.0, "carol": 1.0} and reload.ignored == ()
+
+
+@pytest.mark.parametrize(("tokens_text", "config_text", "message"), [
+    ("short alice\n", "", r"tokens\.bad:1: expected '<token> <tenant>'"),
+    ("", "", r"tokens\.bad: no tokens in it"),
+    ("\xff\xfe" + "a" * 16 + " alice\n", "", r"cannot read .*tokens\.bad"),
+    ("a" * 16 + " alice\n", 'tenant_weights = ["mallory=1"]\n',
+     r"'mallory' is not a tenant of the tokens file .*tokens\.bad"),
+    ("a" * 16 + " alice\n", 'tenant_caps = ["alice=2"]\n', r"cap must be a fraction"),
+    ("a" * 16 + " alice\n", "tenant_weights = [\n", r"not valid TOML"),
+])
+def test_a_bad_reload_is_refused_with_one_line_that_names_the_file(
+        tmp_path: Path, tokens_text: str, config_text: str, message: str) -> None:
+    tokens = _tokens(tmp_path / "tokens.bad", {"a" * 16: "alice", "b" * 16: "bob"})
+    config = toml_file(tmp_path, "")
+    argv = [*FIXED, "--tokens-file", str(tokens), "--config", str(config)]
+    started = resolve(argv, {})
+    tokens.write_bytes(tokens_text.encode("latin-1"))
+    config.write_text(config_text)
+    with pytest.raises(ConfigError, match=message) as refused:
+        read_reload(build_parser().parse_args(argv), started, {})
+    assert "\n" not in str(refused.value)
+
+
+def test_a_reload_cannot_turn_tokens_on_or_off(tmp_path: Path) -> None:
+    tokens = _tokens(tmp_path / "tokens", {"a" * 16: "alice"})
+    config = toml_file(tmp_path, f'tokens_file = "{tokens}"\n')
+    argv = [*FIXED, "--config", str(config)]
+    started = resolve(argv, {})
+    config.write_text("")
+    with pytest.raises(ConfigError, match="cannot turn tokens on or off"):
+        read_reload(build_parser().parse_args(argv), started, {})

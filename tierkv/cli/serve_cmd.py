@@ -11,7 +11,13 @@ turns NOT_SERVING, drains in-flight calls, flushes HOST-only blocks to disk and 
 
 Logs go to stderr (``--log-format text|json``, ``tierkv.logs``), one line per event: ``start``,
 ``recovery``, ``ready``, ``stats`` (every ``--stats-interval-s``), ``eviction_storm`` and
-``eviction_storm_end`` (``EvictionStormWatch``), ``shutdown``, ``stopped``.
+``eviction_storm_end`` (``EvictionStormWatch``), ``reload``, ``reload_failed`` and
+``reload_ignored`` (SIGHUP), ``shutdown``, ``stopped``.
+
+SIGHUP reloads the tokens file, ``admin_tenants``, ``tenant_weights`` and ``tenant_caps``
+(``read_reload``: the ``--config`` file re-read too) without a restart: new calls are checked
+against the new tokens, the next eviction follows the new shares, nothing is evicted by the
+reload itself; a file or setting that is wrong refuses the whole reload in one line.
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ import signal
 import sys
 import time
 from collections import deque
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -53,6 +60,7 @@ from tierkv.service.config import ServiceConfig, TlsConfig, load_tokens
 from tierkv.sizes import format_size
 
 if TYPE_CHECKING:
+    from tierkv.service.server import TierKVServer
     from tierkv.store import StoreStats, TieredStore
 
 log = logging.getLogger("tierkv.serve")
@@ -109,10 +117,52 @@ def tenant_shares(settings: Resolved) -> TenantShares:
         return found
 
     weights, caps = pairs("tenant_weights"), pairs("tenant_caps")
-    if not weights and settings["tokens_file"]:
-        weights = dict.fromkeys(sorted(set(load_tokens(Path(settings["tokens_file"])).values())),
-                                1.0)
+    if settings["tokens_file"]:
+        path = Path(settings["tokens_file"])
+        tenants = set(load_tokens(path).values())
+        if not weights:
+            weights = dict.fromkeys(sorted(tenants), 1.0)
+        for tenant in weights:
+            if tenant not in tenants:
+                raise settings.error("tenant_weights", f"{tenant!r} is not a tenant of the "
+                                     f"tokens file {path}: its share would be room no caller "
+                                     "can use")
     return TenantShares(weights, caps)
+
+
+RELOADED_SETTINGS = ("tokens_file", "tenant_weights", "tenant_caps", "admin_tenants")
+"""What a SIGHUP reloads; every other setting takes a restart."""
+
+
+@dataclass(frozen=True)
+class Reload:
+    """What a SIGHUP reloads (``read_reload``): the tokens file's tokens, the admin tenants and
+    the tenants' shares; ``ignored``: other settings that changed, which need a restart."""
+
+    tokens: dict[str, str]
+    admin_tenants: tuple[str, ...]
+    shares: TenantShares
+    ignored: tuple[str, ...]
+
+
+def read_reload(args: argparse.Namespace, started: Resolved,
+                environ: Mapping[str, str]) -> Reload:
+    """The settings of a reload: ``args`` resolved again against ``environ`` (the process's,
+    as at start), the ``--config`` file and the tokens file re-read, compared with the settings
+    the server ``started`` with.
+    A ``ConfigError`` naming the setting and its file for anything invalid: the reload is
+    then refused whole, and the server goes on with what it had."""
+    settings = resolve_args(args, environ)
+    with settings.explaining():
+        if bool(settings["tokens_file"]) != bool(started["tokens_file"]):
+            raise settings.error("tokens_file", "a reload cannot turn tokens on or off "
+                                 "(calls with and without tokens are different tenants): "
+                                 "restart the server")
+        tokens = load_tokens(Path(settings["tokens_file"])) if settings["tokens_file"] else {}
+        shares = tenant_shares(settings)
+    ignored = tuple(name for name in settings.values
+                    if name not in RELOADED_SETTINGS and settings[name] != started[name])
+    return Reload(tokens, tuple(settings["admin_tenants"]), shares, ignored)
 
 
 def _remote_label(config: StoreConfig) -> str | None:
@@ -214,7 +264,7 @@ def run(args: argparse.Namespace) -> int:
               tokens=bool(service_config.tokens),
               tls=service_config.tls is not None, metrics_port=service_config.metrics_port)
     tune_for_bulk_messages()
-    asyncio.run(_serve(settings, config, service_config))
+    asyncio.run(_serve(settings, config, service_config, args))
     return 0
 
 
@@ -245,7 +295,8 @@ async def _open_store(settings: Resolved, config: StoreConfig) -> TieredStore:
     return store
 
 
-async def _serve(settings: Resolved, config: StoreConfig, service_config: ServiceConfig) -> None:
+async def _serve(settings: Resolved, config: StoreConfig, service_config: ServiceConfig,
+                 args: argparse.Namespace) -> None:
     from tierkv.service.server import TierKVServer
 
     server = TierKVServer(service_config)
@@ -256,6 +307,11 @@ async def _serve(settings: Resolved, config: StoreConfig, service_config: Servic
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(signum, _on_signal, signal.Signals(signum).name, reasons, stop)
+    # Until the store is open a reload has nothing to apply its shares to (and SIGHUP's
+    # default would end the process): it is refused, and said so.
+    loop.add_signal_handler(signal.SIGHUP, log_event, log, logging.ERROR, "reload_failed",
+                            "reload refused: the store is still opening; send SIGHUP again "
+                            "once the server is ready")
     try:
         store = await _open_store(settings, config)
     except BaseException:
@@ -265,6 +321,7 @@ async def _serve(settings: Resolved, config: StoreConfig, service_config: Servic
         await server.stop(close_store=False)
         raise
     await server.attach(store)
+    loop.add_signal_handler(signal.SIGHUP, _on_reload, args, settings, server, store)
     tiers = {t.label: format_size(s.capacity_bytes) for t, s in store.stats().tiers.items()}
     ready = {
         "ready": True,
@@ -295,6 +352,32 @@ async def _serve(settings: Resolved, config: StoreConfig, service_config: Servic
     log_event(log, logging.INFO, "stopped",
               f"stopped: {num_flushed_blocks} blocks flushed to disk in {duration_s} s",
               num_flushed_blocks=num_flushed_blocks, duration_s=duration_s, reason=reason)
+
+
+def _on_reload(args: argparse.Namespace, started: Resolved, server: TierKVServer,
+               store: TieredStore) -> None:
+    """SIGHUP: re-read the tokens file and the tenants' shares and adopt them, or refuse the
+    reload whole with one ``reload_failed`` line that names the file (on the event loop: the
+    files are small, and calls must not see the tokens and shares change apart)."""
+    try:
+        reload = read_reload(args, started, os.environ)
+    except ConfigError as exc:
+        log_event(log, logging.ERROR, "reload_failed",
+                  f"reload refused, serving on with the settings in force: {exc}",
+                  error=str(exc))
+        return
+    server.set_access(reload.tokens, reload.admin_tenants)
+    store.set_tenant_shares(reload.shares)
+    tenants = sorted(set(reload.tokens.values()))
+    log_event(log, logging.INFO, "reload",
+              f"reloaded: {len(reload.tokens)} tokens of {len(tenants)} tenants, shares "
+              f"{reload.shares.weights or 'none'}", num_tokens=len(reload.tokens),
+              tenants=tenants, weights=reload.shares.weights, caps=reload.shares.caps,
+              admin_tenants=list(reload.admin_tenants))
+    if reload.ignored:
+        log_event(log, logging.WARNING, "reload_ignored",
+                  f"changed but not reloaded (they take a restart): {', '.join(reload.ignored)}",
+                  settings=list(reload.ignored))
 
 
 def _on_signal(name: str, reasons: list[str], stop: asyncio.Event) -> None:
