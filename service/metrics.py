@@ -13,7 +13,15 @@ import contextlib
 import inspect
 import socket
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Iterable, Iterator
+from collections.abc import (
+    AsyncGenerator,
+    AsyncIterator,
+    Awaitable,
+    Callable,
+    Iterable,
+    Iterator,
+    Sequence,
+)
 from typing import Any
 
 import grpc
@@ -32,6 +40,7 @@ from tierkv.service.config import ServiceConfig
 from tierkv.service.convert import num_copied_from
 from tierkv.service.metrics_http import ScrapeServer
 from tierkv.store import StoreStats, TieredStore, received_blocks
+from tierkv.types import TenantTierStats
 from tierkv.wire.limits import MAX_CARRIED_RELEASES
 
 # Upper bounds of the RPC latency buckets: 50 us (a lookup answered on the loop) to 10 s (a
@@ -40,7 +49,10 @@ DURATION_BUCKETS_S = (
     50e-6, 100e-6, 250e-6, 500e-6, 1e-3, 2.5e-3, 5e-3, 10e-3, 25e-3, 50e-3, 100e-3, 250e-3,
     500e-3, 1.0, 2.5, 5.0, 10.0,
 )
-MAX_TOKEN_SERIES = 64
+MAX_MODEL_SERIES_PER_TENANT = 32
+"""Models of one tenant with a series of their own in ``tierkv_prefill_tokens_saved``; past
+it the tenant's other models count as ``OTHER_MODEL``. Per tenant, so that one tenant's models
+never push another's into it (tenants are bounded by the tokens file)."""
 # Read leases whose tokens wait for their Release; past it the oldest are forgotten (uncounted:
 # a lease never released is one whose client died before it finished copying).
 MAX_PENDING_LEASES = 65536
@@ -117,6 +129,7 @@ class RpcRecorder:
     def __init__(self, config: ServiceConfig) -> None:
         self._methods: dict[str, MethodStats] = {}
         self._tokens_saved: dict[tuple[str, str], int] = {}
+        self._num_models: dict[str, int] = {}  # by tenant: models with a series of their own
         # Read leases granted, not yet released: lease id -> (tenant, model, block_size, blocks).
         self._pending_leases: dict[bytes, tuple[str, str, int, int]] = {}
 
@@ -229,8 +242,12 @@ class RpcRecorder:
     def _add_tokens(self, tenant: str, model_id: str, num_tokens: int) -> None:
         key = (tenant, model_id)
         tokens_saved = self._tokens_saved
-        if key not in tokens_saved and len(tokens_saved) >= MAX_TOKEN_SERIES:
-            key = (tenant, OTHER_MODEL)
+        if key not in tokens_saved:
+            num_models = self._num_models.get(tenant, 0)
+            if num_models >= MAX_MODEL_SERIES_PER_TENANT:
+                key = (tenant, OTHER_MODEL)
+            else:
+                self._num_models[tenant] = num_models + 1
         tokens_saved[key] = tokens_saved.get(key, 0) + num_tokens
 
     def collect(self) -> Iterator[Metric]:
@@ -257,8 +274,8 @@ class RpcRecorder:
         tokens = CounterMetricFamily(
             "tierkv_prefill_tokens_saved",
             "Prompt tokens whose K/V were served from the cache (Get, Acquire) instead of a "
-            f"prefill; tensor-parallel rank 0 only; models past {MAX_TOKEN_SERIES} series "
-            f"count as '{OTHER_MODEL}'.", labels=("tenant", "model"))
+            f"prefill; tensor-parallel rank 0 only; a tenant's models past its first "
+            f"{MAX_MODEL_SERIES_PER_TENANT} count as '{OTHER_MODEL}'.", labels=("tenant", "model"))
         for (tenant, model), num_tokens in sorted(dict(self._tokens_saved).items()):
             tokens.add_metric((tenant, model), num_tokens)
         yield from (requests, durations, tokens)
@@ -286,9 +303,11 @@ class StoreCollector(Collector):
             return []
         try:
             stats = store.stats()
+            tenants = store.tenant_stats()
         except StoreClosedError:
             return []
-        return [*_tier_families(stats), *_store_families(stats), *_remote_families(stats)]
+        return [*_tier_families(stats), *_store_families(stats), *_remote_families(stats),
+                *_tenant_families(tenants)]
 
 
 def _tier_families(stats: StoreStats) -> Iterator[Metric]:
@@ -313,6 +332,35 @@ def _tier_families(stats: StoreStats) -> Iterator[Metric]:
         family = kind(f"tierkv_tier_{name}", text, labels=("tier",))
         for tier in tiers:
             family.add_metric((tier.tier.label,), getattr(tier, field))
+        yield family
+
+
+def _tenant_families(tenants: Sequence[TenantTierStats]) -> Iterator[Metric]:
+    """Each tenant's share of each tier (``TieredStore.tenant_stats``), labelled by tenant and
+    tier: as many tenants as the tokens file names (or ``default``), never more."""
+    for name, kind, text, field in (
+        ("share_bytes", GaugeMetricFamily,
+         "Bytes of the tier guaranteed to the tenant (no other tenant evicts within them).",
+         "share_bytes"),
+        ("cap_bytes", GaugeMetricFamily, "The most bytes of the tier the tenant may hold.",
+         "cap_bytes"),
+        ("used_bytes", GaugeMetricFamily,
+         "Bytes of the tier the tenant holds (stored, read, reserved).", "used_bytes"),
+        ("blocks", GaugeMetricFamily, "The tenant's blocks with a copy in the tier.",
+         "num_blocks"),
+        ("hits", CounterMetricFamily, "The tenant's blocks read whose fastest copy was here.",
+         "hits"),
+        ("misses", CounterMetricFamily, "The tenant's blocks read that the tier lacked.",
+         "misses"),
+        ("evictions", CounterMetricFamily, "The tenant's blocks evicted from the tier.",
+         "evictions"),
+        ("evicted_by_others", CounterMetricFamily,
+         "The tenant's blocks evicted from the tier to make room for another tenant (only "
+         "ever while it held more than its share).", "evicted_by_others"),
+    ):
+        family = kind(f"tierkv_tenant_{name}", text, labels=("tenant", "tier"))
+        for tenant in tenants:
+            family.add_metric((tenant.tenant, tenant.tier.label), getattr(tenant, field))
         yield family
 
 

@@ -37,6 +37,7 @@ from tests.support.harness import BOB_TOKEN, BackgroundServer, free_port, serve,
 from tests.support.rpc_calls import BIG_LAYOUT, NS, Code, expect, put
 from tests.support.service_fixtures import (
     ALICE,
+    BOB,
     ALL_RPCS,
     ALLOWED_ERRORS,
     bearer,
@@ -49,7 +50,7 @@ from tests.support.service_fixtures import (
 from tests.support.tiny_blocks import BLOCK_BYTES, TINY_LAYOUT, blocks, keys
 from tierkv import ConfigError, KVLayout, Tier, TieredStore
 from tierkv.service.config import ServiceConfig
-from tierkv.service.metrics import DURATION_BUCKETS_S, MAX_TOKEN_SERIES, OTHER_MODEL
+from tierkv.service.metrics import DURATION_BUCKETS_S, MAX_MODEL_SERIES_PER_TENANT, OTHER_MODEL
 from tierkv.service.metrics_http import ScrapeServer
 from tierkv.service.server import TierKVServer
 from tierkv.service.servicer import TierKVServicer
@@ -150,6 +151,18 @@ def check_store_figures(scraped: Scraped, server: LiveServer) -> None:
             scraped.series("tierkv_bytes_moved_total").items()} == {
         (source.label, destination.label): num_bytes
         for (source, destination), num_bytes in stats.bytes_moved.items()}
+    tenants = server.store.tenant_stats()
+    assert tenants, "no tenant rows"
+    for tenant in tenants:  # the tenant families, one series per (tenant, tier)
+        labels = {"tenant": tenant.tenant, "tier": tenant.tier.label}
+        for name, field in (("share_bytes", "share_bytes"), ("cap_bytes", "cap_bytes"),
+                            ("used_bytes", "used_bytes"), ("blocks", "num_blocks"),
+                            ("hits_total", "hits"), ("misses_total", "misses"),
+                            ("evictions_total", "evictions"),
+                            ("evicted_by_others_total", "evicted_by_others")):
+            assert scraped.value(f"tierkv_tenant_{name}", **labels) == getattr(tenant, field), (
+                name, labels)
+    assert len(scraped.series("tierkv_tenant_used_bytes")) == len(tenants)
 
 
 def sync_stub(target: str) -> tuple[grpc.Channel, pb_grpc.TierKVStub]:
@@ -206,6 +219,7 @@ def test_every_call_is_counted_once_with_its_final_code_and_the_store_figures_ma
     assert scraped.value("tierkv_tier_capacity_bytes", tier="host") == 64 * BLOCK_BYTES
     assert scraped.value("tierkv_sessions") == 1 and scraped.value("tierkv_leases_active") == 0
     assert scraped.value("tierkv_tier_hits_total", tier="host") >= 18
+    assert scraped.value("tierkv_tenant_blocks", tenant="bob", tier="host") == 2
 
 
 def test_evictions_and_bytes_moved_follow_the_store(
@@ -234,7 +248,7 @@ def test_evictions_and_bytes_moved_follow_the_store(
 
 
 @pytest.mark.asyncio
-async def test_tokens_saved_use_the_block_size_count_rank_0_only_and_bound_the_models(
+async def test_tokens_saved_use_the_block_size_count_rank_0_only_and_bound_each_tenants_models(
     tmp_path: Path,
 ) -> None:
     async with serving(tmp_path / "store", metrics_port=free_port()) as served:
@@ -249,15 +263,20 @@ async def test_tokens_saved_use_the_block_size_count_rank_0_only_and_bound_the_m
         rank_1 = wire_namespace(model_id="m16", tp_rank=1, tp_size=2)
         assert await put(stub, keys(1, salt="r1"), payload(1), rank_1) == 1
         assert (await get_blocks(stub, rank_1, keys(1, salt="r1")))[0] == 1
-        # One block each of MAX_TOKEN_SERIES + 6 more models.
-        num_models = MAX_TOKEN_SERIES + 6
+        # One block each of MAX_MODEL_SERIES_PER_TENANT + 6 more models.
+        num_models = MAX_MODEL_SERIES_PER_TENANT + 6
         for index in range(num_models):
             spec = wire_namespace(model_id=f"model-{index}")
             assert await put(stub, keys(1, salt=str(index)), payload(1), spec) == 1
             assert (await get_blocks(stub, spec, keys(1, salt=str(index))))[0] == 1
+        # Alice's models used up her series, not Bob's: his model has its own.
+        bob_spec = wire_namespace(model_id="bob-model")
+        assert await put(stub, keys(1, salt="bob"), payload(1), bob_spec, BOB) == 1
+        assert (await get_blocks(stub, bob_spec, keys(1, salt="bob"), BOB))[0] == 1
         tokens = tokens_by(await asyncio.to_thread(scrape, port))
     assert tokens.pop(("alice", "m16")) == 2 * 16
-    num_own = MAX_TOKEN_SERIES - 1  # m16 holds the first series
+    assert tokens.pop(("bob", "bob-model")) == TINY_TOKENS
+    num_own = MAX_MODEL_SERIES_PER_TENANT - 1  # m16 holds her first series
     assert tokens == {
         **{("alice", f"model-{i}"): TINY_TOKENS for i in range(num_own)},
         ("alice", OTHER_MODEL): (num_models - num_own) * TINY_TOKENS,
