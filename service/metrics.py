@@ -429,6 +429,9 @@ def _remote_families(stats: StoreStats) -> Iterator[Metric]:
          remote.write_failures),
         ("queued_bytes", GaugeMetricFamily, "Bytes waiting to be written to REMOTE.",
          remote.queued_bytes),
+        ("budget_drops", CounterMetricFamily,
+         "Records dropped because their tenant had written its REMOTE budget of the interval.",
+         remote.budget_drops),
     ):
         yield kind(f"tierkv_remote_{name}", text, value=value)
 

@@ -359,6 +359,12 @@ class RemoteTierConfig:
     does not answer within it is a miss, and its breaker stays open ``breaker_cooldown_s``
     while a background probe retries it. ``queue_bytes`` bounds the records waiting to be
     written (more are dropped and counted). ``max_fetch_bytes`` bounds one read's fetch.
+
+    The cluster's memory is shared by every tenant of every node: ``tenant_write_bytes`` (0:
+    unbounded) bounds what one tenant's records may take of this node's writes in each
+    ``tenant_write_interval_s`` (records past it are dropped and counted, as REMOTE writes
+    are best effort), and ``tenant_ttl_s`` gives a tenant's keys their own expiry (seconds,
+    0: none) in place of ``ttl_s``.
     """
 
     endpoints: tuple[RemoteEndpoint, ...]
@@ -373,8 +379,22 @@ class RemoteTierConfig:
     breaker_cooldown_s: float = 2.0
     queue_bytes: int = 256 * MiB
     max_fetch_bytes: int = 256 * MiB
+    tenant_write_bytes: int = 0
+    tenant_write_interval_s: float = 60.0
+    tenant_ttl_s: dict[str, int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        if self.tenant_write_bytes < 0:
+            raise ConfigError("remote tenant_write_bytes (--remote-tenant-write-bytes) must be "
+                              f">= 0, got {self.tenant_write_bytes}")
+        if not 0 < self.tenant_write_interval_s < float("inf"):
+            raise ConfigError("remote tenant_write_interval_s (--remote-tenant-write-interval-s) "
+                              f"must be > 0, got {self.tenant_write_interval_s}")
+        for tenant, ttl_s in self.tenant_ttl_s.items():
+            if not (isinstance(ttl_s, int) and ttl_s >= 0):
+                raise ConfigError(f"remote tenant_ttl_s (--remote-tenant-ttl-s): {tenant}'s TTL "
+                                  f"must be whole seconds >= 0, got {ttl_s!r}")
+        object.__setattr__(self, "tenant_ttl_s", dict(self.tenant_ttl_s))
         if not self.endpoints:
             raise ConfigError("remote (--remote) needs at least one host:port")
         if self.ttl_s < 0:
@@ -389,6 +409,10 @@ class RemoteTierConfig:
             raise ConfigError("remote TLS: --remote-tls-cert and --remote-tls-key go together")
         if not self.tls and (self.tls_ca_path or self.tls_cert_path):
             raise ConfigError("remote TLS files are set but TLS is off: use rediss:// or --remote-tls")
+
+    def ttl_s_of(self, tenant: str) -> int:
+        """The expiry of ``tenant``'s keys (0: none)."""
+        return self.tenant_ttl_s.get(tenant, self.ttl_s)
 
     @classmethod
     def from_url(cls, url: str, **options: object) -> RemoteTierConfig:

@@ -76,7 +76,9 @@ class RemoteStats:
     ``errors``/``skipped``: node calls that failed, keys not asked because their node's breaker
     was open; ``written``/``demoted``: records REMOTE stored, of write-through puts and of DISK
     evictions; ``queue_drops``: records dropped because the write queue was full;
-    ``write_failures``: records sent that REMOTE did not store (their node down or slow).
+    ``write_failures``: records sent that REMOTE did not store (their node down or slow);
+    ``budget_drops``: records dropped because their tenant had written its
+    ``tenant_write_bytes`` of the interval already.
     """
 
     connected: bool
@@ -93,6 +95,7 @@ class RemoteStats:
     queue_drops: int
     write_failures: int
     queued_bytes: int
+    budget_drops: int = 0
 
 
 def route_label(route: tuple[Tier, Tier]) -> str:

@@ -604,3 +604,18 @@ def test_a_reload_cannot_turn_tokens_on_or_off(tmp_path: Path) -> None:
     config.write_text("")
     with pytest.raises(ConfigError, match="cannot turn tokens on or off"):
         read_reload(build_parser().parse_args(argv), started, {})
+
+
+def test_remote_tenant_settings_reach_the_remote_config() -> None:
+    remote = build_config(resolve([*FIXED, "--remote", "redis://127.0.0.1:1",
+                                   "--remote-tenant-write-bytes", "64MiB",
+                                   "--remote-tenant-write-interval-s", "10",
+                                   "--remote-tenant-ttl-s", "alice=100",
+                                   "--remote-tenant-ttl-s", "bob=0"], {})).remote
+    assert remote is not None
+    assert (remote.tenant_write_bytes, remote.tenant_write_interval_s) == (64 * MiB, 10.0)
+    assert remote.ttl_s_of("alice") == 100 and remote.ttl_s_of("bob") == 0
+    assert remote.ttl_s_of("carol") == remote.ttl_s
+    with pytest.raises(ConfigError, match=r"remote_tenant_ttl_s.*'alice=1\.5' is not TENANT=NUMBER"):
+        build_config(resolve([*FIXED, "--remote", "redis://127.0.0.1:1",
+                              "--remote-tenant-ttl-s", "alice=1.5"], {}))

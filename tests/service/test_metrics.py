@@ -37,9 +37,9 @@ from tests.support.harness import BOB_TOKEN, BackgroundServer, free_port, serve,
 from tests.support.rpc_calls import BIG_LAYOUT, NS, Code, expect, put
 from tests.support.service_fixtures import (
     ALICE,
-    BOB,
     ALL_RPCS,
     ALLOWED_ERRORS,
+    BOB,
     bearer,
     get_blocks,
     payload,

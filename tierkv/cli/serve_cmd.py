@@ -35,7 +35,7 @@ from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from tierkv.cli.settings import (
     DESCRIPTION,
@@ -64,6 +64,8 @@ if TYPE_CHECKING:
     from tierkv.store import StoreStats, TieredStore
 
 log = logging.getLogger("tierkv.serve")
+
+N = TypeVar("N", int, float)
 
 SAMPLE_INTERVAL_S = 1.0
 """How often the serve loop reads the store's stats to look for eviction storms."""
@@ -104,19 +106,8 @@ def build_config(args: argparse.Namespace | Resolved) -> StoreConfig:
 def tenant_shares(settings: Resolved) -> TenantShares:
     """``tenant_weights`` and ``tenant_caps`` (weight 1 for each tenant of ``tokens_file``
     when no weights are given); a ``ConfigError`` names the setting."""
-    def pairs(name: str) -> dict[str, float]:
-        found: dict[str, float] = {}
-        for item in settings[name]:
-            tenant, sep, number = item.partition("=")
-            try:
-                if not sep or not tenant:
-                    raise ValueError
-                found[tenant] = float(number)
-            except ValueError:
-                raise settings.error(name, f"{item!r} is not TENANT=NUMBER") from None
-        return found
-
-    weights, caps = pairs("tenant_weights"), pairs("tenant_caps")
+    weights = _tenant_numbers(settings, "tenant_weights", float)
+    caps = _tenant_numbers(settings, "tenant_caps", float)
     if settings["tokens_file"]:
         path = Path(settings["tokens_file"])
         tenants = set(load_tokens(path).values())
@@ -128,6 +119,20 @@ def tenant_shares(settings: Resolved) -> TenantShares:
                                      f"tokens file {path}: its share would be room no caller "
                                      "can use")
     return TenantShares(weights, caps)
+
+
+def _tenant_numbers(settings: Resolved, name: str, kind: type[N]) -> dict[str, N]:
+    """The ``TENANT=NUMBER`` items of setting ``name``, each number read by ``kind``."""
+    found: dict[str, N] = {}
+    for item in settings[name]:
+        tenant, sep, number = item.partition("=")
+        try:
+            if not sep or not tenant:
+                raise ValueError
+            found[tenant] = kind(number)
+        except ValueError:
+            raise settings.error(name, f"{item!r} is not TENANT=NUMBER") from None
+    return found
 
 
 RELOADED_SETTINGS = ("tokens_file", "tenant_weights", "tenant_caps", "admin_tenants")
@@ -191,6 +196,9 @@ def _remote_config(settings: Resolved) -> RemoteTierConfig | None:
         tls_cert_path=tls_paths["tls_cert"], tls_key_path=tls_paths["tls_key"],
         ttl_s=settings["remote_ttl_s"], timeout_s=settings["remote_timeout_s"],
         queue_bytes=settings["remote_queue_bytes"],
+        tenant_write_bytes=settings["remote_tenant_write_bytes"],
+        tenant_write_interval_s=settings["remote_tenant_write_interval_s"],
+        tenant_ttl_s=_tenant_numbers(settings, "remote_tenant_ttl_s", int),
     )
 
 

@@ -99,6 +99,15 @@ SETTINGS: tuple[Setting, ...] = (
              "a background probe waits for it"),
     _setting("remote_queue_bytes", Kind.SIZE, 256 * 1024 * 1024,
              "records waiting to be written to the REMOTE tier (more are dropped, counted)"),
+    _setting("remote_tenant_write_bytes", Kind.SIZE, 0,
+             "the most one tenant's records may take of this node's REMOTE writes per "
+             "remote_tenant_write_interval_s (0: no bound; more are dropped, counted): the "
+             "cluster's memory is shared by every tenant"),
+    _setting("remote_tenant_write_interval_s", Kind.FLOAT, 60.0,
+             "the window of remote_tenant_write_bytes"),
+    _setting("remote_tenant_ttl_s", Kind.LIST, (),
+             "TENANT=SECONDS: the expiry of that tenant's REMOTE keys in place of "
+             "remote_ttl_s (0: none)", metavar="TENANT=SECONDS"),
     _setting("hash_seed", Kind.STR, None,
              "seed of session block hashes: the vLLM workers' PYTHONHASHSEED (any value given, "
              "even empty, is used as is)",

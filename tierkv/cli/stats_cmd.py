@@ -124,8 +124,8 @@ def _remote_lines(stats: ServerStats) -> list[str]:
         f"{remote.lookups}  errors {remote.errors}  skipped {remote.skipped}",
         f"remote writes: {remote.written} put + {remote.demoted} demoted, "
         f"{format_size(remote.bytes_written)} written, {format_size(remote.bytes_read)} read, "
-        f"queued {format_size(remote.queued_bytes)}, dropped {remote.queue_drops}, failed "
-        f"{remote.write_failures}",
+        f"queued {format_size(remote.queued_bytes)}, dropped {remote.queue_drops} (past "
+        f"tenants' budgets {remote.budget_drops}), failed {remote.write_failures}",
     ]
 
 

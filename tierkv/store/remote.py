@@ -48,6 +48,15 @@ class _Counters:
     demoted: int = 0
     queue_drops: int = 0
     write_failures: int = 0
+    budget_drops: int = 0
+
+
+@dataclass(slots=True)
+class _Budget:
+    """What one tenant's records took of this node's REMOTE writes in the current window."""
+
+    window_start_s: float
+    num_bytes: int = 0
 
 
 class RemoteLink:
@@ -60,8 +69,9 @@ class RemoteLink:
         self.remote = remote
         self._counters = _Counters()
         self._lock = threading.Condition()
-        # (raw key, record, demoted?) waiting to be written.
-        self._queue: deque[tuple[bytes, bytes | bytearray, bool]] = deque()
+        # (raw key, record, demoted?, TTL in seconds) waiting to be written.
+        self._queue: deque[tuple[bytes, bytes | bytearray, bool, int]] = deque()
+        self._budgets: dict[str, _Budget] = {}  # by tenant (``tenant_write_bytes``)
         self._queued_bytes = 0
         self._num_writing = 0
         self._closed = False
@@ -96,16 +106,41 @@ class RemoteLink:
                                if not self.forgotten.forbids_locked(item[0], seen_s)]
             if self._closed:
                 return 0
+            config = self.remote.config
+            now_s = time.monotonic()
             for raw_key, record in records:
+                tenant = self._tenant_of(raw_key)
                 if self._queued_bytes + len(record) > limit:
                     self._counters.queue_drops += 1
                     continue
-                self._queue.append((raw_key, record, demoted))
+                if config.tenant_write_bytes and not self._admit_locked(tenant, len(record),
+                                                                        now_s):
+                    self._counters.budget_drops += 1
+                    continue
+                self._queue.append((raw_key, record, demoted, config.ttl_s_of(tenant)))
                 self._queued_bytes += len(record)
                 num_queued += 1
             if num_queued:
                 self._lock.notify_all()
         return num_queued
+
+    def _tenant_of(self, raw_key: bytes) -> str:
+        """The tenant of a record's namespace ("" for one removed since). Read without the
+        store lock, which a caller of ``offer`` may hold: one dict lookup, atomic under the
+        GIL; namespaces are only added and removed under the lock."""
+        state = self.core.namespaces.get(raw_key[:NAMESPACE_ID_BYTES])
+        return "" if state is None else state.namespace.tenant
+
+    def _admit_locked(self, tenant: str, num_bytes: int, now_s: float) -> bool:
+        """Whether ``tenant``'s budget of this window has ``num_bytes`` left (then taken)."""
+        config = self.remote.config
+        budget = self._budgets.get(tenant)
+        if budget is None or now_s - budget.window_start_s >= config.tenant_write_interval_s:
+            budget = self._budgets[tenant] = _Budget(now_s)
+        if budget.num_bytes + num_bytes > config.tenant_write_bytes:
+            return False
+        budget.num_bytes += num_bytes
+        return True
 
     def offer_demoted(self, records: Sequence[tuple[bytes, bytes | bytearray, float]]) -> None:
         """Evictions from the lowest local tier: DISK's records, read just before they were
@@ -152,7 +187,7 @@ class RemoteLink:
                     self._lock.wait()
                 if not self._queue:
                     return
-                batch: list[tuple[bytes, bytes | bytearray, bool]] = []
+                batch: list[tuple[bytes, bytes | bytearray, bool, int]] = []
                 num_bytes = 0
                 while self._queue and num_bytes < _WRITE_BATCH_BYTES:
                     item = self._queue.popleft()
@@ -161,7 +196,8 @@ class RemoteLink:
                 self._num_writing = len(batch)
             stored = np.zeros(len(batch), bool)
             try:
-                stored = self.remote.put([(raw_key, record) for raw_key, record, _ in batch])
+                stored = self.remote.put([(raw_key, record) for raw_key, record, _, _ in batch],
+                                         [ttl_s for _, _, _, ttl_s in batch])
             except Exception:  # RemoteTier answers, never raises; a bug must not stop writes
                 log.exception("writing %d records to the remote tier failed", len(batch))
             # What a failed node did not store is dropped (counted): REMOTE is a cache, and
@@ -169,8 +205,8 @@ class RemoteLink:
             if self.core.disk is None:  # nothing else reads them (see ``Writer.write_records``)
                 # Only those a node stored: a node that missed the deadline may still be
                 # sending from its buffers.
-                self.record_buffers.give([record for (_, record, _), ok in zip(batch, stored,
-                                                                               strict=True) if ok])
+                self.record_buffers.give([record for (_, record, _, _), ok
+                                          in zip(batch, stored, strict=True) if ok])
             demoted = np.array([item[2] for item in batch], bool)  # (see ``offer``)
             with self._lock:
                 self._queued_bytes -= num_bytes
@@ -205,7 +241,7 @@ class RemoteLink:
         deadline = time.monotonic() + self._deadline_s
         with self._lock:
             kept = [item for item in self._queue if not matches(item[0])]
-            self._queued_bytes -= sum(len(record) for key, record, _ in self._queue
+            self._queued_bytes -= sum(len(record) for key, record, _, _ in self._queue
                                       if matches(key))
             self._queue = deque(kept)
             while self._num_writing and not self._closed and time.monotonic() < deadline:
@@ -403,6 +439,7 @@ class RemoteLink:
                 self.remote.is_connected, c.hits, c.misses, c.corrupt, c.lookups,
                 tier.num_errors, tier.num_skipped, tier.bytes_read, tier.bytes_written,
                 c.written, c.demoted, c.queue_drops, c.write_failures, self._queued_bytes,
+                c.budget_drops,
             )
 
     def close(self, flush_timeout_s: float = 5.0) -> None:

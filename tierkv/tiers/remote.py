@@ -321,17 +321,19 @@ class RemoteTier:
             self.counters.bytes_read += num_bytes
         return values
 
-    def put(self, items: Sequence[tuple[bytes, bytes | bytearray]]) -> np.ndarray:
-        """Store each ``(raw key, record)`` (with the configured TTL); whether each was stored,
-        as a bool array."""
+    def put(self, items: Sequence[tuple[bytes, bytes | bytearray]],
+            ttls_s: Sequence[int] | None = None) -> np.ndarray:
+        """Store each ``(raw key, record)`` with its TTL in ``ttls_s`` (0: none; not given:
+        the configured TTL for all); whether each was stored, as a bool array."""
         keys, slots = raw_block_keys([raw for raw, _ in items])
         groups = self._group(slots)
-        ttl_s = self.config.ttl_s or None
+        expiries = [self.config.ttl_s or None] * len(items) if ttls_s is None else [
+            ttl_s or None for ttl_s in ttls_s]
 
         def store(node: _Node, indices: np.ndarray) -> list[bool]:
             pipe = node.client.pipeline(transaction=False)
             for i in indices:
-                pipe.set(keys[i].tobytes(), items[i][1], ex=ttl_s)
+                pipe.set(keys[i].tobytes(), items[i][1], ex=expiries[i])
             return [bool(answer) for answer in pipe.execute()]
 
         stored = np.zeros(len(items), bool)

@@ -175,7 +175,7 @@ NAMESPACE_STATS_FIELDS = ("num_blocks", "stored_bytes", "num_sessions")
 """The counts of one namespace, named alike by ``tierkv.types.NamespaceStats`` and the wire."""
 REMOTE_STATS_FIELDS = ("connected", "hits", "misses", "corrupt", "lookups", "errors", "skipped",
                        "bytes_read", "bytes_written", "written", "demoted", "queue_drops",
-                       "write_failures", "queued_bytes")
+                       "write_failures", "queued_bytes", "budget_drops")
 """The REMOTE tier's figures, named alike by ``tierkv.types.RemoteStats`` and the wire."""
 TENANT_STATS_FIELDS = ("share_bytes", "cap_bytes", "used_bytes", "evicted_by_others",
                        "num_blocks", "stored_bytes", "hits", "misses", "evictions",

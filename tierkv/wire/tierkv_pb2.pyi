@@ -359,7 +359,7 @@ class TenantTierStats(_message.Message):
     def __init__(self, tenant: _Optional[str] = ..., tier: _Optional[str] = ..., share_bytes: _Optional[int] = ..., cap_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., evicted_by_others: _Optional[int] = ..., num_blocks: _Optional[int] = ..., stored_bytes: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., evictions: _Optional[int] = ..., promotions_in: _Optional[int] = ..., demotions_in: _Optional[int] = ...) -> None: ...
 
 class RemoteStats(_message.Message):
-    __slots__ = ("connected", "hits", "misses", "corrupt", "lookups", "errors", "skipped", "bytes_read", "bytes_written", "written", "demoted", "queue_drops", "queued_bytes", "write_failures")
+    __slots__ = ("connected", "hits", "misses", "corrupt", "lookups", "errors", "skipped", "bytes_read", "bytes_written", "written", "demoted", "queue_drops", "queued_bytes", "write_failures", "budget_drops")
     CONNECTED_FIELD_NUMBER: _ClassVar[int]
     HITS_FIELD_NUMBER: _ClassVar[int]
     MISSES_FIELD_NUMBER: _ClassVar[int]
@@ -374,6 +374,7 @@ class RemoteStats(_message.Message):
     QUEUE_DROPS_FIELD_NUMBER: _ClassVar[int]
     QUEUED_BYTES_FIELD_NUMBER: _ClassVar[int]
     WRITE_FAILURES_FIELD_NUMBER: _ClassVar[int]
+    BUDGET_DROPS_FIELD_NUMBER: _ClassVar[int]
     connected: bool
     hits: int
     misses: int
@@ -388,7 +389,8 @@ class RemoteStats(_message.Message):
     queue_drops: int
     queued_bytes: int
     write_failures: int
-    def __init__(self, connected: _Optional[bool] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., corrupt: _Optional[int] = ..., lookups: _Optional[int] = ..., errors: _Optional[int] = ..., skipped: _Optional[int] = ..., bytes_read: _Optional[int] = ..., bytes_written: _Optional[int] = ..., written: _Optional[int] = ..., demoted: _Optional[int] = ..., queue_drops: _Optional[int] = ..., queued_bytes: _Optional[int] = ..., write_failures: _Optional[int] = ...) -> None: ...
+    budget_drops: int
+    def __init__(self, connected: _Optional[bool] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., corrupt: _Optional[int] = ..., lookups: _Optional[int] = ..., errors: _Optional[int] = ..., skipped: _Optional[int] = ..., bytes_read: _Optional[int] = ..., bytes_written: _Optional[int] = ..., written: _Optional[int] = ..., demoted: _Optional[int] = ..., queue_drops: _Optional[int] = ..., queued_bytes: _Optional[int] = ..., write_failures: _Optional[int] = ..., budget_drops: _Optional[int] = ...) -> None: ...
 
 class ClearRequest(_message.Message):
     __slots__ = ("tenant", "model_id", "namespace", "all")
