@@ -314,6 +314,29 @@ def test_a_tenant_pins_no_more_than_its_share(make_store: StoreFactory) -> None:
     assert store.pin(ns_of(ALICE), alice_keys[:4]) == 4
 
 
+def test_a_tenant_read_leases_no_more_than_its_share(make_store: StoreFactory) -> None:
+    """Blocks read cannot be evicted: A, holding all of HOST (borrowed while B was idle), read-
+    leases only its share of it at once (the rest of the run is for the next call, or the
+    stream), so B's put within its own share still finds room; a release gives the room back."""
+    store = registered(make_store(host_blocks=16, tenants=TenantShares.equal([ALICE, BOB])),
+                       ALICE, BOB)
+    alice_keys = keys(16)
+    for start in range(0, 16, 4):
+        store.put(ns_of(ALICE), alice_keys[start : start + 4], blocks(4, seed=start))
+    first = store.acquire(ns_of(ALICE), alice_keys)
+    assert (len(first.blocks), first.num_cached) == (8, 16)  # its share of HOST
+    second = store.acquire(ns_of(ALICE), alice_keys[8:])
+    assert (len(second.blocks), second.num_cached) == (0, 8)  # none past its share
+    store.release(second.lease_id)
+    assert store.put(ns_of(BOB), keys(8, start=100), blocks(8, seed=1)) == 8
+    assert held(store, BOB, keys(8, start=100)) == 8
+    assert share(store, BOB).used_bytes == 8 * BLOCK_BYTES
+    store.release(first.lease_id)
+    third = store.acquire(ns_of(ALICE), alice_keys[:8])
+    assert len(third.blocks) == 8  # the room came back with the release
+    store.release(third.lease_id)
+
+
 def test_without_guarantees_pins_are_unbounded(make_store: StoreFactory) -> None:
     store = registered(make_store(host_blocks=8), ALICE)
     assert store.put(ns_of(ALICE), keys(8), blocks(8, seed=1)) == 8
