@@ -22,7 +22,14 @@ import torch
 
 from tierkv.bench.report import GB, Row, fresh_hashes, median_of, random_blocks, timed, total_s
 from tierkv.bench.utilisation_bench import bench_disk_overhead, bench_utilisation
-from tierkv.config import DiskTierConfig, HostTierConfig, StoreConfig, Tier, WritePolicy
+from tierkv.config import (
+    DiskTierConfig,
+    HostTierConfig,
+    StoreConfig,
+    TenantShares,
+    Tier,
+    WritePolicy,
+)
 from tierkv.hashing import block_hashes, none_hash
 from tierkv.keys import BlockHash, Namespace
 from tierkv.layout import PRESETS, KVLayout
@@ -255,6 +262,48 @@ def bench_lease_bookkeeping(cfg: StoreBenchConfig, progress: Progress) -> list[R
     ]
 
 
+def bench_eviction_by_tenants(cfg: StoreBenchConfig, progress: Progress) -> list[Row]:
+    """The cost of a put that evicts, as tenants grow: HOST of 4,096 one-page blocks held by
+    T tenants, then one more tenant, guaranteed half of HOST, puts 16 blocks a call, 1,920 in
+    all, each evicting one block of a tenant over its share. Microseconds per block put, the
+    median of the calls after a warm-up; the baseline is the same with one tenant holding
+    everything: flat means no scan of tenants or blocks per victim."""
+    layout = KVLayout(1, 1, 8)  # 512 B blocks: one page each, the copy costs nothing
+    num_blocks, per_call, num_calls = 4096, 16, 120
+    figures: dict[int, tuple[float, list[float]]] = {}
+    for num_tenants in (1, 10, 100, 1000):
+        tenants = [f"t{i}" for i in range(num_tenants)]
+        # The writer is guaranteed half of HOST, the holders the other half between them:
+        # every block it puts (fewer than its half) takes a victim from a holder over its share.
+        weights = {**dict.fromkeys(tenants, 1.0), "writer": float(num_tenants)}
+        config = StoreConfig(host=HostTierConfig(num_blocks * 512, 512),
+                             tenants=TenantShares(weights))
+        data = torch.zeros((per_call, *layout.block_shape), dtype=layout.torch_dtype)
+        with TieredStore(config) as store:
+            for index in range(num_blocks):  # the holders: one block each in turn
+                namespace = Namespace("bench-evict", layout, tenant=tenants[index % num_tenants])
+                if index < num_tenants:
+                    store.register(namespace)
+                store.put(namespace, fresh_hashes(1), data[:1])
+            writer = Namespace("bench-evict", layout, tenant="writer")
+            store.register(writer)
+            samples = []
+            for _ in range(num_calls):
+                hashes = fresh_hashes(per_call)
+                started = time.perf_counter()
+                store.put(writer, hashes, data)
+                samples.append((time.perf_counter() - started) / per_call * 1e6)
+            evicted = {t.tenant: t.evicted_by_others for t in store.tenant_stats()}
+            assert sum(evicted.values()) == per_call * num_calls  # every victim another's
+        samples = samples[10:]
+        figures[num_tenants] = (float(np.median(samples)), samples)
+        progress(f"eviction with {num_tenants} tenants")
+    one = figures[1][0]
+    return [Row(f"put that evicts, per block, {n} tenant(s) holding HOST", "us", us, one,
+                "1 tenant", "(info) flat", True, samples)
+            for n, (us, samples) in figures.items()]
+
+
 def reference_block_hashes(tokens: list[int], block_size: int, seed: str) -> list[bytes]:
     """The straightforward per-block cbor2 implementation (the baseline)."""
     parent = bytes(none_hash(seed, algorithm="sha256_cbor"))
@@ -316,6 +365,7 @@ BENCHES: dict[str, Callable[[StoreBenchConfig, Progress], list[Row]]] = {
     "disk": bench_disk,
     "lookup": bench_lookup,
     "leases": bench_lease_bookkeeping,
+    "tenants": bench_eviction_by_tenants,
     "hashing": bench_hashing,
     "index": bench_index_memory,
     "utilisation": lambda cfg, progress: [*bench_utilisation(progress),

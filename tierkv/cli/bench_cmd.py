@@ -26,8 +26,8 @@ def register(subparsers: Any) -> None:
     store = targets.add_parser(
         "store", help="the embedded store vs memcpy, write+fsync, file reads and cbor2"
     )
-    _add_common(store, "store", ["host", "disk", "lookup", "leases", "hashing", "index",
-                                   "utilisation"],
+    _add_common(store, "store", ["host", "disk", "lookup", "leases", "tenants", "hashing",
+                                   "index", "utilisation"],
                 "where disk benchmarks write (default: a temp dir)")
     store.set_defaults(func=_checked(run_store))
     service = targets.add_parser(
