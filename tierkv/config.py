@@ -185,16 +185,25 @@ class TenantShares:
     ``weights``: a named tenant is guaranteed ``capacity * weight / sum(weights)`` of each tier:
     no other tenant's put evicts its blocks while it holds no more than that. A tenant not
     named is guaranteed nothing: it borrows room no one uses, and gives it back by eviction.
-    ``caps``: the most of each tier a tenant may hold, a fraction in (0, 1] (1 when not
-    named); a tenant at its cap evicts its own blocks. No weights (the default): no tenant is
-    guaranteed anything and each borrows; one tenant's blocks go by LRU as without tenants,
-    several tenants each recycle their own. Design: docs/design/tenants.md
+    ``sizes``: ``(tenant, tier) -> bytes`` guaranteed to the tenant in that tier, in place of
+    its weight there; the weighted tenants share what the sizes leave (``check_fits`` refuses
+    sizes that sum past a tier). ``caps``: the most of each tier a tenant may hold, a fraction
+    in (0, 1] (1 when not named); a tenant at its cap evicts its own blocks. No weights and no
+    sizes (the default): no tenant is guaranteed anything and each borrows; one tenant's blocks
+    go by LRU as without tenants, several tenants each recycle their own.
+    Design: docs/design/tenants.md
     """
 
     weights: dict[str, float] = field(default_factory=dict)
     caps: dict[str, float] = field(default_factory=dict)
+    sizes: dict[tuple[str, Tier], int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        for (tenant, tier), num_bytes in self.sizes.items():
+            if not (isinstance(num_bytes, int) and num_bytes > 0):
+                raise ConfigError(f"tenant_bytes: {tenant}'s {Tier(tier).label} share must be "
+                                  f"a positive number of bytes, got {num_bytes!r}")
+        object.__setattr__(self, "sizes", dict(self.sizes))
         for tenant, weight in self.weights.items():
             if not (isinstance(weight, int | float) and 0 < weight < float("inf")):
                 raise ConfigError(
@@ -216,10 +225,46 @@ class TenantShares:
         """Equal guarantees for ``tenants`` (those of a tokens file, by default)."""
         return cls({tenant: 1.0 for tenant in tenants}, dict(caps or {}))
 
+    @property
+    def guarantees(self) -> bool:
+        """Whether any tenant is guaranteed anything (weights or sizes)."""
+        return bool(self.weights or self.sizes)
+
     def share_fraction(self, tenant: str) -> float:
-        """The fraction of each tier guaranteed to ``tenant`` (0: it only borrows)."""
+        """The fraction of each tier guaranteed to ``tenant`` by its weight (0: it only
+        borrows), before any ``sizes``."""
         weight = self.weights.get(tenant)
         return 0.0 if weight is None else weight / sum(self.weights.values())
+
+    def share_units(self, tenant: str, tier: Tier, num_units: int, unit_bytes: int) -> int:
+        """Whole units (pages, or bytes on DISK) of a tier of ``num_units`` guaranteed to
+        ``tenant``: its size there, else its weight's part of what the sizes leave."""
+        fixed = self.sizes.get((tenant, tier))
+        if fixed is not None:
+            return fixed // unit_bytes
+        weight = self.weights.get(tenant)
+        if weight is None:
+            return 0
+        left = num_units - sum(size // unit_bytes for (_, t), size in self.sizes.items()
+                               if t is tier)
+        total = sum(w for name, w in self.weights.items() if (name, tier) not in self.sizes)
+        return int(left * weight / total)
+
+    def check_fits(self, tier: Tier, capacity_bytes: int) -> None:
+        """``ConfigError`` naming the tier when its ``sizes`` sum past ``capacity_bytes``, or
+        a tenant's size there is past its cap."""
+        named = {tenant: size for (tenant, t), size in self.sizes.items() if t is tier}
+        if sum(named.values()) > capacity_bytes:
+            listed = ", ".join(f"{tenant} {size} B" for tenant, size in sorted(named.items()))
+            raise ConfigError(
+                f"tenant_bytes: the {tier.label} shares ({listed}) sum to "
+                f"{sum(named.values())} B, more than the {tier.label} tier's {capacity_bytes} B")
+        for tenant, size in named.items():
+            if size > self.cap_fraction(tenant) * capacity_bytes:
+                raise ConfigError(
+                    f"tenant_caps: {tenant}'s cap ({self.cap_fraction(tenant):g} of "
+                    f"{capacity_bytes} B) is below its {tier.label} share ({size} B, from "
+                    "tenant_bytes)")
 
     def cap_fraction(self, tenant: str) -> float:
         """The most of each tier ``tenant`` may hold, as a fraction of it."""

@@ -33,7 +33,7 @@ from tierkv.cli.settings import (
     resolve,
     unknown_variables,
 )
-from tierkv.config import GiB, MiB, TenantShares
+from tierkv.config import GiB, MiB, TenantShares, Tier
 from tierkv.errors import ConfigError
 
 # Every flag and variable `tierkv serve` had before the schema; deployments use them.
@@ -619,3 +619,21 @@ def test_remote_tenant_settings_reach_the_remote_config() -> None:
     with pytest.raises(ConfigError, match=r"remote_tenant_ttl_s.*'alice=1\.5' is not TENANT=NUMBER"):
         build_config(resolve([*FIXED, "--remote", "redis://127.0.0.1:1",
                               "--remote-tenant-ttl-s", "alice=1.5"], {}))
+
+
+def test_tenant_bytes_are_shares_in_bytes_per_tier(tmp_path: Path) -> None:
+    tokens = _tokens(tmp_path / "tokens", {"a" * 16: "alice", "b" * 16: "bob"})
+    plan = build_config(resolve([*FIXED, "--tokens-file", str(tokens),
+                                 "--tenant-bytes", "alice:host=4MiB",
+                                 "--tenant-bytes", "bob:disk=1GiB"], {})).tenants
+    assert plan.sizes == {("alice", Tier.HOST): 4 * MiB, ("bob", Tier.DISK): GiB}
+    assert plan.weights == {"alice": 1.0, "bob": 1.0}  # the rest, equally
+    for bad, message in (("alice=4MiB", "is not TENANT:TIER=SIZE"),
+                         ("alice:ssd=4MiB", "is not TENANT:TIER=SIZE"),
+                         ("alice:host=lots", "cannot read 'lots' as a size"),
+                         ("alice:host=0", "positive number of bytes"),
+                         ("mallory:host=1MiB", "'mallory' is not a tenant of the tokens file")):
+        with pytest.raises(ConfigError, match=message) as refused:
+            build_config(resolve([*FIXED, "--tokens-file", str(tokens), "--tenant-bytes", bad],
+                                 {}))
+        assert "tenant_bytes" in str(refused.value), bad

@@ -177,6 +177,16 @@ def test_a_reload_under_load_moves_who_is_evicted_next_and_loses_no_write_throug
         with Client(sidecar.unix_target, token=CAROL_TOKEN) as carol:
             assert carol.lookup(namespace, bob_keys) == 0  # in, and sees none of bob's
 
+            # Shares the store cannot hold (20 MiB of a 16 MiB HOST): refused, naming them.
+            config.write_text('tenant_weights = ["alice=3", "bob=1"]\n'
+                              'tenant_bytes = ["alice:host=12MiB", "bob:host=8MiB"]\n')
+            mark = num_log_lines(sidecar.log_path)
+            sidecar.process.send_signal(signal.SIGHUP)
+            refused = wait_for_event(sidecar.log_path, "reload_failed", mark)
+            assert "the host shares (alice 12582912 B, bob 8388608 B) sum to" in \
+                refused["message"]
+            assert {t.tier: t for t in bob.stats().tenants}[Tier.HOST].share_bytes == 4 * 2**20
+
             tokens.write_text(f"{ALICE_TOKEN} alice\nnot-a-token\n")
             mark = num_log_lines(sidecar.log_path)
             sidecar.process.send_signal(signal.SIGHUP)

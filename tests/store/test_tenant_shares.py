@@ -252,6 +252,42 @@ def test_shares_that_do_not_fit_are_refused_by_name(
         TenantShares(weights, caps)
 
 
+def test_a_share_in_bytes_takes_its_room_first_and_the_weights_split_the_rest(
+    make_store: StoreFactory,
+) -> None:
+    """Alice is guaranteed 12 of HOST's 16 blocks in bytes; Bob and Carol, weighted 1 and 1,
+    share the 4 left. Alice keeps her 12 through Bob's flood."""
+    plan = TenantShares({BOB: 1.0, CAROL: 1.0}, sizes={(ALICE, Tier.HOST): 12 * BLOCK_BYTES})
+    store = registered(make_store(host_blocks=16, tenants=plan), ALICE, BOB, CAROL)
+    assert [share(store, t).share_bytes for t in (ALICE, BOB, CAROL)] == [
+        12 * BLOCK_BYTES, 2 * BLOCK_BYTES, 2 * BLOCK_BYTES]
+    alice_keys = keys(12)
+    for start in range(0, 12, 4):
+        store.put(ns_of(ALICE), alice_keys[start : start + 4], blocks(4, seed=start))
+    flood(store, BOB, 64)
+    assert held(store, ALICE, alice_keys) == 12
+    assert share(store, ALICE).evicted_by_others == 0
+
+
+def test_shares_in_bytes_that_do_not_fit_a_tier_are_refused_naming_it(
+    make_store: StoreFactory,
+) -> None:
+    too_big = TenantShares(sizes={(ALICE, Tier.HOST): 12 * BLOCK_BYTES,
+                                  (BOB, Tier.HOST): 8 * BLOCK_BYTES})
+    with pytest.raises(ConfigError, match=r"the host shares \(alice .*, bob .*\) sum to"):
+        make_store(host_blocks=16, tenants=too_big)
+    store = registered(make_store(host_blocks=16, tenants=TenantShares.equal([ALICE, BOB])),
+                       ALICE)
+    with pytest.raises(ConfigError, match="the host shares"):
+        store.set_tenant_shares(too_big)
+    assert share(store, ALICE).share_bytes == 8 * BLOCK_BYTES  # nothing changed
+    capped = TenantShares(caps={ALICE: 0.25}, sizes={(ALICE, Tier.HOST): 8 * BLOCK_BYTES})
+    with pytest.raises(ConfigError, match=r"alice's cap .* is below its host share"):
+        store.set_tenant_shares(capped)
+    with pytest.raises(ConfigError, match="positive number of bytes"):
+        TenantShares(sizes={(ALICE, Tier.HOST): 0})
+
+
 def test_room_is_taken_from_each_tenant_over_its_share_down_to_its_share_only(
     make_store: StoreFactory,
 ) -> None:

@@ -52,12 +52,13 @@ from tierkv.config import (
     RemoteTierConfig,
     StoreConfig,
     TenantShares,
+    Tier,
     WritePolicy,
 )
 from tierkv.errors import ConfigError
 from tierkv.logs import log_event, setup_logging
 from tierkv.service.config import ServiceConfig, TlsConfig, load_tokens
-from tierkv.sizes import format_size
+from tierkv.sizes import format_size, parse_size
 
 if TYPE_CHECKING:
     from tierkv.service.server import TierKVServer
@@ -66,6 +67,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("tierkv.serve")
 
 N = TypeVar("N", int, float)
+TIER_BY_LABEL = {tier.label: tier for tier in Tier}
 
 SAMPLE_INTERVAL_S = 1.0
 """How often the serve loop reads the store's stats to look for eviction storms."""
@@ -108,17 +110,37 @@ def tenant_shares(settings: Resolved) -> TenantShares:
     when no weights are given); a ``ConfigError`` names the setting."""
     weights = _tenant_numbers(settings, "tenant_weights", float)
     caps = _tenant_numbers(settings, "tenant_caps", float)
+    sizes = _tenant_sizes(settings)
     if settings["tokens_file"]:
         path = Path(settings["tokens_file"])
         tenants = set(load_tokens(path).values())
         if not weights:
             weights = dict.fromkeys(sorted(tenants), 1.0)
-        for tenant in weights:
-            if tenant not in tenants:
-                raise settings.error("tenant_weights", f"{tenant!r} is not a tenant of the "
-                                     f"tokens file {path}: its share would be room no caller "
-                                     "can use")
-    return TenantShares(weights, caps)
+        for name, named in (("tenant_weights", weights),
+                            ("tenant_bytes", {tenant for tenant, _ in sizes})):
+            for tenant in named:
+                if tenant not in tenants:
+                    raise settings.error(name, f"{tenant!r} is not a tenant of the tokens "
+                                         f"file {path}: its share would be room no caller "
+                                         "can use")
+    return TenantShares(weights, caps, sizes)
+
+
+def _tenant_sizes(settings: Resolved) -> dict[tuple[str, Tier], int]:
+    """``tenant_bytes``: ``TENANT:TIER=SIZE`` items."""
+    found: dict[tuple[str, Tier], int] = {}
+    for item in settings["tenant_bytes"]:
+        named, sep, size = item.partition("=")
+        tenant, colon, label = named.rpartition(":")
+        tier = TIER_BY_LABEL.get(label)
+        if not sep or not colon or not tenant or tier is None:
+            raise settings.error("tenant_bytes", f"{item!r} is not TENANT:TIER=SIZE with TIER "
+                                 "gpu, host or disk")
+        try:
+            found[tenant, tier] = parse_size(size, "tenant_bytes")
+        except ConfigError as exc:
+            raise settings.error("tenant_bytes", f"{item!r}: {exc}") from None
+    return found
 
 
 def _tenant_numbers(settings: Resolved, name: str, kind: type[N]) -> dict[str, N]:
@@ -135,7 +157,8 @@ def _tenant_numbers(settings: Resolved, name: str, kind: type[N]) -> dict[str, N
     return found
 
 
-RELOADED_SETTINGS = ("tokens_file", "tenant_weights", "tenant_caps", "admin_tenants")
+RELOADED_SETTINGS = ("tokens_file", "tenant_weights", "tenant_bytes", "tenant_caps",
+                     "admin_tenants")
 """What a SIGHUP reloads; every other setting takes a restart."""
 
 
@@ -374,8 +397,14 @@ def _on_reload(args: argparse.Namespace, started: Resolved, server: TierKVServer
                   f"reload refused, serving on with the settings in force: {exc}",
                   error=str(exc))
         return
+    try:
+        store.set_tenant_shares(reload.shares)  # first: shares that do not fit are refused
+    except ConfigError as exc:
+        log_event(log, logging.ERROR, "reload_failed",
+                  f"reload refused, serving on with the settings in force: {exc}",
+                  error=str(exc))
+        return
     server.set_access(reload.tokens, reload.admin_tenants)
-    store.set_tenant_shares(reload.shares)
     tenants = sorted(set(reload.tokens.values()))
     log_event(log, logging.INFO, "reload",
               f"reloaded: {len(reload.tokens)} tokens of {len(tenants)} tenants, shares "

@@ -124,6 +124,10 @@ SETTINGS: tuple[Setting, ...] = (
              "weight over the sum of weights; no other tenant's put evicts its blocks while it "
              "holds no more (a tenant not named is guaranteed nothing and only borrows); "
              "none given: weight 1 for every tenant of tokens_file", metavar="TENANT=WEIGHT"),
+    _setting("tenant_bytes", Kind.LIST, (),
+             "TENANT:TIER=SIZE (tier gpu, host or disk): the tenant's guaranteed share of that "
+             "tier in bytes, in place of its weight there; the weighted tenants share what "
+             "these leave; shares that sum past a tier are refused", metavar="TENANT:TIER=SIZE"),
     _setting("tenant_caps", Kind.LIST, (),
              "TENANT=FRACTION: the most of every tier a tenant may hold, in (0, 1]; at its cap "
              "it evicts its own blocks", metavar="TENANT=FRACTION"),

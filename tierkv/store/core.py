@@ -179,7 +179,10 @@ class StoreCore:
         return share
 
     def configure_tenants_locked(self, tenants: TenantShares) -> None:
-        """Adopt new shares and caps in every tier (nothing is evicted until room is needed)."""
+        """Adopt new shares and caps in every tier (nothing is evicted until room is needed);
+        ``ConfigError``, with nothing changed, when they do not fit a tier."""
+        for tier, ledger in self.ledgers.items():
+            tenants.check_fits(tier, ledger.capacity_bytes)
         self.tenants = tenants
         for ledger in self.ledgers.values():
             ledger.shares.configure(tenants)
@@ -189,7 +192,7 @@ class StoreCore:
         less what it has pinned there (a pinned block cannot be evicted, so pins beyond the
         share would hold room guaranteed to others); None when no tenant is guaranteed
         anything (pins are then unbounded, as without tenants). O(pins)."""
-        if not self.tenants.weights:
+        if not self.tenants.guarantees:
             return None
         tenant = state.namespace.tenant
         room = {tier: self.share_of_locked(state, tier).share_bytes for tier in self.ledgers}

@@ -412,7 +412,7 @@ class Leases:
     def _read_room_locked(self, state: NamespaceState) -> int | None:
         """How many more blocks of ``state`` its tenant may hold read-leased now: its HOST
         share less what its live read leases hold; None without shares (no bound)."""
-        if not self.core.tenants.weights:
+        if not self.core.tenants.guarantees:
             return None
         share = self.core.share_of_locked(state, Tier.HOST)
         tenant = state.namespace.tenant

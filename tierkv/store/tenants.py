@@ -83,6 +83,7 @@ class ShareBook:
 
     def __init__(self, tier: Tier, capacity_bytes: int, unit_bytes: int,
                  plan: TenantShares) -> None:
+        plan.check_fits(tier, capacity_bytes)
         self.tier = tier
         self.capacity_bytes = capacity_bytes
         self.unit_bytes = unit_bytes  # a page of a paged tier, 1 on DISK
@@ -100,7 +101,8 @@ class ShareBook:
 
     def configure(self, plan: TenantShares) -> None:
         """Adopt new shares and caps: who is over its share (and so who loses blocks to
-        another tenant's write next) changes at once; nothing is evicted here."""
+        another tenant's write next) changes at once; nothing is evicted here. The plan must
+        fit the tier (``TenantShares.check_fits``)."""
         self._plan = plan
         turns = list(self.over)  # the turns keep their order
         self.over.clear()
@@ -115,7 +117,7 @@ class ShareBook:
         """``(share_bytes, cap_bytes)`` of ``tenant``, in whole units of the tier."""
         unit = self.unit_bytes
         units = self.capacity_bytes // unit
-        share = int(units * self._plan.share_fraction(tenant)) * unit
+        share = self._plan.share_units(tenant, self.tier, units, unit) * unit
         cap = max(share, int(units * self._plan.cap_fraction(tenant)) * unit)
         return share, cap
 

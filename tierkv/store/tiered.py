@@ -436,7 +436,8 @@ class TieredStore:
 
     def set_tenant_shares(self, tenants: TenantShares) -> None:
         """Adopt new shares and caps at once (a reload): who may lose blocks to another
-        tenant's write changes with the next write that needs room; nothing is evicted now."""
+        tenant's write changes with the next write that needs room; nothing is evicted now.
+        ``ConfigError``, with nothing changed, for shares that do not fit a tier."""
         self._check_open()
         with self._core.lock:
             self._core.configure_tenants_locked(tenants)
