@@ -2,8 +2,8 @@
 
 A hypothesis state machine drives a store shared by three tenants (A weighted 2, B weighted 1,
 C guaranteed nothing and capped) with puts, gets, pins, unpins, deletes, read leases held across
-steps, write leases reserved and aborted, and reloads of the shares, and checks after every
-step:
+steps, write leases reserved and aborted, chat sessions saved (their blocks written through)
+and resumed, and reloads of the shares, and checks after every step:
 
 - no tier holds more than its capacity;
 - every byte a tier holds is charged to exactly one tenant (the tenants' ``used_bytes`` sum to
@@ -45,6 +45,7 @@ from tierkv import (
     Namespace,
     Priority,
     ReadLease,
+    SessionNotFoundError,
     StoreConfig,
     TenantShares,
     Tier,
@@ -52,6 +53,7 @@ from tierkv import (
     WriteLease,
     WritePolicy,
 )
+from tierkv.hashing import block_hashes
 
 TENANTS = ("alice", "bob", "carol")
 NUM_KEYS = 8
@@ -70,6 +72,18 @@ lengths = st.integers(1, 4)
 def content(tenant: str, i: int) -> torch.Tensor:
     """The bytes tenant ``tenant`` always stores under key ``i``."""
     return block_for(100 * TENANTS.index(tenant) + i)
+
+
+SESSION_SEED = "tenant-property"
+
+
+def session_tokens(tenant: str, num_blocks: int) -> list[int]:
+    return [1000 * TENANTS.index(tenant) + j for j in range(num_blocks * TINY_LAYOUT.block_size)]
+
+
+def session_content(tenant: str, j: int) -> torch.Tensor:
+    """The bytes tenant ``tenant`` stores for block ``j`` of its chat session."""
+    return block_for(5000 + 100 * TENANTS.index(tenant) + j)
 
 
 def chain(start: int, length: int) -> list[int]:
@@ -204,6 +218,32 @@ class TenantMachine(RuleBasedStateMachine):
         if self.write_leases:
             self.s.abort(self.write_leases.pop(0).lease_id)
         self.step_by(None)
+
+    @rule(tenant=tenants, num_blocks=st.integers(1, 3))
+    def save_session(self, tenant: str, num_blocks: int) -> None:
+        """A chat turn: the session's blocks written through (they count against DISK), then
+        its record."""
+        if self.s.config.disk is not None:
+            tokens = session_tokens(tenant, num_blocks)
+            hashes = block_hashes(tokens, TINY_LAYOUT.block_size, SESSION_SEED)
+            with contextlib.suppress(CapacityError):
+                self.s.put(self.namespaces[tenant], [bytes(h) for h in hashes],
+                           torch.stack([session_content(tenant, j) for j in range(num_blocks)]),
+                           write_policy=WritePolicy.WRITE_THROUGH)
+                self.s.save_session(self.namespaces[tenant], "chat", tokens)
+        self.step_by(tenant)
+
+    @rule(tenant=tenants)
+    def resume_session(self, tenant: str) -> None:
+        """What a resumed session says is cached is there, with the bytes its tenant wrote."""
+        with contextlib.suppress(SessionNotFoundError):
+            resumed = self.s.resume_session(tenant, "chat", SESSION_SEED)
+            num_blocks = resumed.num_cached_tokens // TINY_LAYOUT.block_size
+            hashes = block_hashes(list(resumed.token_ids), TINY_LAYOUT.block_size, SESSION_SEED)
+            got = self.s.get(self.namespaces[tenant], [bytes(h) for h in hashes[:num_blocks]])
+            for j in range(len(got)):
+                assert same_bytes(got[j], session_content(tenant, j)), (tenant, j)
+        self.step_by(tenant)
 
     @rule(plan=st.integers(0, len(PLANS) - 1))
     def reload(self, plan: int) -> None:
