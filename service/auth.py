@@ -20,9 +20,9 @@ from collections.abc import Callable
 
 import grpc
 
+from tierkv.keys import DEFAULT_TENANT
 from tierkv.logs import Throttle, log_event
 
-DEFAULT_TENANT = "default"
 CLIENT_ID_KEY = "x-tierkv-client"
 _BEARER = b"Bearer "
 AUTH_FAILURE_LOG_INTERVAL_S = 10.0

@@ -52,6 +52,9 @@ class NamespaceId(bytes):
         return f"NamespaceId({self.hex()})"
 
 
+DEFAULT_TENANT = "default"
+"""The tenant of every call to a server without tokens, and of a ``Namespace`` by default."""
+
 @dataclass(frozen=True, slots=True)
 class Namespace:
     """Everything that must never be mixed between cached blocks.
@@ -65,7 +68,7 @@ class Namespace:
     layout: KVLayout
     tp_rank: int = 0
     tp_size: int = 1
-    tenant: str = "default"
+    tenant: str = DEFAULT_TENANT
     id: NamespaceId = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:

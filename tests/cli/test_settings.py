@@ -637,3 +637,15 @@ def test_tenant_bytes_are_shares_in_bytes_per_tier(tmp_path: Path) -> None:
             build_config(resolve([*FIXED, "--tokens-file", str(tokens), "--tenant-bytes", bad],
                                  {}))
         assert "tenant_bytes" in str(refused.value), bad
+
+
+def test_without_a_tokens_file_only_the_default_tenant_may_have_a_share() -> None:
+    """Every call is the tenant ``default`` then: a weight for anyone else would leave it a
+    share of 0 (no pins, no zero-copy reads) without a word."""
+    with pytest.raises(ConfigError, match=r"'alice' is not the one tenant without a tokens_file"):
+        build_config(resolve([*FIXED, "--tenant-weights", "alice=1"], {}))
+    with pytest.raises(ConfigError, match=r"tenant_caps.*'alice' is not the one tenant"):
+        build_config(resolve([*FIXED, "--tenant-caps", "alice=0.5"], {}))
+    plan = build_config(resolve([*FIXED, "--tenant-weights", "default=1",
+                                 "--tenant-bytes", "default:host=1MiB"], {})).tenants
+    assert plan.weights == {"default": 1.0} and plan.sizes == {("default", Tier.HOST): MiB}

@@ -194,4 +194,16 @@ def test_a_reload_under_load_moves_who_is_evicted_next_and_loses_no_write_throug
             assert f"{tokens}:2" in refused["message"] and "\n" not in refused["message"]
             assert carol.lookup(namespace, bob_keys) == 0  # the tokens in force stay
         assert bob.lookup(namespace, bob_keys) == 64
+
+        # A token removed by a reload: its next call is refused; the others go on.
+        tokens.write_text(f"{ALICE_TOKEN} alice\n{CAROL_TOKEN} carol\n")
+        config.write_text('tenant_weights = ["alice=1", "carol=1"]\n')
+        mark = num_log_lines(sidecar.log_path)
+        sidecar.process.send_signal(signal.SIGHUP)
+        assert wait_for_event(sidecar.log_path, "reload", mark)["tenants"] == ["alice", "carol"]
+        with pytest.raises(AuthenticationError):
+            bob.get(namespace, bob_keys)
+        with pytest.raises(AuthenticationError):
+            bob.put(namespace, chain(9, 1), data(1, seed=9))
+        assert alice.lookup(namespace, bob_keys) == 0
         assert sidecar.alive

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import time
 
 import pytest
 
@@ -22,12 +23,14 @@ from tierkv import (
     CapacityError,
     ConfigError,
     Namespace,
+    ReadLease,
     TenantShares,
     TenantTierStats,
     Tier,
     TieredStore,
     WritePolicy,
 )
+from tierkv.store.migrate import Mover
 
 ALICE, BOB, CAROL = "alice", "bob", "carol"
 
@@ -305,29 +308,63 @@ def test_room_is_taken_from_each_tenant_over_its_share_down_to_its_share_only(
         assert share(store, tenant).evicted_by_others == 2
 
 
-def test_a_tenant_whose_own_blocks_are_pinned_or_read_takes_only_others_excess(
-    make_store: StoreFactory,
-) -> None:
-    """A is past its share and none of its blocks may go (pinned up to its share, the rest
-    under a read lease): its next put takes B's excess, then is refused; B never goes below
-    its share."""
+def test_pins_and_read_leases_together_stop_at_the_share(make_store: StoreFactory) -> None:
+    """A pins 2 and read-leases 2 of its 6 blocks: its share of 4, and no more (a further
+    lease leases none, a further pin pins none). So its next put recycles its own other
+    blocks, and B, past its share too, loses nothing to it. (Before, pins and leases were each
+    bounded alone: A could hold twice its share unevictable, and B's put within its share
+    waited 5 s and was refused.)"""
     store = registered(
         make_store(host_blocks=12, tenants=TenantShares.equal([ALICE, BOB, CAROL])),
         ALICE, BOB)
     alice_keys = keys(6, start=100)
     store.put(ns_of(ALICE), alice_keys, blocks(6, seed=1))
-    assert store.pin(ns_of(ALICE), alice_keys) == 4  # its share
-    lease = store.acquire(ns_of(ALICE), alice_keys[4:], ttl_s=600)
-    flood(store, BOB, 4, salt=0)
-    store.put(ns_of(BOB), keys(2, start=10), blocks(2, seed=10))
+    assert store.pin(ns_of(ALICE), alice_keys[:2]) == 2
+    lease = store.acquire(ns_of(ALICE), alice_keys[2:], ttl_s=600)
+    assert (len(lease.blocks), lease.num_cached) == (2, 4)
+    more = store.acquire(ns_of(ALICE), alice_keys[4:], ttl_s=600)
+    assert len(more.blocks) == 0
+    store.release(more.lease_id)
+    assert store.pin(ns_of(ALICE), alice_keys[4:]) == 0
+    bob_keys = keys(6)
+    store.put(ns_of(BOB), bob_keys, blocks(6, seed=10))  # B borrows C's idle share
     assert store.put(ns_of(ALICE), keys(2, start=200), blocks(2, seed=2)) == 2
+    assert held(store, ALICE, alice_keys[:4]) == 4  # pinned and read: kept
+    assert held(store, ALICE, alice_keys[4:]) == 0  # its own, recycled
+    assert held(store, BOB, bob_keys) == 6 and share(store, BOB).evicted_by_others == 0
     store.release(lease.lease_id)
-    lease = store.acquire(ns_of(ALICE), alice_keys[4:] + keys(2, start=200), ttl_s=600)
-    with pytest.raises(CapacityError):
-        store.put(ns_of(ALICE), keys(2, start=300), blocks(2, seed=3))
-    store.release(lease.lease_id)
-    assert share(store, BOB).used_bytes == share(store, BOB).share_bytes == 4 * BLOCK_BYTES
-    assert held(store, BOB, keys(4) + keys(2, start=10)) == 4  # its most recent 4
+    assert store.unpin(ns_of(ALICE), alice_keys[:2]) == 2
+
+
+def test_acquires_at_once_never_lease_past_the_share_together(
+    make_store: StoreFactory, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Two acquires of one tenant at once, each let go of the lock while its blocks are
+    promoted: the room each plans is charged before then, so together they lease no more than
+    the share (before, each saw the whole room and 16 of a share of 8 were leased)."""
+    store = registered(make_store(host_blocks=16, tenants=TenantShares.equal([ALICE, BOB])),
+                       ALICE, BOB)
+    alice_keys = keys(16)
+    for start in range(0, 16, 4):
+        store.put(ns_of(ALICE), alice_keys[start : start + 4], blocks(4, seed=start))
+    promote = Mover.promote
+
+    def slow_promote(self: Mover, *args: object, **kwargs: object) -> object:
+        time.sleep(0.2)
+        return promote(self, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(Mover, "promote", slow_promote)
+    leases: list[ReadLease] = []
+    threads = [threading.Thread(target=lambda part=part: leases.append(
+        store.acquire(ns_of(ALICE), part, ttl_s=600))) for part in (alice_keys[:8], alice_keys[8:])]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert sum(len(lease.blocks) for lease in leases) == 8
+    for lease in leases:
+        store.release(lease.lease_id)
+    assert store.put(ns_of(BOB), keys(8, start=100), blocks(8, seed=1)) == 8
 
 
 def test_a_tenant_pins_no_more_than_its_share(make_store: StoreFactory) -> None:
@@ -361,8 +398,10 @@ def test_a_tenant_read_leases_no_more_than_its_share(make_store: StoreFactory) -
         store.put(ns_of(ALICE), alice_keys[start : start + 4], blocks(4, seed=start))
     first = store.acquire(ns_of(ALICE), alice_keys)
     assert (len(first.blocks), first.num_cached) == (8, 16)  # its share of HOST
+    gets = store.stats().gets
     second = store.acquire(ns_of(ALICE), alice_keys[8:])
     assert (len(second.blocks), second.num_cached) == (0, 8)  # none past its share
+    assert store.stats().gets == gets  # the read that serves them counts it (the stream)
     store.release(second.lease_id)
     assert store.put(ns_of(BOB), keys(8, start=100), blocks(8, seed=1)) == 8
     assert held(store, BOB, keys(8, start=100)) == 8

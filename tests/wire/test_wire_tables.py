@@ -292,7 +292,7 @@ def test_stats_round_trip_and_their_fields_cover_both_sides() -> None:
         set(pb.NamespaceStats.DESCRIPTOR.fields_by_name) - {"tenant", "namespace"})
 
     tiers = {tier: TierStats(tier, *range(10 * tier, 10 * tier + 8)) for tier in Tier}
-    stats = dataclasses.replace(_store_stats(tiers), remote=RemoteStats(True, *range(200, 213)))
+    stats = dataclasses.replace(_store_stats(tiers), remote=RemoteStats(True, *range(200, 214)))
     tenants = (TenantTierStats("alice", Tier.HOST, 2**33, 2**34, 7, 3, *range(300, 307)),
                TenantTierStats("bob", Tier.DISK, 0, 1, 2, 0))
     wire = pb.StatsResponse.FromString(

@@ -55,7 +55,8 @@ from tierkv.config import (
     Tier,
     WritePolicy,
 )
-from tierkv.errors import ConfigError
+from tierkv.errors import ConfigError, StoreClosedError
+from tierkv.keys import DEFAULT_TENANT
 from tierkv.logs import log_event, setup_logging
 from tierkv.service.config import ServiceConfig, TlsConfig, load_tokens
 from tierkv.sizes import format_size, parse_size
@@ -116,13 +117,16 @@ def tenant_shares(settings: Resolved) -> TenantShares:
         tenants = set(load_tokens(path).values())
         if not weights:
             weights = dict.fromkeys(sorted(tenants), 1.0)
-        for name, named in (("tenant_weights", weights),
-                            ("tenant_bytes", {tenant for tenant, _ in sizes})):
-            for tenant in named:
-                if tenant not in tenants:
-                    raise settings.error(name, f"{tenant!r} is not a tenant of the tokens "
-                                         f"file {path}: its share would be room no caller "
-                                         "can use")
+        where = f"a tenant of the tokens file {path}"
+    else:
+        tenants, where = {DEFAULT_TENANT}, "the one tenant without a tokens_file"
+    for name, named in (("tenant_weights", weights),
+                        ("tenant_bytes", {tenant for tenant, _ in sizes}),
+                        ("tenant_caps", caps)):
+        for tenant in named:
+            if tenant not in tenants:
+                raise settings.error(name, f"{tenant!r} is not {where}: its share would be "
+                                     "room no caller can use")
     return TenantShares(weights, caps, sizes)
 
 
@@ -399,7 +403,7 @@ def _on_reload(args: argparse.Namespace, started: Resolved, server: TierKVServer
         return
     try:
         store.set_tenant_shares(reload.shares)  # first: shares that do not fit are refused
-    except ConfigError as exc:
+    except (ConfigError, StoreClosedError) as exc:  # (closed: a SIGHUP while stopping)
         log_event(log, logging.ERROR, "reload_failed",
                   f"reload refused, serving on with the settings in force: {exc}",
                   error=str(exc))

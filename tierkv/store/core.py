@@ -188,14 +188,16 @@ class StoreCore:
             ledger.shares.configure(tenants)
 
     def pin_room_locked(self, state: NamespaceState) -> dict[Tier, int] | None:
-        """What ``state``'s tenant may still pin in each tier, in the tier's bytes: its share
-        less what it has pinned there (a pinned block cannot be evicted, so pins beyond the
+        """What ``state``'s tenant may still pin or read-lease in each tier, in the tier's
+        bytes: its share less what it has pinned there and, in HOST, less what its live read
+        leases hold (a block pinned or being read cannot be evicted, so either beyond the
         share would hold room guaranteed to others); None when no tenant is guaranteed
-        anything (pins are then unbounded, as without tenants). O(pins)."""
+        anything (then unbounded, as without tenants). O(pins)."""
         if not self.tenants.guarantees:
             return None
         tenant = state.namespace.tenant
         room = {tier: self.share_of_locked(state, tier).share_bytes for tier in self.ledgers}
+        room[Tier.HOST] -= self.share_of_locked(state, Tier.HOST).read_bytes
         for entry in self.pins.entries():
             if entry.ns.namespace.tenant == tenant:
                 for tier, num_bytes in self.held_bytes(entry).items():

@@ -121,8 +121,6 @@ class Leases:
         # Read leases that expired, until their release counts them (as many as _finished).
         self._expired_counts: OrderedDict[bytes, _ReadCount] = OrderedDict()
         self._quarantine: list[_Quarantined] = []
-        # HOST bytes held by each tenant's live read leases (bounded by its share: acquire).
-        self._read_bytes: dict[str, int] = {}
 
     def __len__(self) -> int:
         return len(self._active)
@@ -151,19 +149,21 @@ class Leases:
         host = core.paged[Tier.HOST]
         # Only what HOST can hold at once is leased (and marked read); the caller asks again
         # for the rest. Marking more would leave no victims to make room with. With tenants'
-        # shares, no more than what the tenant's HOST share leaves after its live read leases:
-        # blocks read cannot be evicted, and a tenant reading past its share would hold room
-        # guaranteed to others (docs/design/tenants.md, 3).
+        # shares, no more than what the tenant's HOST share leaves after its pins and live read
+        # leases: blocks read cannot be evicted, and a tenant reading past its share would
+        # hold room guaranteed to others (docs/design/tenants.md, 3). What is planned is
+        # charged at once, so that two acquires at once cannot both take the same room.
         max_blocks = max(1, host.slab.num_pages // host.pages_for(state.block_bytes))
+        block_room = self._block_room(state)
         planned: list[Entry] = []
         tiers: list[Tier] = []  # where each planned block's fastest copy was
         num_cached = 0
         with core.lock:
             self._expire_locked()
-            core.count_get_locked(state)
-            room = self._read_room_locked(state)
+            share = core.share_of_locked(state, Tier.HOST)
+            room = core.pin_room_locked(state)
             if room is not None:
-                max_blocks = min(max_blocks, room)
+                max_blocks = min(max_blocks, max(0, room[Tier.HOST] // block_room))
             for key in keys:
                 entry = state.blocks.get(key)
                 tier = entry.top_tier() if entry is not None else None
@@ -174,11 +174,13 @@ class Leases:
                     core.mark_busy_locked(entry)
                     planned.append(entry)
                     tiers.append(tier)
+            share.read_bytes += len(planned) * block_room
         try:
             self.mover.promote(planned, Tier.HOST)
         except BaseException:
             # Nothing is leased: the marks go, or the blocks could never be evicted again.
             with core.lock:
+                share.read_bytes -= len(planned) * block_room
                 for entry in planned:
                     core.release_busy_locked(entry)
             raise
@@ -195,12 +197,15 @@ class Leases:
                 leased.append(entry)
                 blocks.append(self._extents(node.location, entry.ns.block_bytes))
                 checksums.append(host.checksum_of(node.location))
+            share.read_bytes -= (len(planned) - len(leased)) * block_room
+            # A read of stored blocks that leased none of them is counted by the read that
+            # serves them instead (the SDK streams them): one read, one get.
+            if leased or not num_cached:
+                core.count_get_locked(state)
             lease_id = self._new_id()
             ends_run = len(leased) == num_cached < len(keys)
-            read = _Read(owner, client_id, self._clock() + ttl, leased,
-                         _ReadCount(state, tiers[: len(leased)], ends_run))
-            self._active[lease_id] = read
-            self._count_read_bytes_locked(read, 1)
+            self._active[lease_id] = _Read(owner, client_id, self._clock() + ttl, leased,
+                                           _ReadCount(state, tiers[: len(leased)], ends_run))
         return ReadLease(lease_id, blocks[: len(leased)], num_cached, ttl, checksums)
 
     def release(self, lease_id: bytes, owner: str, corrupt_indices: Sequence[int] = (),
@@ -385,7 +390,7 @@ class Leases:
             lease = self._active.pop(lease_id)
             self._remember_locked(lease_id, lease.owner, "expired")
             if isinstance(lease, _Read):
-                self._count_read_bytes_locked(lease, -1)
+                self._end_read_locked(lease)
                 for entry in lease.entries:
                     self.core.release_busy_locked(entry)
                 self._expired_counts[lease_id] = lease.count
@@ -409,30 +414,16 @@ class Leases:
             self._quarantine = kept
         return len(expired)
 
-    def _read_room_locked(self, state: NamespaceState) -> int | None:
-        """How many more blocks of ``state`` its tenant may hold read-leased now: its HOST
-        share less what its live read leases hold; None without shares (no bound)."""
-        if not self.core.tenants.guarantees:
-            return None
-        share = self.core.share_of_locked(state, Tier.HOST)
-        tenant = state.namespace.tenant
-        left = share.share_bytes - self._read_bytes.get(tenant, 0)
-        return max(0, left // self._block_room(state))
-
     def _block_room(self, state: NamespaceState) -> int:
         """HOST bytes (whole pages) one block of ``state`` takes."""
         host = self.core.paged[Tier.HOST]
         return host.pages_for(state.block_bytes) * host.slab.page_bytes
 
-    def _count_read_bytes_locked(self, read: _Read, sign: int) -> None:
-        """Add (``sign`` 1) or take away (-1) what ``read`` holds of its tenant's HOST."""
+    def _end_read_locked(self, read: _Read) -> None:
+        """``read`` is over: what it held of its tenant's HOST is free to evict again."""
         state = read.count.state
-        tenant = state.namespace.tenant
-        held = self._read_bytes.get(tenant, 0) + sign * len(read.entries) * self._block_room(state)
-        if held:
-            self._read_bytes[tenant] = held
-        else:
-            self._read_bytes.pop(tenant, None)
+        self.core.share_of_locked(state, Tier.HOST).read_bytes -= (
+            len(read.entries) * self._block_room(state))
 
     def _take_locked(self, lease_id: bytes, owner: str, outcome: str) -> _Read | _Write:
         """End ``owner``'s lease ``lease_id`` (of the kind ``outcome`` implies) and return it."""
@@ -446,7 +437,7 @@ class Leases:
             raise LeaseNotFoundError(f"no {kind.__name__[1:].lower()} lease {lease_id.hex()}")
         del self._active[lease_id]
         if isinstance(lease, _Read):
-            self._count_read_bytes_locked(lease, -1)
+            self._end_read_locked(lease)
         self._remember_locked(lease_id, owner, outcome)
         return lease
 

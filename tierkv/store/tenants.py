@@ -25,8 +25,8 @@ class TenantShare:
     """
 
     __slots__ = ("_book", "cap_bytes", "demotions_in", "evicted_by_others", "evictions", "hits",
-                 "leaving_bytes", "lru", "misses", "num_blocks", "promotions_in", "share_bytes",
-                 "stored_bytes", "tenant", "used_bytes")
+                 "leaving_bytes", "lru", "misses", "num_blocks", "promotions_in", "read_bytes",
+                 "share_bytes", "stored_bytes", "tenant", "used_bytes")
 
     def __init__(self, book: ShareBook, tenant: str, share_bytes: int, cap_bytes: int) -> None:
         self._book = book
@@ -38,6 +38,9 @@ class TenantShare:
         # eviction lets go of the lock while it demotes them): no other pick counts them again.
         self.leaving_bytes = 0
         self.lru: PriorityLru[Entry] = PriorityLru()
+        # Of ``used_bytes`` (HOST only): what its live read leases hold, which cannot be
+        # evicted; kept by the lease table, bounded with its pins by its share.
+        self.read_bytes = 0
         # Its blocks evicted to make room for another tenant (only ever while it was over its
         # share: the books' promise).
         self.evicted_by_others = 0
