@@ -39,7 +39,10 @@ TENANT_X, TENANT_Y = "tenant-x", "tenant-y"
 DRAIN_TIMEOUT_S = 30.0
 CALL_BOUND_S = 5.0  # a hang check, not a benchmark
 # Small HOST pages, so tiny blocks are two pages each; a short remote timeout.
-COMMON = ("--host-bytes", "1MiB", "--page-bytes", "256", "--remote-timeout-s", "0.5")
+# Both tenants are admins here: the REMOTE figures these tests read are the server's, which
+# Stats shows an admin tenant only (any other caller sees its own tenant's figures).
+ADMINS = ("--admin-tenants", "tenant-x", "--admin-tenants", "tenant-y")
+COMMON = ("--host-bytes", "1MiB", "--page-bytes", "256", "--remote-timeout-s", "0.5", *ADMINS)
 
 
 def namespace(model: str) -> Namespace:
@@ -181,7 +184,7 @@ def test_disk_evictions_demote_to_remote(
     # HOST of 8 blocks, DISK of 8 records: 48 write_back blocks push the first ones out of both.
     small = sidecar_factory("--host-bytes", "4KiB", "--page-bytes", "256", "--disk-bytes",
                             str(8 * RECORD_BYTES), "--write-policy", "write_back", "--remote",
-                            cluster.url, "--tokens-file", str(tokens_file),
+                            cluster.url, "--tokens-file", str(tokens_file), *ADMINS,
                             disk_path=tmp_path / "disk-small")
     ns, hashes, data = namespace("demote"), keys(48, salt="demote"), blocks(48, seed=3)
     with stream_client(small, token=TOKEN_X) as client:
