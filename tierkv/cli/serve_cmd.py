@@ -14,8 +14,8 @@ Logs go to stderr (``--log-format text|json``, ``tierkv.logs``), one line per ev
 ``eviction_storm_end`` (``EvictionStormWatch``), ``reload``, ``reload_failed`` and
 ``reload_ignored`` (SIGHUP), ``shutdown``, ``stopped``.
 
-SIGHUP reloads the tokens file, ``admin_tenants``, ``tenant_weights`` and ``tenant_caps``
-(``read_reload``: the ``--config`` file re-read too) without a restart: new calls are checked
+SIGHUP reloads the tokens file, ``admin_tenants``, ``tenant_weights``, ``tenant_bytes`` and
+``tenant_caps`` (``read_reload``: the ``--config`` file re-read too) without a restart: new calls are checked
 against the new tokens, the next eviction follows the new shares, nothing is evicted by the
 reload itself; a file or setting that is wrong refuses the whole reload in one line.
 """
@@ -107,8 +107,9 @@ def build_config(args: argparse.Namespace | Resolved) -> StoreConfig:
 
 
 def tenant_shares(settings: Resolved) -> TenantShares:
-    """``tenant_weights`` and ``tenant_caps`` (weight 1 for each tenant of ``tokens_file``
-    when no weights are given); a ``ConfigError`` names the setting."""
+    """``tenant_weights``, ``tenant_bytes`` and ``tenant_caps`` (weight 1 for each tenant of
+    ``tokens_file`` when no weights are given; each must name a tenant a caller can be); a
+    ``ConfigError`` names the setting."""
     weights = _tenant_numbers(settings, "tenant_weights", float)
     caps = _tenant_numbers(settings, "tenant_caps", float)
     sizes = _tenant_sizes(settings)
@@ -396,12 +397,6 @@ def _on_reload(args: argparse.Namespace, started: Resolved, server: TierKVServer
     files are small, and calls must not see the tokens and shares change apart)."""
     try:
         reload = read_reload(args, started, os.environ)
-    except ConfigError as exc:
-        log_event(log, logging.ERROR, "reload_failed",
-                  f"reload refused, serving on with the settings in force: {exc}",
-                  error=str(exc))
-        return
-    try:
         store.set_tenant_shares(reload.shares)  # first: shares that do not fit are refused
     except (ConfigError, StoreClosedError) as exc:  # (closed: a SIGHUP while stopping)
         log_event(log, logging.ERROR, "reload_failed",

@@ -187,7 +187,7 @@ class StoreCore:
         for ledger in self.ledgers.values():
             ledger.shares.configure(tenants)
 
-    def pin_room_locked(self, state: NamespaceState) -> dict[Tier, int] | None:
+    def unevictable_room_locked(self, state: NamespaceState) -> dict[Tier, int] | None:
         """What ``state``'s tenant may still pin or read-lease in each tier, in the tier's
         bytes: its share less what it has pinned there and, in HOST, less what its live read
         leases hold (a block pinned or being read cannot be evicted, so either beyond the

@@ -161,7 +161,7 @@ class Leases:
         with core.lock:
             self._expire_locked()
             share = core.share_of_locked(state, Tier.HOST)
-            room = core.pin_room_locked(state)
+            room = core.unevictable_room_locked(state)
             if room is not None:
                 max_blocks = min(max_blocks, max(0, room[Tier.HOST] // block_room))
             for key in keys:

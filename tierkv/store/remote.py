@@ -108,8 +108,9 @@ class RemoteLink:
                 return 0
             config = self.remote.config
             now_s = time.monotonic()
+            per_tenant = bool(config.tenant_write_bytes or config.tenant_ttl_s)
             for raw_key, record in records:
-                tenant = self._tenant_of(raw_key)
+                tenant = self._tenant_of(raw_key) if per_tenant else ""
                 if self._queued_bytes + len(record) > limit:
                     self._counters.queue_drops += 1
                     continue

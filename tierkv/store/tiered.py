@@ -344,7 +344,7 @@ class TieredStore:
         num_pinned = 0
         with core.lock:
             core.expire_pins_locked()  # expired pins go now, not only under eviction
-            room = core.pin_room_locked(state)
+            room = core.unevictable_room_locked(state)
             for key in keys:
                 entry = state.blocks.get(key)
                 if entry is None:
