@@ -33,6 +33,78 @@ class TlsConfig:
                 raise ConfigError(f"{flag}: no such file {path}")
 
 
+DEFAULT_EVENTS_TOPIC = "kv@{node}:{tenant}:{namespace}@{model}"
+"""llm-d's ``kv@<pod>@<model>``, its pod part naming this node, the tenant and the namespace."""
+_TOPIC_FIELDS = {"node": "n", "tenant": "t", "namespace": "0" * 32, "model": "m"}
+
+
+@dataclass(frozen=True, slots=True)
+class EventsConfig:
+    """The KV-event publisher (``tierkv.service.events``).
+
+    ``endpoint``: the PUB socket, ``ipc:///path`` or ``tcp://host:port`` (port 0: any free
+    one); ``replay_endpoint``: the ROUTER socket that replays and resyncs (default: the
+    endpoint's path with ``-replay``, or its port plus one; port 0: any free one). ``topic``:
+    a template of ``{node}``, ``{tenant}``, ``{model}`` and ``{namespace}``, which it must name
+    (one topic a namespace: tenants and layouts never share one). ``node``: this sidecar's
+    name in topics and ``ownership``. ``token_ids``: publish the token ids writers give (prompt
+    content). ``hash_form``: ``int`` (the last 8 bytes, vLLM's default external form) or
+    ``bytes``. A batch goes every ``interval_s`` or at ``batch_events`` events, an empty one
+    on every topic quiet for ``heartbeat_s`` (so a subscriber sees a gap, or a restart, within
+    it); the last
+    ``ring_batches`` batches are replayable; ``hwm``: ZMQ's high-water mark per subscriber;
+    ``max_pending``: store records waiting before they are dropped (their namespaces are then
+    restated)."""
+
+    endpoint: str
+    replay_endpoint: str = ""
+    topic: str = DEFAULT_EVENTS_TOPIC
+    node: str = "localhost"
+    token_ids: bool = True
+    hash_form: str = "int"
+    interval_s: float = 0.05
+    heartbeat_s: float = 1.0
+    batch_events: int = 1000
+    ring_batches: int = 10_000
+    hwm: int = 100_000
+    max_pending: int = 1_000_000
+
+    def __post_init__(self) -> None:
+        if not self.endpoint.startswith(("ipc://", "tcp://")):
+            raise ConfigError(f"--events-endpoint {self.endpoint!r}: give ipc:///path or "
+                              "tcp://host:port")
+        if not self.replay_endpoint:
+            object.__setattr__(self, "replay_endpoint", replay_endpoint_of(self.endpoint))
+        elif not self.replay_endpoint.startswith(("ipc://", "tcp://")):
+            raise ConfigError(f"--events-replay-endpoint {self.replay_endpoint!r}: give "
+                              "ipc:///path or tcp://host:port")
+        try:
+            self.topic.format(**_TOPIC_FIELDS)
+        except (KeyError, IndexError, ValueError) as exc:
+            raise ConfigError(f"--events-topic {self.topic!r}: a template of {{node}}, "
+                              f"{{tenant}}, {{model}} and {{namespace}} ({exc!r})") from None
+        if "{namespace}" not in self.topic:
+            raise ConfigError(f"--events-topic {self.topic!r} must name {{namespace}}: one "
+                              "topic a namespace, so that tenants never share one")
+        if self.hash_form not in ("int", "bytes"):
+            raise ConfigError(f"--events-hash-form must be int or bytes, got {self.hash_form!r}")
+        if not self.interval_s > 0 or not self.heartbeat_s > 0 or min(self.batch_events, self.ring_batches, self.hwm,
+                                          self.max_pending) < 1:
+            raise ConfigError("--events-interval-s, --events-heartbeat-s, --events-batch-events, "
+                              "--events-ring-batches, --events-hwm and --events-max-pending "
+                              "must be positive")
+
+
+def replay_endpoint_of(endpoint: str) -> str:
+    """The replay endpoint beside ``endpoint``: ``ipc://P-replay``, or the next TCP port."""
+    if endpoint.startswith("ipc://"):
+        return endpoint + "-replay"
+    host, _, port = endpoint.rpartition(":")
+    if not port.isdigit():
+        raise ConfigError(f"--events-endpoint {endpoint!r}: tcp://host:port")
+    return f"{host}:{int(port) + 1 if int(port) else 0}"
+
+
 @dataclass(frozen=True, slots=True)
 class ServiceConfig:
     """How the sidecar listens and what it allows.
@@ -55,7 +127,8 @@ class ServiceConfig:
     ``metrics_port``: the Prometheus endpoint's TCP port on ``metrics_host`` (0: no endpoint).
     ``admin_tenants``: tenants whose operator calls (Stats of every namespace, Clear) reach every
     tenant's namespaces; any other caller's reach only its own. Without tokens every call is the
-    one tenant ``default``, which is then an admin.
+    one tenant ``default``, which is then an admin. ``events``: the KV-event publisher, if
+    any.
     """
 
     listen: tuple[str, ...] = DEFAULT_LISTEN
@@ -76,6 +149,7 @@ class ServiceConfig:
     metrics_port: int = 0
     metrics_host: str = "127.0.0.1"
     admin_tenants: tuple[str, ...] = ()
+    events: EventsConfig | None = None
 
     def __post_init__(self) -> None:
         if not self.listen:

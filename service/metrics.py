@@ -22,7 +22,7 @@ from collections.abc import (
     Iterator,
     Sequence,
 )
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpc
 from prometheus_client import CollectorRegistry
@@ -42,6 +42,9 @@ from tierkv.service.metrics_http import ScrapeServer
 from tierkv.store import StoreStats, TieredStore, received_blocks
 from tierkv.types import TenantTierStats
 from tierkv.wire.limits import MAX_CARRIED_RELEASES
+
+if TYPE_CHECKING:
+    from tierkv.service.events import EventPublisher
 
 # Upper bounds of the RPC latency buckets: 50 us (a lookup answered on the loop) to 10 s (a
 # large Put over a slow link); +Inf follows.
@@ -289,6 +292,32 @@ class _RpcCollector(Collector):
         return self._recorder.collect()
 
 
+class _EventsCollector(Collector):
+    """The KV-event publisher's counters (``tierkv.service.events``)."""
+
+    def __init__(self, publisher: EventPublisher) -> None:
+        self._publisher = publisher
+
+    def collect(self) -> Iterable[Metric]:
+        counters = self._publisher.counters
+        for name, value, text in (
+            ("events_published", counters.events_published, "KV events published"),
+            ("events_batches_published", counters.batches_published,
+             "KV event batches published"),
+            ("events_dropped", self._publisher.num_dropped,
+             "store records dropped because the publisher fell behind (their namespaces "
+             "were restated)"),
+            ("events_batches_replayed", counters.batches_replayed,
+             "KV event batches replayed to subscribers"),
+            ("events_resyncs", counters.resyncs, "topics restated at a subscriber's request"),
+            ("events_bad_requests", counters.bad_requests,
+             "malformed replay or resync requests"),
+        ):
+            family = CounterMetricFamily(f"tierkv_{name}", text)
+            family.add_metric([], value)
+            yield family
+
+
 class StoreCollector(Collector):
     """The store's figures, read from ``stats()`` at each scrape (nothing before ``attach``
     or once the store is closed)."""
@@ -456,6 +485,10 @@ class ServerMetrics:
     def attach(self, store: TieredStore) -> None:
         """Report ``store``'s figures from the next scrape on."""
         self._store_collector.store = store
+
+    def attach_events(self, publisher: EventPublisher) -> None:
+        """Report ``publisher``'s figures (``tierkv_events_*``) from the next scrape on."""
+        self.registry.register(_EventsCollector(publisher))
 
     def start(self) -> None:
         """Listen on ``metrics_host:metrics_port`` (``tierkv.service.metrics_http``: a thread of

@@ -55,6 +55,7 @@ from tierkv.wire.convert import (
     clear_progress_to,
     clear_result_to,
     lookup_to,
+    put_detail_from,
     read_lease_to,
     server_info_to,
     sessions_to,
@@ -361,6 +362,7 @@ class TierKVServicer(pb_grpc.TierKVServicer):
             self.store.allocate_in_process, namespace, hashes, caller.owner,
             priority=priority_from(header.priority),
             write_policy=write_policy_from(header.write_policy),
+            detail=put_detail_from(header.detail, header.HasField("detail")),
         ))
         try:
             return await asyncio.shield(allocation)
@@ -489,6 +491,7 @@ class TierKVServicer(pb_grpc.TierKVServicer):
             priority=priority_from(request.priority),
             write_policy=write_policy_from(request.write_policy),
             slab_id=request.slab_id, client_id=caller.client_id,
+            detail=put_detail_from(request.detail, request.HasField("detail")),
         ), self.store.host_slab_id, request.packed_extents)
 
     @unary

@@ -55,6 +55,7 @@ if TYPE_CHECKING:
         TierStats,
         WriteLease,
     )
+    from tierkv.types import PutDetail
 
 # Names are imported on first use (PEP 562): `import tierkv` alone, or a command such as
 # `tierkv health` that needs none of them, does not pay for torch and the client (1.3 s here).
@@ -104,6 +105,7 @@ _MODULE_OF: dict[str, str] = {
     "TieredStore": "tierkv.store",
     "TierStats": "tierkv.store",
     "WriteLease": "tierkv.store",
+    "PutDetail": "tierkv.types",
 }
 
 
@@ -122,6 +124,7 @@ def __dir__() -> list[str]:
 
 __all__ = [
     "AsyncClient",
+    "PutDetail",
     "AuthenticationError",
     "BlockHash",
     "BlockKey",

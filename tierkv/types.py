@@ -236,3 +236,37 @@ class SessionInfo:
     model_id: str
     num_tokens: int
     last_use_unix_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class PutDetail:
+    """What a writer may say of the blocks of one put, for the sidecar's KV events only (never
+    stored): ``token_ids``, every block's tokens in block order (``layout.block_size`` each;
+    empty: none given); ``parent_hash``, the hash of the block before the first (None: the
+    first block starts its chain, or unknown); ``lora_name``; ``extra_keys``, one entry per
+    block (vLLM's ``BlockStored.extra_keys``; empty: none). Routers match token ids against
+    prompts, so they are prompt content: the sidecar publishes them only when asked to."""
+
+    token_ids: tuple[int, ...] = ()
+    parent_hash: bytes | None = None
+    lora_name: str | None = None
+    extra_keys: tuple[tuple[Any, ...] | None, ...] = ()
+
+    def check(self, num_blocks: int, block_size: int) -> None:
+        """``InvalidArgumentError`` unless it fits a put of ``num_blocks`` blocks."""
+        if self.token_ids and len(self.token_ids) != num_blocks * block_size:
+            raise InvalidArgumentError(
+                f"token_ids: {len(self.token_ids)} tokens for {num_blocks} blocks of "
+                f"{block_size} tokens (give every block's tokens, or none)")
+        if self.token_ids and not (min(self.token_ids) >= 0 and max(self.token_ids) < 1 << 32):
+            raise InvalidArgumentError("token_ids: every token id is in [0, 2**32)")
+        if self.extra_keys and len(self.extra_keys) != num_blocks:
+            raise InvalidArgumentError(
+                f"extra_keys: {len(self.extra_keys)} entries for {num_blocks} blocks (one a "
+                "block, or none)")
+        if self.parent_hash is not None and len(self.parent_hash) != 32:
+            raise InvalidArgumentError("parent_hash: a block hash is 32 bytes")
+
+    def tokens_of(self, index: int, block_size: int) -> list[int]:
+        """Block ``index``'s tokens (empty when none were given)."""
+        return list(self.token_ids[index * block_size : (index + 1) * block_size])

@@ -58,12 +58,14 @@ from tierkv.config import (
 from tierkv.errors import ConfigError, StoreClosedError
 from tierkv.keys import DEFAULT_TENANT
 from tierkv.logs import log_event, setup_logging
-from tierkv.service.config import ServiceConfig, TlsConfig, load_tokens
+from tierkv.service.config import EventsConfig, ServiceConfig, TlsConfig, load_tokens
 from tierkv.sizes import format_size, parse_size
 
 if TYPE_CHECKING:
+    from tierkv.service.events import EventPublisher
     from tierkv.service.server import TierKVServer
     from tierkv.store import StoreStats, TieredStore
+    from tierkv.store.events import EventLog
 
 log = logging.getLogger("tierkv.serve")
 
@@ -245,8 +247,20 @@ def build_service_config(args: argparse.Namespace | Resolved) -> ServiceConfig:
             put_idle_timeout_s=settings["put_idle_timeout_s"],
             max_namespaces_per_tenant=settings["max_namespaces_per_tenant"],
             metrics_port=settings["metrics_port"], metrics_host=settings["metrics_host"],
-            admin_tenants=settings["admin_tenants"],
+            admin_tenants=settings["admin_tenants"], events=_events_config(settings),
         )
+
+
+def _events_config(settings: Resolved) -> EventsConfig | None:
+    if not settings["events_endpoint"]:
+        return None
+    return EventsConfig(
+        settings["events_endpoint"], settings["events_replay_endpoint"],
+        topic=settings["events_topic"], node=settings["events_node"],
+        token_ids=settings["events_token_ids"] == "on", hash_form=settings["events_hash_form"],
+        interval_s=settings["events_interval_s"], heartbeat_s=settings["events_heartbeat_s"],
+        ring_batches=settings["events_ring_batches"],
+    )
 
 
 def _remove_stale_socket(path: Path) -> None:
@@ -311,13 +325,14 @@ def show_progress(stream: Any) -> bool:
     return bool(isatty is not None and isatty())
 
 
-async def _open_store(settings: Resolved, config: StoreConfig) -> TieredStore:
+async def _open_store(settings: Resolved, config: StoreConfig,
+                      events: EventLog | None = None) -> TieredStore:
     from tierkv.store import TieredStore
 
     start_s = time.monotonic()
     with settings.explaining():
         store = await asyncio.to_thread(TieredStore, config,
-                                        show_progress=show_progress(sys.stderr))
+                                        show_progress=show_progress(sys.stderr), events=events)
     if config.disk is not None:
         duration_s = round(time.monotonic() - start_s, 3)
         # At start every checksum failure counted is a record recovery found bad and dropped.
@@ -348,14 +363,28 @@ async def _serve(settings: Resolved, config: StoreConfig, service_config: Servic
     loop.add_signal_handler(signal.SIGHUP, log_event, log, logging.ERROR, "reload_failed",
                             "reload refused: the store is still opening; send SIGHUP again "
                             "once the server is ready")
+    events = None
+    if service_config.events is not None:
+        from tierkv.store.events import EventLog
+
+        events = EventLog(service_config.events.max_pending)
     try:
-        store = await _open_store(settings, config)
+        store = await _open_store(settings, config, events)
     except BaseException:
         # Stopped here, on the loop: left to the collector, grpc's server schedules its
         # shutdown on a closed loop (tracebacks after the error line) and the metrics
         # endpoint's thread is left running.
         await server.stop(close_store=False)
         raise
+    publisher = None
+    if service_config.events is not None and events is not None:
+        try:
+            publisher = _start_publisher(service_config.events, store, events)
+        except BaseException:
+            await server.stop(close_store=False)
+            await asyncio.to_thread(store.close, False)
+            raise
+        server.metrics.attach_events(publisher)
     await server.attach(store)
     loop.add_signal_handler(signal.SIGHUP, _on_reload, args, settings, server, store)
     tiers = {t.label: format_size(s.capacity_bytes) for t, s in store.stats().tiers.items()}
@@ -370,6 +399,8 @@ async def _serve(settings: Resolved, config: StoreConfig, service_config: Servic
         "host_shm_name": store.host_shm_name,
         "page_bytes": config.host.page_bytes,
         "remote": _remote_label(config),
+        "events_endpoint": publisher.endpoint if publisher is not None else None,
+        "events_replay_endpoint": publisher.replay_endpoint if publisher is not None else None,
     }
     print(json.dumps(ready), flush=True)
     log_event(log, logging.INFO, "ready", f"serving on {', '.join(service_config.listen)}",
@@ -384,10 +415,39 @@ async def _serve(settings: Resolved, config: StoreConfig, service_config: Servic
         num_flushed_blocks = await asyncio.to_thread(store.flush)
     finally:
         await asyncio.to_thread(store.close, False)  # flushed just above
+        if publisher is not None:  # the flush's events too
+            await asyncio.to_thread(publisher.close)
     duration_s = round(time.monotonic() - start_s, 3)
     log_event(log, logging.INFO, "stopped",
               f"stopped: {num_flushed_blocks} blocks flushed to disk in {duration_s} s",
               num_flushed_blocks=num_flushed_blocks, duration_s=duration_s, reason=reason)
+
+
+def _start_publisher(config: EventsConfig, store: TieredStore, events: EventLog
+                     ) -> EventPublisher:
+    """Bind the KV-event sockets and start publishing (``ConfigError`` naming the endpoint for
+    one that cannot be bound)."""
+    import zmq
+
+    from tierkv.service.events import EventPublisher
+
+    publisher = EventPublisher(config, store, events)
+    try:
+        publisher.start()
+    except zmq.ZMQError as exc:
+        raise ConfigError(
+            f"--events-endpoint {config.endpoint} / --events-replay-endpoint "
+            f"{config.replay_endpoint}: cannot bind ({exc})") from None
+    if config.token_ids and config.endpoint.startswith("tcp://") and not any(
+            host in config.endpoint for host in ("127.0.0.1", "localhost", "[::1]")):
+        log.warning("KV events on %s carry prompt token ids to whoever connects: keep them "
+                    "on a Unix socket or loopback, or set --events-token-ids off",
+                    config.endpoint)
+    log_event(log, logging.INFO, "events", f"publishing KV events on {publisher.endpoint} "
+              f"(replay: {publisher.replay_endpoint})", endpoint=publisher.endpoint,
+              replay_endpoint=publisher.replay_endpoint, topic=config.topic,
+              token_ids=config.token_ids)
+    return publisher
 
 
 def _on_reload(args: argparse.Namespace, started: Resolved, server: TierKVServer,

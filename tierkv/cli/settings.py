@@ -147,6 +147,32 @@ SETTINGS: tuple[Setting, ...] = (
              metavar="PORT"),
     _setting("metrics_host", Kind.STR, "127.0.0.1", "address the Prometheus endpoint binds",
              metavar="HOST"),
+    _setting("events_endpoint", Kind.STR, "",
+             "publish KV events for cache-aware routers (vLLM's format: ZMQ PUB) on "
+             "ipc:///path or tcp://host:port; they carry prompt token ids unless "
+             "events_token_ids is off: keep it on a Unix socket or loopback (empty: none)",
+             metavar="ENDPOINT"),
+    _setting("events_replay_endpoint", Kind.STR, "",
+             "the ROUTER socket that replays recent event batches and restates a topic "
+             "(resync) (empty: events_endpoint's path with -replay, or its port plus one)",
+             metavar="ENDPOINT"),
+    _setting("events_topic", Kind.STR, "kv@{node}:{tenant}:{namespace}@{model}",
+             "topic of each namespace's events: a template of {node}, {tenant}, {model} and "
+             "{namespace} (which it must name: one topic a namespace)", metavar="TEMPLATE"),
+    _setting("events_node", Kind.STR, None, "this sidecar's name in topics and ownership",
+             computed="the host name", metavar="NAME"),
+    _setting("events_token_ids", Kind.CHOICE, "on",
+             "publish the token ids writers give with their puts (off: hashes only)",
+             choices=("on", "off")),
+    _setting("events_hash_form", Kind.CHOICE, "int",
+             "block hashes in events: int (their last 8 bytes, vLLM's default) or bytes",
+             choices=("int", "bytes")),
+    _setting("events_interval_s", Kind.FLOAT, 0.05, "publish a batch of events this often"),
+    _setting("events_heartbeat_s", Kind.FLOAT, 1.0,
+             "an empty batch on every topic quiet this long, so subscribers see a gap or a "
+             "restart within it"),
+    _setting("events_ring_batches", Kind.INT, 10_000,
+             "event batches kept for replay"),
     _setting("stats_interval_s", Kind.FLOAT, 60.0, "log a stats event this often (0: never)"),
     _setting("log_format", Kind.CHOICE, "text",
              "logs on stderr: text lines, or one JSON object a line", choices=LOG_FORMATS),
@@ -316,6 +342,10 @@ def _compute_defaults(values: dict[str, Any], sources: dict[str, str],
         computed("disk_bytes", default_disk_bytes(Path(values["disk_path"]).expanduser()))
     if values["hash_seed"] is None:
         computed("hash_seed", environ.get("PYTHONHASHSEED", VLLM_DEFAULT_SEED))
+    if values["events_node"] is None:
+        import socket
+
+        computed("events_node", socket.gethostname())
 
 
 # --- the parser ----------------------------------------------------------------------------

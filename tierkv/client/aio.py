@@ -23,7 +23,7 @@ from tierkv.client.results import ServerStats
 from tierkv.config import Priority, WritePolicy
 from tierkv.errors import TierKVError
 from tierkv.keys import Namespace
-from tierkv.types import ClearResult, SessionInfo
+from tierkv.types import ClearResult, PutDetail, SessionInfo
 from tierkv.wire.convert import LookupDetail, ServerInfo
 from tierkv.wire.limits import DEFAULT_TARGET
 
@@ -109,22 +109,23 @@ class AsyncClient(ClientFlows):
     async def put(
         self, namespace: Namespace, hashes: Sequence[bytes], blocks: torch.Tensor, *,
         priority: Priority = Priority.NORMAL, write_policy: WritePolicy | None = None,
-        timeout_s: float | None = None,
+        timeout_s: float | None = None, detail: PutDetail | None = None,
     ) -> int:
-        """Store ``blocks`` under ``hashes``; returns the blocks newly stored."""
+        """Store ``blocks`` under ``hashes``; returns the blocks newly stored. ``detail``: what
+        the writer says of them (token ids...), for the sidecar's KV events only."""
         return await self._run(self._put(namespace, hashes, blocks, priority, write_policy,
-                                         timeout_s))
+                                         timeout_s, detail))
 
     async def put_with(
         self, namespace: Namespace, hashes: Sequence[bytes], fill: BlockFill, *,
         priority: Priority = Priority.NORMAL, write_policy: WritePolicy | None = None,
-        timeout_s: float | None = None,
+        timeout_s: float | None = None, detail: PutDetail | None = None,
     ) -> int:
         """Store blocks that ``fill`` writes (``BlockFill``: on a worker thread, straight into
         the server's slab when it is on this host) under ``hashes``; returns the blocks newly
         stored."""
         return await self._run(self._put_with(namespace, hashes, fill, priority, write_policy,
-                                              timeout_s))
+                                              timeout_s, detail))
 
     async def lookup_detail(
         self, namespace: Namespace, hashes: Sequence[bytes], *, prefetch: bool = False,

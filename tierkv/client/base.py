@@ -32,9 +32,10 @@ from tierkv.errors import (
 from tierkv.keys import Namespace
 from tierkv.shm.liveness import ClientLock
 from tierkv.shm.presence import PresenceView
+from tierkv.types import PutDetail
 from tierkv.wire import tierkv_pb2 as pb
 from tierkv.wire import tierkv_pb2_grpc as pb_grpc
-from tierkv.wire.convert import ServerInfo, lease_blocks_from
+from tierkv.wire.convert import ServerInfo, lease_blocks_from, put_detail_to
 from tierkv.wire.enums import priority_to, write_policy_to
 from tierkv.wire.limits import (
     CHUNK_BYTES,
@@ -160,13 +161,14 @@ def open_channel(channels: Any, target: str, settings: ClientSettings) -> tuple[
 
 def put_chunks(
     namespace: Namespace, hashes: Sequence[bytes], flat: torch.Tensor, policy: WritePolicy | None,
-    priority: Priority,
+    priority: Priority, detail: PutDetail | None = None,
 ) -> Iterator[bytes]:
     """The Put stream, serialized (see ``tierkv.codec.encode_put_chunk``): the header with the
     first slice, then slices of ``CHUNK_BYTES``."""
     data = flat.numpy().data
     header = pb.PutHeader(namespace=namespace_to(namespace), hashes=list(hashes),
-                          write_policy=write_policy_to(policy), priority=priority_to(priority))
+                          write_policy=write_policy_to(policy), priority=priority_to(priority),
+                          detail=put_detail_to(detail))
     yield encode_put_chunk(header, data[:CHUNK_BYTES])
     for start in range(CHUNK_BYTES, len(data), CHUNK_BYTES):
         yield encode_put_chunk(None, data[start : start + CHUNK_BYTES])
@@ -520,13 +522,13 @@ class ClientBase:
 
     def _allocate_request(
         self, namespace: Namespace, hashes: Sequence[bytes], priority: Priority,
-        write_policy: WritePolicy | None,
+        write_policy: WritePolicy | None, detail: PutDetail | None = None,
     ) -> pb.AllocateRequest:
         assert self._slab is not None
         request = pb.AllocateRequest(
             namespace=self._wire(namespace), hashes=list(hashes),
             write_policy=write_policy_to(write_policy), priority=priority_to(priority),
-            slab_id=self._slab.slab_id, packed_extents=True,
+            slab_id=self._slab.slab_id, packed_extents=True, detail=put_detail_to(detail),
         )
         if self._carries_releases():  # last: nothing after it can fail and lose them
             request.releases.extend(self._take_releases())

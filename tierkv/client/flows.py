@@ -35,6 +35,7 @@ from tierkv.keys import Namespace
 from tierkv.types import (
     ClearResult,
     NamespaceStats,
+    PutDetail,
     RemoteStats,
     SessionInfo,
     TenantTierStats,
@@ -134,6 +135,7 @@ class ClientFlows(base.ClientBase):
     def _put(
         self, namespace: Namespace, hashes: Sequence[bytes], blocks: torch.Tensor,
         priority: Priority, write_policy: WritePolicy | None, timeout_s: float | None,
+        detail: PutDetail | None = None,
     ) -> Flow[int]:
         flat = base.block_bytes_of(blocks, namespace)
         if len(hashes) != blocks.shape[0]:
@@ -141,34 +143,36 @@ class ClientFlows(base.ClientBase):
         count = yield from self._put_leased(
             namespace, hashes, priority, write_policy, timeout_s,
             lambda slab, lease, granted_s: self._fill_lease(slab, lease, namespace, flat,
-                                                            granted_s))
+                                                            granted_s), detail)
         if count is not None:
             return count
         return (yield from self._put_streamed(namespace, hashes, flat, priority, write_policy,
-                                              timeout_s))
+                                              timeout_s, detail))
 
     def _put_with(
         self, namespace: Namespace, hashes: Sequence[bytes], fill: base.BlockFill,
         priority: Priority, write_policy: WritePolicy | None, timeout_s: float | None,
+        detail: PutDetail | None = None,
     ) -> Flow[int]:
         if not hashes:
             return 0
         count = yield from self._put_leased(
             namespace, hashes, priority, write_policy, timeout_s,
             lambda slab, lease, granted_s: self._fill_lease_with(
-                slab, lease, namespace, fill, len(hashes), granted_s))
+                slab, lease, namespace, fill, len(hashes), granted_s), detail)
         if count is not None:
             return count
         block_bytes = namespace.layout.bytes_per_block
         buffer = torch.empty((len(hashes), block_bytes), dtype=torch.uint8)
         yield Copy(fill, list(range(len(hashes))), buffer)
         return (yield from self._put_streamed(namespace, hashes, buffer.view(-1), priority,
-                                              write_policy, timeout_s))
+                                              write_policy, timeout_s, detail))
 
     def _put_leased(
         self, namespace: Namespace, hashes: Sequence[bytes], priority: Priority,
         write_policy: WritePolicy | None, timeout_s: float | None,
         write: Callable[[base.SlabMapping, pb.LeaseResponse, float], pb.LeaseRequest],
+        detail: PutDetail | None = None,
     ) -> Flow[int | None]:
         """A put through the slab, written again once into a restarted server's; None when
         the server is not on this host (the caller streams)."""
@@ -179,7 +183,7 @@ class ClientFlows(base.ClientBase):
             try:
                 with self._leasing():
                     return (yield from self._put_shared(namespace, hashes, priority,
-                                                        write_policy, timeout_s, write))
+                                                        write_policy, timeout_s, write, detail))
             except base.REMAP_ERRORS:
                 if attempt:
                     raise
@@ -189,9 +193,10 @@ class ClientFlows(base.ClientBase):
     def _put_streamed(
         self, namespace: Namespace, hashes: Sequence[bytes], flat: torch.Tensor,
         priority: Priority, write_policy: WritePolicy | None, timeout_s: float | None,
+        detail: PutDetail | None = None,
     ) -> Flow[int]:
         response = yield from self._retrying(PutStream(
-            lambda: base.put_chunks(namespace, hashes, flat, write_policy, priority),
+            lambda: base.put_chunks(namespace, hashes, flat, write_policy, priority, detail),
             timeout_s or self.settings.timeout_s,
         ))
         return int(response.count)
@@ -200,12 +205,13 @@ class ClientFlows(base.ClientBase):
         self, namespace: Namespace, hashes: Sequence[bytes], priority: Priority,
         write_policy: WritePolicy | None, timeout_s: float | None,
         write: Callable[[base.SlabMapping, pb.LeaseResponse, float], pb.LeaseRequest],
+        detail: PutDetail | None = None,
     ) -> Flow[int]:
         """Allocate, ``write`` the lease's blocks into the slab (it returns the Commit
         request), Commit; a failed write aborts the lease."""
         slab = self._slab
         assert slab is not None
-        request = self._allocate_request(namespace, hashes, priority, write_policy)
+        request = self._allocate_request(namespace, hashes, priority, write_policy, detail)
         try:
             lease = yield from self._call("Allocate", request, timeout_s)
         except BaseException:

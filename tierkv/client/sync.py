@@ -28,7 +28,7 @@ from tierkv.client.results import ServerStats
 from tierkv.config import Priority, WritePolicy
 from tierkv.errors import TierKVError
 from tierkv.keys import Namespace
-from tierkv.types import ClearResult, SessionInfo
+from tierkv.types import ClearResult, PutDetail, SessionInfo
 from tierkv.wire.convert import LookupDetail, ServerInfo
 from tierkv.wire.limits import DEFAULT_TARGET
 
@@ -126,21 +126,23 @@ class Client(ClientFlows):
     def put(
         self, namespace: Namespace, hashes: Sequence[bytes], blocks: torch.Tensor, *,
         priority: Priority = Priority.NORMAL, write_policy: WritePolicy | None = None,
-        timeout_s: float | None = None,
+        timeout_s: float | None = None, detail: PutDetail | None = None,
     ) -> int:
-        """Store ``blocks`` under ``hashes``; returns the blocks newly stored."""
-        return self._run(self._put(namespace, hashes, blocks, priority, write_policy, timeout_s))
+        """Store ``blocks`` under ``hashes``; returns the blocks newly stored. ``detail``: what
+        the writer says of them (token ids...), for the sidecar's KV events only."""
+        return self._run(self._put(namespace, hashes, blocks, priority, write_policy, timeout_s,
+                                         detail))
 
     def put_with(
         self, namespace: Namespace, hashes: Sequence[bytes], fill: BlockFill, *,
         priority: Priority = Priority.NORMAL, write_policy: WritePolicy | None = None,
-        timeout_s: float | None = None,
+        timeout_s: float | None = None, detail: PutDetail | None = None,
     ) -> int:
         """Store blocks that ``fill`` writes (``BlockFill``: on this thread, straight into the
         server's slab when it is on this host, so the bytes are copied once) under ``hashes``;
         returns the blocks newly stored."""
         return self._run(self._put_with(namespace, hashes, fill, priority, write_policy,
-                                        timeout_s))
+                                        timeout_s, detail))
 
     def lookup(self, namespace: Namespace, hashes: Sequence[bytes], *,
                timeout_s: float | None = None) -> int:

@@ -54,6 +54,9 @@ class Clearer:
         with core.lock:
             states = [s for s in core.namespaces.values() if matches(s.namespace)]
             work = [(state, list(state.blocks.values())) for state in states]
+            if core.events is not None:  # subscribers drop them at once; later puts follow
+                for state in states:
+                    core.events.cleared(state)
         total = sum(len(entries) for _, entries in work)
         done = num_blocks = cleared_bytes = num_busy = 0
         if progress is not None:

@@ -21,6 +21,7 @@ from tierkv.errors import CapacityError, TierKVError
 from tierkv.eviction import EvictionPolicy, Residency, Victims
 from tierkv.paging import Location, location_num_pages
 from tierkv.shm.presence import Fingerprinter, PresenceTable
+from tierkv.store.events import BlockDetail, EventLog, Snapshot
 from tierkv.store.index import DOOMED, DiskLedger, Entry, Ledger, NamespaceState, PagedLedger, is_busy
 from tierkv.store.pins import PinTable
 from tierkv.store.tenants import TenantShare
@@ -72,6 +73,9 @@ class Spill(Protocol):
 
     def flush(self, timeout_s: float | None = None) -> bool:
         """Wait until what was offered so far has been sent; False on timeout."""
+
+    def hashes_in(self, namespace_id: bytes) -> list[bytes]:
+        """The block hashes it holds under ``namespace_id`` now (a scan: O(its keys))."""
 
     def stats(self) -> RemoteStats:
         """Its figures."""
@@ -162,6 +166,26 @@ class StoreCore:
         # The tier past the lowest local one (REMOTE), if any: ``attach_spill``.
         self.spill: Spill | None = None
         self._pending_takes: list[tuple[bytes, float]] = []  # DISK victims: (raw key, evicted at)
+        # Where copies that become readable or go are recorded for KV events, if anywhere
+        # (``attach_events``: after recovery, whose blocks a publisher restates at its start).
+        self.events: EventLog | None = None
+
+    def snapshot_events_locked(self, state: NamespaceState) -> None:
+        """Record ``state``'s whole holding now for the publisher (a resync of its topic)."""
+        assert self.events is not None
+        self.events.snapshot(state, Snapshot(self.holding_locked(state), self.spill is not None))
+
+    def holding_locked(self, state: NamespaceState) -> dict[int, list[bytes]]:
+        """The hashes of ``state``'s blocks with a copy in each local tier, by tier."""
+        by_tier: dict[int, list[bytes]] = {tier: [] for tier in self.ledgers}
+        for block_hash, entry in state.blocks.items():
+            if entry.gpu is not None:
+                by_tier[Tier.GPU].append(block_hash)
+            if entry.host is not None:
+                by_tier[Tier.HOST].append(block_hash)
+            if entry.disk is not None:
+                by_tier[Tier.DISK].append(block_hash)
+        return by_tier
 
     def attach_spill(self, spill: Spill) -> None:
         """Make ``spill`` the tier below the lowest local one (once, before any call)."""
@@ -222,10 +246,12 @@ class StoreCore:
         return None
 
     def link_locked(
-        self, entry: Entry, tier: Tier, location: Location, checksum: int | None = None
+        self, entry: Entry, tier: Tier, location: Location, checksum: int | None = None,
+        detail: BlockDetail | None = None,
     ) -> None:
         """Give ``entry`` a (complete) copy in ``tier`` at ``location``; a HOST copy comes with
-        the checksum of its bytes (computed by the caller, outside the lock)."""
+        the checksum of its bytes (computed by the caller, outside the lock). ``detail``: what
+        a put's writer said of the block, for its KV event."""
         node: Residency[Entry] = Residency(entry, location)
         # Each tier spelled out: this runs for every block stored.
         if tier is Tier.HOST:
@@ -245,6 +271,8 @@ class StoreCore:
         share.stored_bytes += entry.ns.block_bytes
         if entry not in self.pins:
             share.lru.push_mru(node, entry.priority)
+        if self.events is not None:
+            self.events.stored(entry.ns, tier, entry.block_hash, detail)
 
     def drop_locked(self, entry: Entry, tier: Tier) -> None:
         """Remove ``entry``'s copy in ``tier`` and free its room; forget the entry if it was the
@@ -255,6 +283,8 @@ class StoreCore:
         share = self.share_of_locked(entry.ns, tier)
         share.lru.remove(node)
         entry.set_residency(tier, None)
+        if self.events is not None and entry.priority != DOOMED:  # a doom said so already
+            self.events.removed(entry.ns, tier, entry.block_hash)
         ledger.num_blocks -= 1
         ledger.stored_bytes -= entry.ns.block_bytes
         share.num_blocks -= 1
@@ -297,12 +327,15 @@ class StoreCore:
         return ns.presence_fingerprint(entry.block_hash)
 
     def doom_locked(self, entry: Entry) -> None:
-        """Delete ``entry``: at once if idle, else when its last reader is done."""
+        """Delete ``entry``: at once if idle, else when its last reader is done (it is a miss
+        at once: its copies are reported gone now)."""
         self.forget_locked(entry)
         for tier in Tier:
             node = entry.residency(tier)
             if node is not None:
                 self.share_of_locked(entry.ns, tier).lru.remove(node)
+                if self.events is not None and entry.priority != DOOMED:
+                    self.events.removed(entry.ns, tier, entry.block_hash)
         entry.priority = DOOMED
         if entry.disk is not None:
             # At once, even under readers (LMDB reads see a snapshot): a deferred delete could

@@ -29,6 +29,7 @@ from tierkv.store.core import StoreCore
 from tierkv.store.index import DOOMED, Entry, NamespaceState
 from tierkv.store.migrate import Mover
 from tierkv.store.writes import Reservation, Writer
+from tierkv.types import PutDetail
 
 DEFAULT_LEASE_TTL_S = 30.0
 MIN_LEASE_TTL_S = 0.1
@@ -249,7 +250,7 @@ class Leases:
     def allocate(
         self, state: NamespaceState, keys: list[bytes], ttl_s: float | None, owner: str,
         priority: Priority, policy: WritePolicy, *, in_process: bool = False,
-        client_id: str = "",
+        client_id: str = "", detail: PutDetail | None = None,
     ) -> WriteLease:
         """Reserve HOST pages for the blocks of ``keys`` that need bytes (see the module
         docstring; ``in_process``: filled through ``lease_writer``, never reaped, see
@@ -265,6 +266,7 @@ class Leases:
             self._expire_locked()
         reservation = self.writer.reserve(state, keys, priority, policy, Tier.HOST,
                                           pages_for_records=True)
+        reservation.detail = detail
         write_indices, locations = list(reservation.locations), list(reservation.locations.values())
         lease = _Write(owner, client_id, self._clock() + ttl, reservation, verify=not in_process)
         with self.core.lock:

@@ -23,6 +23,7 @@ from tierkv.errors import CapacityError
 from tierkv.keys import NAMESPACE_ID_BYTES
 from tierkv.paging import Location
 from tierkv.store.core import StoreCore
+from tierkv.store.events import REMOTE_TIER, EventLog
 from tierkv.store.index import DOOMED, Entry, NamespaceState
 from tierkv.store.migrate import Mover
 from tierkv.store.writes import Writer
@@ -209,6 +210,12 @@ class RemoteLink:
                 self.record_buffers.give([record for (_, record, _, _), ok
                                           in zip(batch, stored, strict=True) if ok])
             demoted = np.array([item[2] for item in batch], bool)  # (see ``offer``)
+            events = self.core.events
+            if events is not None:  # readable there now (records a forget purged never got here)
+                for (raw_key, _, _, _), ok in zip(batch, stored, strict=True):
+                    state = self.core.namespaces.get(raw_key[:NAMESPACE_ID_BYTES]) if ok else None
+                    if state is not None:
+                        events.stored(state, REMOTE_TIER, raw_key[NAMESPACE_ID_BYTES:])
             with self._lock:
                 self._queued_bytes -= num_bytes
                 self._num_writing = 0
@@ -247,10 +254,26 @@ class RemoteLink:
             self._queue = deque(kept)
             while self._num_writing and not self._closed and time.monotonic() < deadline:
                 self._lock.wait(max(0.0, deadline - time.monotonic()))
+        events = self.core.events
         for namespace_id in forgetting.namespace_ids:
-            self.remote.delete_namespace(namespace_id)
+            deleted = self.remote.delete_namespace(namespace_id)
+            self._report_removed(events, namespace_id, deleted)
         if forgetting.raw_keys:
             self.remote.delete(list(forgetting.raw_keys))
+            for raw_key in forgetting.raw_keys if events is not None else ():
+                self._report_removed(events, raw_key[:NAMESPACE_ID_BYTES],
+                                     [raw_key[NAMESPACE_ID_BYTES:]])
+
+    def _report_removed(self, events: EventLog | None, namespace_id: bytes,
+                        hashes: Sequence[bytes]) -> None:
+        state = self.core.namespaces.get(namespace_id) if events is not None else None
+        if events is not None and state is not None:
+            for block_hash in hashes:
+                events.removed(state, REMOTE_TIER, block_hash)
+
+    def hashes_in(self, namespace_id: bytes) -> list[bytes]:
+        """The block hashes REMOTE holds under ``namespace_id`` now (a scan of every node)."""
+        return self.remote.hashes_in(namespace_id)
 
     def flush(self, timeout_s: float | None = None) -> bool:
         """Wait until every record queued so far has been sent (or dropped); False on timeout."""

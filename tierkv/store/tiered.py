@@ -38,6 +38,7 @@ from tierkv.shm.presence import PresenceTable
 from tierkv.store import namespaces, recovery
 from tierkv.store.clearing import Clearer, Progress, namespace_filter
 from tierkv.store.core import Spill, StoreCore
+from tierkv.store.events import EventLog
 from tierkv.store.index import NamespaceState, PagedLedger
 from tierkv.store.leases import Leases, LeaseWriter, ReadLease, WriteLease
 from tierkv.store.migrate import Mover
@@ -51,6 +52,7 @@ from tierkv.tiers.host import HostSlab
 from tierkv.types import (
     ClearResult,
     NamespaceStats,
+    PutDetail,
     ResumedSession,
     SessionInfo,
     StoreStats,
@@ -69,7 +71,8 @@ class TieredStore:
     (``write_through``, or flushed at close) are served again. Close it (or use ``with``) to
     flush HOST-only blocks to disk and release the shared-memory slab. ``eviction``: the policy
     that picks victims in every tier (default ``tierkv.eviction.EvictionPolicy``: LRU within
-    priority classes, lowest class first).
+    priority classes, lowest class first). ``events``: where every copy that becomes readable
+    or goes is recorded, for a KV-event publisher (``tierkv.store.events``; None: nowhere).
     """
 
     def __init__(
@@ -79,6 +82,7 @@ class TieredStore:
         clock: Callable[[], float] = time.monotonic,
         show_progress: bool = False,
         eviction: EvictionPolicy | None = None,
+        events: EventLog | None = None,
     ) -> None:
         self.config = config
         self._closed = False
@@ -98,6 +102,8 @@ class TieredStore:
                                                f"{self._host.shm_name}-presence")
             self._core = StoreCore(config, paged, self._disk, clock, self._presence, eviction)
             self.num_recovered_blocks = recovery.recover(self._core, show_progress)
+            # From here on: what recovery found is restated by the publisher's first resync.
+            self._core.events = events
             self._sessions = SessionTable(self._disk)
         except BaseException:
             self._release_resources()
@@ -207,6 +213,7 @@ class TieredStore:
         priority: Priority = Priority.NORMAL,
         write_policy: WritePolicy | None = None,
         tier: Tier | None = None,
+        detail: PutDetail | None = None,
     ) -> int:
         """Store ``blocks`` (``[n, *layout.block_shape]``) under ``hashes`` (n of them).
 
@@ -215,6 +222,7 @@ class TieredStore:
         (without a disk tier, only that). Keys already there keep their one
         copy (put is idempotent). Returns the number of blocks newly stored in ``tier``. Raises
         ``CapacityError`` when they do not fit even after eviction; nothing is then stored.
+        ``detail``: what the writer says of the blocks, for KV events only (never stored).
         """
         state = self._state(namespace)
         keys = check_hashes(hashes)
@@ -226,7 +234,8 @@ class TieredStore:
         if policy is WritePolicy.WRITE_THROUGH and not self._writes_through():
             raise ConfigError("put: write_through needs a disk tier (--disk-path) or a REMOTE "
                               "tier (--remote)")
-        return self._writer.put(state, keys, flat, Priority(priority), policy, target)
+        _check_detail(detail, state, len(keys))
+        return self._writer.put(state, keys, flat, Priority(priority), policy, target, detail)
 
     def _default_tier(self, flat: torch.Tensor) -> Tier:
         return Tier.GPU if flat.is_cuda and Tier.GPU in self._core.paged else Tier.HOST
@@ -449,6 +458,41 @@ class TieredStore:
         self._check_open()
         return namespace_snapshot(self._core, self._sessions.counts_by_namespace(), tenant)
 
+    def restate_events(self, namespace_ids: Sequence[bytes] | None = None) -> list[Namespace]:
+        """Record the whole holding of the namespaces ``namespace_ids`` (None: every one
+        registered) in the event log, each at one instant under the store lock, so that a
+        publisher restates them (a resync); returns the namespaces restated. Needs ``events``."""
+        self._check_open()
+        core = self._core
+        if core.events is None:
+            raise ConfigError("restate_events: this store records no events")
+        restated: list[Namespace] = []
+        with core.lock:
+            ids = list(core.namespaces) if namespace_ids is None else list(namespace_ids)
+        for namespace_id in ids:  # one lock hold a namespace: others' puts go on in between
+            with core.lock:
+                state = core.namespaces.get(bytes(namespace_id))
+                if state is not None:
+                    core.snapshot_events_locked(state)
+                    restated.append(state.namespace)
+        return restated
+
+    def blocks_by_tier(self, namespace: Namespace) -> dict[Tier, list[bytes]]:
+        """The hashes of ``namespace``'s blocks each local tier holds a readable copy of now
+        (a block may be in several), at one instant. O(blocks of the namespace)."""
+        state = self._state(namespace)
+        with self._core.lock:
+            return {Tier(tier): hashes
+                    for tier, hashes in self._core.holding_locked(state).items()}
+
+    def remote_hashes(self, namespace_id: bytes) -> list[bytes]:
+        """The block hashes REMOTE holds now under ``namespace_id`` (a scan of every node:
+        O(keys); nodes that are down are skipped); empty without a REMOTE tier."""
+        self._check_open()
+        if self._remote is None:
+            return []
+        return self._remote.hashes_in(namespace_id)
+
     def clear(
         self, *, tenant: str | None = None, model_id: str | None = None,
         namespace: Namespace | None = None, progress: Progress | None = None,
@@ -542,19 +586,23 @@ class TieredStore:
         self, namespace: Namespace, hashes: Sequence[bytes], ttl_s: float | None = None,
         owner: str = "", *, priority: Priority = Priority.NORMAL,
         write_policy: WritePolicy | None = None, slab_id: bytes = b"", client_id: str = "",
+        detail: PutDetail | None = None,
     ) -> WriteLease:
         """Reserve HOST pages for writing the blocks of ``hashes`` in place; ``commit`` (with
         the checksum of each block written) or ``abort`` before the lease expires. Same errors
-        as ``put``; ``slab_id`` and ``client_id`` as for ``acquire``."""
+        as ``put``; ``slab_id`` and ``client_id`` as for ``acquire``; ``detail`` as ``put``'s."""
         state = self._state(namespace)
         keys = check_hashes(hashes)
         self._check_slab(slab_id)
+        _check_detail(detail, state, len(keys))
         return self._leases.allocate(state, keys, ttl_s, owner, Priority(priority),
-                                     self._lease_policy(write_policy), client_id=client_id)
+                                     self._lease_policy(write_policy), client_id=client_id,
+                                     detail=detail)
 
     def allocate_in_process(
         self, namespace: Namespace, hashes: Sequence[bytes], owner: str = "", *,
         priority: Priority = Priority.NORMAL, write_policy: WritePolicy | None = None,
+        detail: PutDetail | None = None,
     ) -> WriteLease:
         """A write lease that this process fills itself through ``lease_writer`` (the server's
         stream Put). It never expires (``expires_in_s`` is infinite), so its pages cannot be
@@ -563,8 +611,10 @@ class TieredStore:
         hashes the pages). Otherwise as ``allocate``."""
         state = self._state(namespace)
         keys = check_hashes(hashes)
+        _check_detail(detail, state, len(keys))
         return self._leases.allocate(state, keys, None, owner, Priority(priority),
-                                     self._lease_policy(write_policy), in_process=True)
+                                     self._lease_policy(write_policy), in_process=True,
+                                     detail=detail)
 
     def lease_writer(self, lease: WriteLease, owner: str = "") -> LeaseWriter:
         """A ``LeaseWriter`` that copies the blocks of ``lease`` (of ``allocate_in_process``),
@@ -748,3 +798,10 @@ class TieredStore:
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
+
+
+def _check_detail(detail: PutDetail | None, state: NamespaceState, num_blocks: int) -> None:
+    if detail is not None:
+        if not isinstance(detail, PutDetail):
+            raise InvalidArgumentError(f"detail must be a PutDetail, got {type(detail).__name__}")
+        detail.check(num_blocks, state.namespace.layout.block_size)

@@ -17,9 +17,11 @@ from tierkv.config import Priority, Tier, WritePolicy
 from tierkv.errors import IntegrityError, TierKVError
 from tierkv.paging import Location
 from tierkv.store.core import StoreCore
+from tierkv.store.events import BlockDetail
 from tierkv.store.index import DOOMED, Entry, NamespaceState
 from tierkv.store.migrate import Mover
 from tierkv.tiers.records import encode_records
+from tierkv.types import PutDetail
 
 _FLUSH_BATCH = 64
 
@@ -51,6 +53,7 @@ class Reservation:
     target: Tier
     plan: PutPlan
     locations: dict[int, Location]
+    detail: PutDetail | None = None  # what its writer said of the blocks (KV events only)
 
 
 class Writer:
@@ -68,10 +71,12 @@ class Writer:
         priority: Priority,
         policy: WritePolicy,
         target: Tier,
+        detail: PutDetail | None = None,
     ) -> int:
         """See ``TieredStore.put``: a reservation filled in process, from ``flat``."""
         block_bytes = state.block_bytes
         reservation = self.reserve(state, keys, priority, policy, target)
+        reservation.detail = detail
         checksums: dict[int, int] = {}
         try:
             if reservation.locations:
@@ -149,7 +154,7 @@ class Writer:
             self.write_records(state, keys, plan, payload_of, expected)
         locations, reservation.locations = reservation.locations, {}  # published: not ours
         return self.publish(state, keys, reservation.priority, reservation.target, plan,
-                            locations, checksums, count_put)
+                            locations, checksums, count_put, reservation.detail)
 
     def _host_checksums(
         self, flat: torch.Tensor, block_bytes: int, indices: list[int], locations: list[Location]
@@ -259,12 +264,13 @@ class Writer:
     def publish(
         self, state: NamespaceState, keys: list[bytes], priority: Priority, target: Tier,
         plan: PutPlan, locations: dict[int, Location], checksums: dict[int, int],
-        count_put: bool = True,
+        count_put: bool = True, detail: PutDetail | None = None,
     ) -> int:
         """Make a put visible: link the copies in ``target`` (``locations`` by block index, with
         their ``checksums`` in HOST; room reserved for blocks another put stored meanwhile is
         given back) and, when the plan wrote records, on disk. Returns the blocks newly stored
-        in ``target``. ``count_put``: False for blocks a read brought from REMOTE."""
+        in ``target``. ``count_put``: False for blocks a read brought from REMOTE; ``detail``:
+        what the writer said of the blocks, for their KV events."""
         core = self.core
         new, blocks = plan.new_set, state.blocks
         with_records = bool(plan.disk_indices) and core.disk is not None
@@ -280,7 +286,8 @@ class Writer:
                     if index in new and (entry is None or entry.residency(target) is None):
                         if entry is None:
                             entry = self._entry_locked(state, keys[index], priority)
-                        core.link_locked(entry, target, location, checksums.get(index))
+                        core.link_locked(entry, target, location, checksums.get(index),
+                                         _block_detail(detail, keys, index))
                         num_stored += 1
                         if ((entry.gpu is not None) + (entry.host is not None)
                                 + (entry.disk is not None)) > 1:
@@ -291,7 +298,8 @@ class Writer:
                 if entry is not None and not with_records:
                     core.touch_locked(entry)
             if with_records:
-                num_on_disk = self._publish_disk(state, keys, priority, plan.disk_indices)
+                num_on_disk = self._publish_disk(state, keys, priority, plan.disk_indices,
+                                                 detail)
                 if target is Tier.DISK:
                     num_stored = num_on_disk
                 for key in reversed(keys):  # the records' blocks too, tail first
@@ -308,14 +316,15 @@ class Writer:
         return entry
 
     def _publish_disk(
-        self, state: NamespaceState, keys: list[bytes], priority: Priority, indices: list[int]
+        self, state: NamespaceState, keys: list[bytes], priority: Priority, indices: list[int],
+        detail: PutDetail | None,
     ) -> int:
         core = self.core
         num_linked = 0
         for index in indices:
             entry = self._entry_locked(state, keys[index], priority)
             if entry.disk is None:
-                core.link_locked(entry, Tier.DISK, 0)
+                core.link_locked(entry, Tier.DISK, 0, None, _block_detail(detail, keys, index))
                 num_linked += 1
             else:
                 core.release_records_locked(state, 1)
@@ -345,3 +354,10 @@ class Writer:
                     # A batch that does not fit comes back empty (copy_between says so).
                     num_written += len(self.mover.copy_between(batch, tier, Tier.DISK)) if batch else 0
         return num_written
+
+
+def _block_detail(detail: PutDetail | None, keys: list[bytes], index: int) -> BlockDetail | None:
+    """Block ``index``'s part of a put's detail: a put with a detail is one chain."""
+    if detail is None:
+        return None
+    return detail, index, keys[index - 1] if index else detail.parent_hash

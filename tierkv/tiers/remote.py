@@ -425,34 +425,47 @@ class RemoteTier:
 
         return sum(self._run(groups, "del", remove).values())
 
-    def delete_namespace(self, namespace_id: bytes) -> int:
+    def delete_namespace(self, namespace_id: bytes) -> list[bytes]:
         """Delete every key of ``namespace_id`` on every master (``SCAN`` + ``UNLINK``: an
-        operator's clear, O(keys) on each node); how many were deleted. Nodes that fail are
+        operator's clear, O(keys) on each node); the block hashes deleted. Nodes that fail are
         skipped (counted as errors)."""
-        with self._lock:
-            owners = list(self._owners)
-        pattern = b"%s{*}:%s:*" % (KEY_PREFIX, namespace_id.hex().encode())
 
-        def unlink(node: _Node, keys: list[bytes]) -> int:
+        def unlink(node: _Node, keys: list[bytes]) -> list[bytes]:
             # One key a command: a cluster refuses a multi-key UNLINK across slots.
             pipe = node.client.pipeline(transaction=False)
             for key in keys:
                 pipe.unlink(key)
-            return sum(int(answer) for answer in pipe.execute())
+            return [_hash_of(key) for key, answer in zip(keys, pipe.execute(), strict=True)
+                    if int(answer)]
 
-        def remove(node: _Node, _: np.ndarray) -> int:
-            num_deleted = 0
+        return self._scan_namespace(namespace_id, "clear", unlink)
+
+    def hashes_in(self, namespace_id: bytes) -> list[bytes]:
+        """The block hashes held under ``namespace_id`` on every master now (``SCAN``: O(keys)
+        on each node; a key may be named twice; nodes that fail are skipped, counted)."""
+        return self._scan_namespace(namespace_id, "scan",
+                                    lambda _, keys: [_hash_of(key) for key in keys])
+
+    def _scan_namespace(self, namespace_id: bytes, op: str,
+                        handle: Callable[[_Node, list[bytes]], list[bytes]]) -> list[bytes]:
+        with self._lock:
+            owners = list(self._owners)
+        pattern = b"%s{*}:%s:*" % (KEY_PREFIX, namespace_id.hex().encode())
+
+        def scan(node: _Node, _: np.ndarray) -> list[bytes]:
+            found: list[bytes] = []
             batch: list[bytes] = []
             for key in node.client.scan_iter(match=pattern, count=1000):
                 batch.append(key)
                 if len(batch) >= 1000:
-                    num_deleted += unlink(node, batch)
+                    found += handle(node, batch)
                     batch = []
-            return num_deleted + (unlink(node, batch) if batch else 0)
+            return found + (handle(node, batch) if batch else [])
 
         now = time.monotonic()
         groups = {node: np.empty(0, np.int64) for node in owners if node.open_until_s <= now}
-        return sum(self._run(groups, "clear", remove, bounded=False).values())
+        return [block_hash for hashes in self._run(groups, op, scan, bounded=False).values()
+                for block_hash in hashes]
 
     def counters_snapshot(self) -> RemoteCounters:
         """A copy of the counters."""
@@ -469,6 +482,11 @@ class RemoteTier:
         self._calls.shutdown(wait=False, cancel_futures=True)
         for node in list(self._nodes.values()):
             node.client.close()
+
+
+def _hash_of(key: bytes) -> bytes:
+    """The block hash a REMOTE key names (see ``remote_keys``)."""
+    return bytes.fromhex(key[-2 * 32:].decode())
 
 
 def _text(path: object) -> str | None:

@@ -12,8 +12,12 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, fields
 from typing import Any, Protocol, TypeVar
 
+import msgpack
+
 from tierkv.config import Tier
+from tierkv.errors import InvalidArgumentError
 from tierkv.keys import Namespace
+from tierkv.types import PutDetail
 from tierkv.wire import tierkv_pb2 as pb
 from tierkv.wire.enums import TIER_FROM_LABEL, tier_from_label
 from tierkv.wire.namespaces import namespace_from, namespace_to
@@ -382,3 +386,38 @@ def server_info_to(info: ServerInfo) -> pb.DescribeResponse:
 def server_info_from(response: pb.DescribeResponse) -> ServerInfo:
     """A ``DescribeResponse`` as ``ServerInfo``."""
     return ServerInfo(**{f.name: getattr(response, f.name) for f in fields(ServerInfo)})
+
+
+# --- a put's detail (KV events) -----------------------------------------------------------------
+
+
+def put_detail_to(detail: PutDetail | None) -> pb.PutDetail | None:
+    """The wire form of a put's detail (None: nothing said)."""
+    if detail is None:
+        return None
+    return pb.PutDetail(
+        token_ids=detail.token_ids, parent_hash=detail.parent_hash or b"",
+        lora_name=detail.lora_name or "",
+        extra_keys=msgpack.packb([None if keys is None else list(keys)
+                                  for keys in detail.extra_keys], use_bin_type=True)
+        if detail.extra_keys else b"",
+    )
+
+
+def put_detail_from(message: Any, present: bool) -> PutDetail | None:
+    """A put's detail from its wire form (``present``: the request set the field);
+    ``InvalidArgumentError`` for extra keys that are not one msgpack array a block."""
+    if not present:
+        return None
+    extra_keys: tuple[tuple[Any, ...] | None, ...] = ()
+    if message.extra_keys:
+        try:
+            decoded = msgpack.unpackb(message.extra_keys, raw=False, use_list=True)
+        except (ValueError, msgpack.ExtraData) as exc:
+            raise InvalidArgumentError(f"PutDetail.extra_keys: not msgpack ({exc})") from None
+        if not isinstance(decoded, list) or not all(
+                keys is None or isinstance(keys, list) for keys in decoded):
+            raise InvalidArgumentError("PutDetail.extra_keys: one array (or nil) a block")
+        extra_keys = tuple(None if keys is None else tuple(keys) for keys in decoded)
+    return PutDetail(tuple(message.token_ids), bytes(message.parent_hash) or None,
+                     message.lora_name or None, extra_keys)

@@ -114,17 +114,31 @@ class PinRequest(_message.Message):
     ttl_s: float
     def __init__(self, namespace: _Optional[_Union[Namespace, _Mapping]] = ..., hashes: _Optional[_Iterable[bytes]] = ..., ttl_s: _Optional[float] = ...) -> None: ...
 
+class PutDetail(_message.Message):
+    __slots__ = ("token_ids", "parent_hash", "lora_name", "extra_keys")
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    PARENT_HASH_FIELD_NUMBER: _ClassVar[int]
+    LORA_NAME_FIELD_NUMBER: _ClassVar[int]
+    EXTRA_KEYS_FIELD_NUMBER: _ClassVar[int]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    parent_hash: bytes
+    lora_name: str
+    extra_keys: bytes
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., parent_hash: _Optional[bytes] = ..., lora_name: _Optional[str] = ..., extra_keys: _Optional[bytes] = ...) -> None: ...
+
 class PutHeader(_message.Message):
-    __slots__ = ("namespace", "hashes", "write_policy", "priority")
+    __slots__ = ("namespace", "hashes", "write_policy", "priority", "detail")
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     HASHES_FIELD_NUMBER: _ClassVar[int]
     WRITE_POLICY_FIELD_NUMBER: _ClassVar[int]
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    DETAIL_FIELD_NUMBER: _ClassVar[int]
     namespace: Namespace
     hashes: _containers.RepeatedScalarFieldContainer[bytes]
     write_policy: WritePolicy
     priority: Priority
-    def __init__(self, namespace: _Optional[_Union[Namespace, _Mapping]] = ..., hashes: _Optional[_Iterable[bytes]] = ..., write_policy: _Optional[_Union[WritePolicy, str]] = ..., priority: _Optional[_Union[Priority, str]] = ...) -> None: ...
+    detail: PutDetail
+    def __init__(self, namespace: _Optional[_Union[Namespace, _Mapping]] = ..., hashes: _Optional[_Iterable[bytes]] = ..., write_policy: _Optional[_Union[WritePolicy, str]] = ..., priority: _Optional[_Union[Priority, str]] = ..., detail: _Optional[_Union[PutDetail, _Mapping]] = ...) -> None: ...
 
 class PutChunk(_message.Message):
     __slots__ = ("header", "data")
@@ -175,7 +189,7 @@ class AcquireRequest(_message.Message):
     def __init__(self, namespace: _Optional[_Union[Namespace, _Mapping]] = ..., hashes: _Optional[_Iterable[bytes]] = ..., lease_ttl_s: _Optional[float] = ..., slab_id: _Optional[bytes] = ..., packed_extents: _Optional[bool] = ..., releases: _Optional[_Iterable[_Union[LeaseRequest, _Mapping]]] = ...) -> None: ...
 
 class AllocateRequest(_message.Message):
-    __slots__ = ("namespace", "hashes", "write_policy", "priority", "lease_ttl_s", "slab_id", "packed_extents", "releases")
+    __slots__ = ("namespace", "hashes", "write_policy", "priority", "lease_ttl_s", "slab_id", "packed_extents", "releases", "detail")
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     HASHES_FIELD_NUMBER: _ClassVar[int]
     WRITE_POLICY_FIELD_NUMBER: _ClassVar[int]
@@ -184,6 +198,7 @@ class AllocateRequest(_message.Message):
     SLAB_ID_FIELD_NUMBER: _ClassVar[int]
     PACKED_EXTENTS_FIELD_NUMBER: _ClassVar[int]
     RELEASES_FIELD_NUMBER: _ClassVar[int]
+    DETAIL_FIELD_NUMBER: _ClassVar[int]
     namespace: Namespace
     hashes: _containers.RepeatedScalarFieldContainer[bytes]
     write_policy: WritePolicy
@@ -192,7 +207,8 @@ class AllocateRequest(_message.Message):
     slab_id: bytes
     packed_extents: bool
     releases: _containers.RepeatedCompositeFieldContainer[LeaseRequest]
-    def __init__(self, namespace: _Optional[_Union[Namespace, _Mapping]] = ..., hashes: _Optional[_Iterable[bytes]] = ..., write_policy: _Optional[_Union[WritePolicy, str]] = ..., priority: _Optional[_Union[Priority, str]] = ..., lease_ttl_s: _Optional[float] = ..., slab_id: _Optional[bytes] = ..., packed_extents: _Optional[bool] = ..., releases: _Optional[_Iterable[_Union[LeaseRequest, _Mapping]]] = ...) -> None: ...
+    detail: PutDetail
+    def __init__(self, namespace: _Optional[_Union[Namespace, _Mapping]] = ..., hashes: _Optional[_Iterable[bytes]] = ..., write_policy: _Optional[_Union[WritePolicy, str]] = ..., priority: _Optional[_Union[Priority, str]] = ..., lease_ttl_s: _Optional[float] = ..., slab_id: _Optional[bytes] = ..., packed_extents: _Optional[bool] = ..., releases: _Optional[_Iterable[_Union[LeaseRequest, _Mapping]]] = ..., detail: _Optional[_Union[PutDetail, _Mapping]] = ...) -> None: ...
 
 class LeaseResponse(_message.Message):
     __slots__ = ("lease_id", "num_blocks", "blocks", "write_indices", "expires_in_s", "num_cached", "slab_id", "checksums", "extent_offsets", "extent_lengths", "extent_counts")

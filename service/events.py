@@ -1,0 +1,337 @@
+"""KV events: what the sidecar holds, published for cache-aware routers in vLLM 0.32's wire
+format (``vllm.distributed.kv_events``), so that an unmodified consumer decodes them with vLLM's
+own classes. A ZMQ PUB socket sends three frames a message: the topic, an 8-byte big-endian
+sequence number and a msgpack ``KVEventBatch`` of ``BlockStored`` / ``BlockRemoved`` /
+``AllBlocksCleared``; a ROUTER socket replays batches still in a bounded ring and restates a
+topic's whole holding on request (a resync). One thread owns both sockets.
+
+Contracts (docs/design/events.md):
+1. One topic per namespace (the template must name ``{namespace}``), so one tenant's blocks are
+   never on another's topic, and an ``AllBlocksCleared`` there clears exactly one namespace.
+2. Each topic's sequence numbers are consecutive, from the instant this publisher started in
+   microseconds since the epoch: a restart jumps ahead, which a subscriber sees as a gap.
+3. Each start and each resync of a topic is one ``AllBlocksCleared`` and then ``BlockStored``
+   for everything every tier holds at one instant, in order with the events before and after.
+4. Store records dropped because this publisher fell behind make their namespaces restated.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import msgpack
+import zmq
+
+from tierkv.config import Tier
+from tierkv.keys import Namespace
+from tierkv.logs import log_event
+from tierkv.service.config import EventsConfig
+from tierkv.store import TieredStore
+from tierkv.store.events import CLEARED, REMOTE_TIER, REMOVED, SNAPSHOT, STORED, EventLog, Record
+from tierkv.store.events import Snapshot as HoldingSnapshot
+
+log = logging.getLogger(__name__)
+
+END_SEQ = (-1).to_bytes(8, "big", signed=True)
+"""The last frame of a replay or resync answer (vLLM's end-of-replay marker)."""
+RESYNC = b"resync"
+"""First frame of a resync request: ``[b"", b"resync", topic]`` (topic empty: every topic)."""
+
+# (medium, locality) of each tier code: vLLM's GPU / CPU / STORAGE, REMOTE is remote storage.
+_MEDIUM: dict[int, tuple[str, str]] = {
+    Tier.GPU: ("GPU", "LOCAL"), Tier.HOST: ("CPU", "LOCAL"), Tier.DISK: ("STORAGE", "LOCAL"),
+    REMOTE_TIER: ("STORAGE", "REMOTE"),
+}
+_RESERVED = str.maketrans({"%": "%25", "@": "%40", ":": "%3A", "/": "%2F"})
+
+
+def model_name(model_id: str) -> str:
+    """The model a namespace's ``model_id`` names, as routers know it: the vLLM connector's
+    ``vllm:NAME@REVISION|...`` gives NAME; any other id its text before the first ``|``."""
+    head = model_id.split("|", 1)[0]
+    if head.startswith("vllm:"):
+        head = head.removeprefix("vllm:").rsplit("@", 1)[0]
+    return head
+
+
+def topic_of(template: str, node: str, namespace: Namespace) -> str:
+    """``template`` filled for ``namespace`` (``%``, ``@``, ``:`` and ``/`` in a field are
+    percent-encoded, so a field never reads as a separator)."""
+    return template.format(
+        node=node.translate(_RESERVED), tenant=namespace.tenant.translate(_RESERVED),
+        model=model_name(namespace.model_id).translate(_RESERVED),
+        namespace=namespace.id.hex())
+
+
+@dataclass(eq=False)
+class EventCounters:
+    """Since start: events and batches published, store records dropped (the publisher fell
+    behind: their namespaces were restated), batches replayed, topics restated on request,
+    and replay or resync requests that were malformed."""
+
+    events_published: int = 0
+    batches_published: int = 0
+    batches_replayed: int = 0
+    resyncs: int = 0
+    bad_requests: int = 0
+
+
+class _Topic:
+    """One namespace's topic: its name, next sequence number and block size."""
+
+    __slots__ = ("block_size", "name", "namespace", "next_seq", "sent_s")
+
+    def __init__(self, name: bytes, namespace: Namespace, first_seq: int) -> None:
+        self.name = name
+        self.namespace = namespace
+        self.block_size = namespace.layout.block_size
+        self.next_seq = first_seq
+        self.sent_s = 0.0  # when its last batch went (monotonic)
+
+
+class EventPublisher:
+    """Publishes one store's ``EventLog`` (see the module docstring). ``start`` binds (a
+    ``ConfigError``-free ``zmq.ZMQError`` propagates for an endpoint that cannot be bound) and
+    restates every namespace; ``close`` sends what is left and unbinds."""
+
+    def __init__(self, config: EventsConfig, store: TieredStore, events: EventLog) -> None:
+        self.config = config
+        self.counters = EventCounters()
+        self._store = store
+        self._events = events
+        self._first_seq = time.time_ns() // 1000
+        self._topics: dict[bytes, _Topic] = {}  # by namespace id
+        self._by_name: dict[bytes, _Topic] = {}
+        self._ring: deque[tuple[bytes, bytes, bytes]] = deque(maxlen=config.ring_batches)
+        self._ctx = zmq.Context()
+        self._pub = self._ctx.socket(zmq.PUB)
+        self._pub.setsockopt(zmq.SNDHWM, config.hwm)
+        self._pub.setsockopt(zmq.LINGER, 1000)
+        self._router = self._ctx.socket(zmq.ROUTER)
+        self._router.setsockopt(zmq.LINGER, 0)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="tierkv-events", daemon=True)
+        self.endpoint = ""
+        self.replay_endpoint = ""
+
+    def start(self) -> None:
+        """Bind both sockets (``endpoint`` and ``replay_endpoint`` are then the bound ones),
+        record every namespace's holding for the first batches, and start publishing."""
+        try:
+            self._pub.bind(self.config.endpoint)
+            self._router.bind(self.config.replay_endpoint)
+        except zmq.ZMQError:
+            self._ctx.destroy(linger=0)
+            raise
+        self.endpoint = self._pub.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.replay_endpoint = self._router.getsockopt_string(zmq.LAST_ENDPOINT)
+        for namespace in self._store.restate_events():
+            self._topic(namespace)  # known from the start: heartbeats go there too
+        self._thread.start()
+
+    def close(self) -> None:
+        """Publish what the store recorded so far, then stop (idempotent)."""
+        if self._stop.is_set():
+            return
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join()
+        self._ctx.destroy(linger=1000)
+
+    @property
+    def num_dropped(self) -> int:
+        """Store records dropped because the publisher fell behind (since start)."""
+        return self._events.num_dropped
+
+    # --- the thread ---------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        interval_s = self.config.interval_s
+        poll_ms = max(1, min(10, int(interval_s * 1000)))
+        next_flush_s = time.monotonic() + interval_s
+        while not self._stop.is_set():
+            try:
+                while self._router.poll(poll_ms):
+                    self._answer(self._router.recv_multipart())
+                if self._events.wake.is_set() or time.monotonic() >= next_flush_s:
+                    self._flush()  # (what it restated unasked needs no answer)
+                    self._heartbeat()
+                    next_flush_s = time.monotonic() + interval_s
+            except Exception:  # a bug must not stop the events; the next flush tries again
+                log.exception("publishing KV events failed")
+                time.sleep(interval_s)
+        try:
+            self._flush()
+        except Exception:
+            log.exception("publishing the last KV events failed")
+
+    def _flush(self) -> dict[bytes, int]:
+        """Publish everything recorded so far; the sequence number at which each restated
+        topic's ``AllBlocksCleared`` went (by topic name)."""
+        records, lost = self._events.take()
+        if lost:  # their records were dropped: restate them, after what was kept
+            log_event(log, logging.WARNING, "events_dropped",
+                      f"KV events fell behind: {len(lost)} namespaces restated",
+                      num_namespaces=len(lost), num_dropped=self._events.num_dropped)
+            self._store.restate_events([state.id for state in lost])
+            more, _ = self._events.take()
+            records += more
+        restated: dict[bytes, int] = {}
+        for topic, events, snapshot_at in self._group(records):
+            first_seq = self._send(topic, events)
+            if snapshot_at is not None:
+                restated[topic.name] = first_seq + snapshot_at // self.config.batch_events
+        return restated
+
+    def _group(self, records: list[Record]) -> Iterator[tuple[_Topic, list[Any], int | None]]:
+        """Each topic's events, in record order, and where its last snapshot begins."""
+        by_topic: dict[bytes, tuple[_Topic, list[Any], list[int]]] = {}
+        for kind, tier, state, value, detail in records:
+            topic = self._topic(state.namespace)
+            _, events, snapshots = by_topic.setdefault(state.id, (topic, [], []))
+            if kind == STORED:
+                assert isinstance(value, bytes)
+                events.append(self._stored(topic, tier, value, detail))
+            elif kind == REMOVED:
+                assert isinstance(value, bytes)
+                medium, locality = _MEDIUM[tier]
+                last = events[-1] if events else None
+                if (last is not None and last["type"] == "BlockRemoved"
+                        and last["medium"] == medium and last["locality"] == locality):
+                    last["block_hashes"].append(self._external(value))
+                else:
+                    events.append({"type": "BlockRemoved",
+                                   "block_hashes": [self._external(value)], "medium": medium,
+                                   "locality": locality, "ownership": self._ownership})
+            elif kind == CLEARED:
+                events.append({"type": "AllBlocksCleared"})
+            elif kind == SNAPSHOT:
+                assert isinstance(value, HoldingSnapshot)
+                snapshots.append(len(events))
+                events.append({"type": "AllBlocksCleared"})
+                events.extend(self._holding(topic, state.id, value))
+        for topic, events, snapshots in by_topic.values():
+            yield topic, events, snapshots[-1] if snapshots else None
+
+    def _holding(self, topic: _Topic, namespace_id: bytes, snapshot: HoldingSnapshot
+                 ) -> Iterator[dict[str, Any]]:
+        for tier, hashes in snapshot.by_tier.items():
+            for block_hash in hashes:
+                yield self._stored(topic, tier, block_hash, None)
+        if snapshot.with_remote:  # read now: every REMOTE change from here on comes after
+            for block_hash in set(self._store.remote_hashes(namespace_id)):
+                yield self._stored(topic, REMOTE_TIER, block_hash, None)
+
+    def _stored(self, topic: _Topic, tier: int, block_hash: bytes,
+                detail: Any) -> dict[str, Any]:
+        medium, locality = _MEDIUM[tier]
+        event: dict[str, Any] = {
+            "type": "BlockStored", "block_hashes": [self._external(block_hash)],
+            "parent_block_hash": None, "token_ids": [], "block_size": topic.block_size,
+            "lora_id": None, "medium": medium, "lora_name": None,
+        }
+        if detail is not None:
+            put, index, parent = detail
+            if parent is not None:
+                event["parent_block_hash"] = self._external(parent)
+            if self.config.token_ids:
+                event["token_ids"] = put.tokens_of(index, topic.block_size)
+            event["lora_name"] = put.lora_name
+            if put.extra_keys:
+                extra = put.extra_keys[index]
+                event["extra_keys"] = [None if extra is None else list(extra)]
+        event["locality"] = locality
+        event["ownership"] = self._ownership
+        return event
+
+    @property
+    def _ownership(self) -> str:
+        return f"tierkv@{self.config.node}"
+
+    def _external(self, block_hash: bytes) -> bytes | int:
+        """vLLM's external form of a hash: its last 8 bytes as an int (vLLM's default,
+        ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=1``) or the bytes."""
+        if self.config.hash_form == "int":
+            return int.from_bytes(block_hash[-8:], "big")
+        return block_hash
+
+    def _topic(self, namespace: Namespace) -> _Topic:
+        topic = self._topics.get(namespace.id)
+        if topic is None:
+            name = topic_of(self.config.topic, self.config.node, namespace).encode()
+            topic = self._topics[namespace.id] = _Topic(name, namespace, self._first_seq)
+            self._by_name[name] = topic
+        return topic
+
+    def _send(self, topic: _Topic, events: list[Any]) -> int:
+        """Publish ``events`` on ``topic`` in batches; the first batch's sequence number."""
+        first_seq = topic.next_seq
+        size = self.config.batch_events
+        topic.sent_s = time.monotonic()
+        for start in range(0, max(1, len(events)), size):
+            chunk = events[start : start + size]
+            payload: bytes = msgpack.packb([time.time(), chunk], use_bin_type=True)
+            seq = topic.next_seq
+            topic.next_seq += 1
+            frames = (topic.name, seq.to_bytes(8, "big"), payload)
+            self._pub.send_multipart(frames, copy=False)
+            self._ring.append(frames)
+            self.counters.events_published += len(chunk)
+            self.counters.batches_published += 1
+        return first_seq
+
+    def _heartbeat(self) -> None:
+        """An empty batch on each topic quiet for ``heartbeat_s``: a subscriber learns of a
+        gap (or of this publisher's restart, whose sequence jumps) within that time, even on a
+        topic with nothing to say."""
+        now_s = time.monotonic()
+        for topic in self._topics.values():
+            if now_s - topic.sent_s >= self.config.heartbeat_s:
+                self._send(topic, [])
+
+    # --- replay and resync --------------------------------------------------------------------
+
+    def _answer(self, frames: list[bytes]) -> None:
+        """One request on the ROUTER socket: ``[id, b"", start_seq]`` replays every topic's
+        batches from ``start_seq`` on (vLLM's form); ``[id, b"", start_seq, topic]`` that
+        topic's; ``[id, b"", b"resync", topic]`` restates ``topic`` (empty: every topic)."""
+        if len(frames) not in (3, 4) or frames[1] != b"":
+            self.counters.bad_requests += 1
+            return
+        client, head = frames[0], frames[2]
+        if head == RESYNC and len(frames) == 4:
+            self._begin_resync(client, frames[3])
+            return
+        if len(head) != 8:
+            self.counters.bad_requests += 1
+            self._router.send_multipart((client, b"", b"", END_SEQ, b""))
+            return
+        start = int.from_bytes(head, "big")
+        only = frames[3] if len(frames) == 4 else None
+        for name, seq_bytes, payload in list(self._ring):
+            if (only is None or name == only) and int.from_bytes(seq_bytes, "big") >= start:
+                self._router.send_multipart((client, b"", name, seq_bytes, payload))
+                self.counters.batches_replayed += 1
+        self._router.send_multipart((client, b"", b"", END_SEQ, b""))
+
+    def _begin_resync(self, client: bytes, name: bytes) -> None:
+        """Restate ``name``'s namespace (empty: every namespace) in-stream now, then answer
+        ``[topic, seq, b"resync"]`` for each topic restated (``seq``: where its
+        ``AllBlocksCleared`` went) and the end marker; an unknown topic gets the marker only."""
+        ids: list[bytes] | None = None
+        if name:
+            topic = self._by_name.get(name)
+            ids = [topic.namespace.id] if topic is not None else []
+        restated = self._store.restate_events(ids) if ids != [] else []
+        self.counters.resyncs += len(restated)
+        starts = self._flush()
+        for topic_name, seq in starts.items():
+            if not name or topic_name == name:
+                self._router.send_multipart((client, b"", topic_name, seq.to_bytes(8, "big"),
+                                             RESYNC))
+        self._router.send_multipart((client, b"", b"", END_SEQ, b""))

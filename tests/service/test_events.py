@@ -1,0 +1,226 @@
+"""KV events (``tierkv.service.events``) against the store they describe: a subscriber decoding
+with vLLM's own classes (``tests/support/kv_events.py``) rebuilds, topic by topic, what every
+tier holds, and after a random workload (puts with and without token ids, reads that promote,
+evictions HOST -> DISK -> REMOTE on a real ``redis-server``, deletes, clears, a restart) its
+index equals the store's holding tier by tier; the same after the subscriber is killed and
+comes back (replay), and after it missed more than the ring holds (resync)."""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.support.harness import store_config
+from tests.support.kv_events import EventIndex
+from tests.support.redis_cluster import RedisServer
+from tests.support.tiny_blocks import TINY_LAYOUT, blocks, keys
+from tierkv import Namespace, PutDetail, Tier, WritePolicy
+from tierkv.config import RemoteTierConfig
+from tierkv.service.config import EventsConfig
+from tierkv.service.events import EventPublisher, topic_of
+from tierkv.store import TieredStore
+from tierkv.store.events import EventLog
+
+NODE = "node-a"
+WHERE = {Tier.GPU: ("GPU", "LOCAL"), Tier.HOST: ("CPU", "LOCAL"),
+         Tier.DISK: ("STORAGE", "LOCAL")}
+REMOTE_WHERE = ("STORAGE", "REMOTE")
+NAMESPACES = [Namespace("model-a", TINY_LAYOUT, tenant="alice"),
+              Namespace("model-a", TINY_LAYOUT, tenant="bob")]
+
+
+def external(block_hash: bytes) -> int:
+    return int.from_bytes(block_hash[-8:], "big")
+
+
+class Sidecar:
+    """A store with an event publisher on ``ipc`` sockets under ``root`` (restartable)."""
+
+    def __init__(self, root: Path, remote_url: str, **events: Any) -> None:
+        self.config = dataclasses.replace(
+            store_config(root, host_blocks=8, disk_blocks=12),
+            remote=RemoteTierConfig.from_url(remote_url))
+        self.events_config = EventsConfig(f"ipc://{root}/events", node=NODE, interval_s=0.01,
+                                          heartbeat_s=0.2, **events)
+        self.store: TieredStore
+        self.publisher: EventPublisher
+        self.start()
+
+    def start(self) -> None:
+        log = EventLog()
+        self.store = TieredStore(self.config, events=log)
+        for namespace in NAMESPACES:
+            self.store.register(namespace)
+        self.publisher = EventPublisher(self.events_config, self.store, log)
+        self.publisher.start()
+
+    def stop(self) -> None:
+        self.store.close(flush=True)
+        self.publisher.close()
+
+    def settle(self) -> None:
+        self.store.wait_for_background(10)
+        assert self.store.flush_remote(10)
+
+    def truth(self, namespace: Namespace) -> dict[tuple[str, str | None], set[int]]:
+        held = {WHERE[tier]: {external(h) for h in hashes}
+                for tier, hashes in self.store.blocks_by_tier(namespace).items()}
+        held[REMOTE_WHERE] = {external(h) for h in self.store.remote_hashes(namespace.id)}
+        return {where: hashes for where, hashes in held.items() if hashes}
+
+    def subscriber(self) -> EventIndex:
+        return EventIndex(self.publisher.endpoint, self.publisher.replay_endpoint)
+
+
+def topic(namespace: Namespace) -> bytes:
+    return topic_of(EventsConfig("ipc:///x").topic, NODE, namespace).encode()
+
+
+def assert_index_is_truth(index: EventIndex, sidecar: Sidecar) -> None:
+    sidecar.settle()
+    index.poll()
+    for namespace in NAMESPACES:
+        assert index.holding(topic(namespace)) == sidecar.truth(namespace), namespace.tenant
+
+
+@pytest.fixture(scope="module")
+def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    with RedisServer(tmp_path_factory.mktemp("redis")) as server:
+        yield server.url
+
+
+@pytest.fixture
+def sidecar(tmp_path: Path, redis_url: str) -> Iterator[Sidecar]:
+    import redis
+
+    redis.Redis.from_url(redis_url).flushall()
+    sidecar = Sidecar(Path(tmp_path), redis_url)
+    yield sidecar
+    sidecar.stop()
+
+
+def random_workload(sidecar: Sidecar, rng: random.Random, num_steps: int) -> None:
+    """Puts (some written through, some with token ids), reads, deletes and clears over a pool
+    of 40 hashes a namespace: HOST holds 8 blocks and DISK 12, so blocks go on to REMOTE."""
+    store = sidecar.store
+    pool = keys(40)
+    for _ in range(num_steps):
+        namespace = rng.choice(NAMESPACES)
+        start = rng.randrange(len(pool) - 4)
+        chain = pool[start : start + rng.randint(1, 4)]
+        action = rng.random()
+        if action < 0.55:
+            detail = None
+            if rng.random() < 0.5:
+                tokens = tuple(rng.randrange(1000) for _ in range(len(chain) * 4))
+                detail = PutDetail(tokens, pool[start - 1] if start else None)
+            policy = WritePolicy.WRITE_THROUGH if rng.random() < 0.3 else None
+            store.put(namespace, chain, blocks(len(chain), seed=start), write_policy=policy,
+                      detail=detail)
+        elif action < 0.8:
+            store.get(namespace, chain)
+        elif action < 0.95:
+            store.delete(namespace, chain)
+        else:
+            store.clear(namespace=namespace)
+
+
+def test_index_follows_a_random_workload_and_a_restart(sidecar: Sidecar) -> None:
+    index = sidecar.subscriber()
+    index.resync()  # a router that starts after the sidecar asks for everything once
+    rng = random.Random(28)
+    for _ in range(3):
+        random_workload(sidecar, rng, 60)
+        assert_index_is_truth(index, sidecar)
+    assert any(index.holding(topic(ns)).get(REMOTE_WHERE) for ns in NAMESPACES)
+    # A restart: HOST is flushed to DISK, the new publisher's sequence jumps ahead and starts
+    # with every namespace restated; the subscriber that stayed sees the jump and recovers.
+    sidecar.stop()
+    sidecar.start()
+    random_workload(sidecar, rng, 30)
+    assert_index_is_truth(index, sidecar)
+    assert index.num_resyncs >= 2 or index.num_replays >= 1
+    index.close()
+
+
+def test_a_killed_subscriber_replays_what_it_missed(sidecar: Sidecar) -> None:
+    index = sidecar.subscriber()
+    index.resync()
+    random_workload(sidecar, random.Random(1), 40)
+    assert_index_is_truth(index, sidecar)
+    next_seq = dict(index.next_seq)
+    index.close()  # killed: what is published now reaches nobody
+    random_workload(sidecar, random.Random(2), 40)
+    sidecar.settle()
+    back = sidecar.subscriber()
+    back.index, back.next_seq = index.index, next_seq  # its state as it was when it died
+    for name, start in next_seq.items():
+        back.replay(name, start)
+    assert back.num_replayed > 0 and back.num_resyncs == 0
+    assert_index_is_truth(back, sidecar)
+    back.close()
+
+
+def test_a_gap_past_the_ring_is_resynced(tmp_path: Path, redis_url: str) -> None:
+    sidecar = Sidecar(tmp_path, redis_url, ring_batches=2)
+    try:
+        index = sidecar.subscriber()
+        index.resync()
+        random_workload(sidecar, random.Random(3), 20)
+        assert_index_is_truth(index, sidecar)
+        next_seq = dict(index.next_seq)
+        index.close()
+        for step in range(6):  # many batches, each flushed alone: the ring keeps 2
+            random_workload(sidecar, random.Random(10 + step), 5)
+            sidecar.settle()
+            time.sleep(0.05)  # published in a batch of its own
+        back = sidecar.subscriber()
+        back.index, back.next_seq = index.index, next_seq
+        random_workload(sidecar, random.Random(99), 10)  # the stream goes on: a gap is seen
+        assert_index_is_truth(back, sidecar)
+        assert back.num_resyncs >= 1
+        assert sidecar.publisher.counters.resyncs >= 1
+        back.close()
+    finally:
+        sidecar.stop()
+
+
+def test_token_ids_and_parents_reach_the_event(sidecar: Sidecar) -> None:
+    index = sidecar.subscriber()
+    index.resync()
+    namespace = NAMESPACES[0]
+    chain = keys(3, start=100)
+    tokens = tuple(range(500, 512))
+    sidecar.store.put(namespace, chain, blocks(3), detail=PutDetail(tokens, keys(1, 99)[0],
+                                                                    lora_name="adapter"))
+    assert_index_is_truth(index, sidecar)
+    stored = {event.block_hashes[0]: event for name, event in index.stored
+              if name == topic(namespace) and event.medium == "CPU"}
+    for number, block_hash in enumerate(chain):
+        event = stored[external(block_hash)]
+        assert event.token_ids == list(tokens[number * 4 : number * 4 + 4])
+        parent = keys(1, 99)[0] if number == 0 else chain[number - 1]
+        assert event.parent_block_hash == external(parent)
+        assert event.block_size == 4 and event.lora_name == "adapter"
+        assert event.ownership == f"tierkv@{NODE}"
+    index.close()
+
+
+def test_token_ids_off_publishes_none(tmp_path: Path, redis_url: str) -> None:
+    sidecar = Sidecar(tmp_path, redis_url, token_ids=False)
+    try:
+        index = sidecar.subscriber()
+        index.resync()
+        sidecar.store.put(NAMESPACES[0], keys(2), blocks(2),
+                          detail=PutDetail(tuple(range(8))))
+        assert_index_is_truth(index, sidecar)
+        assert index.stored and all(event.token_ids == [] for _, event in index.stored)
+        index.close()
+    finally:
+        sidecar.stop()
