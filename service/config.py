@@ -88,8 +88,8 @@ class EventsConfig:
                               "topic a namespace, so that tenants never share one")
         if self.hash_form not in ("int", "bytes"):
             raise ConfigError(f"--events-hash-form must be int or bytes, got {self.hash_form!r}")
-        if not self.interval_s > 0 or not self.heartbeat_s > 0 or min(self.batch_events, self.ring_batches, self.hwm,
-                                          self.max_pending) < 1:
+        counts = (self.batch_events, self.ring_batches, self.hwm, self.max_pending)
+        if not self.interval_s > 0 or not self.heartbeat_s > 0 or min(counts) < 1:
             raise ConfigError("--events-interval-s, --events-heartbeat-s, --events-batch-events, "
                               "--events-ring-batches, --events-hwm and --events-max-pending "
                               "must be positive")
