@@ -11,7 +11,9 @@ Contracts (docs/design/events.md):
 2. Each topic's sequence numbers are consecutive, from the instant this publisher started in
    microseconds since the epoch: a restart jumps ahead, which a subscriber sees as a gap.
 3. Each start and each resync of a topic is one ``AllBlocksCleared`` and then ``BlockStored``
-   for everything every tier holds at one instant, in order with the events before and after.
+   for everything every tier holds at one instant, in order with the events before and after;
+   a topic first met after the start begins with an ``AllBlocksCleared`` too. A subscriber may
+   adopt a topic from any batch that begins with one, and must resync one it meets elsewhere.
 4. Store records dropped because this publisher fell behind make their namespaces restated.
 """
 from __future__ import annotations
@@ -192,8 +194,13 @@ class EventPublisher:
         """Each topic's events, in record order, and where its last snapshot begins."""
         by_topic: dict[bytes, tuple[_Topic, list[Any], list[int]]] = {}
         for kind, tier, state, value, detail in records:
-            topic = self._topic(state.namespace)
-            _, events, snapshots = by_topic.setdefault(state.id, (topic, [], []))
+            entry = by_topic.get(state.id)
+            if entry is None:
+                new = state.id not in self._topics
+                entry = by_topic[state.id] = (self._topic(state.namespace), [], [])
+                if new:  # a topic's first batch starts from nothing: a subscriber may adopt it
+                    entry[1].append({"type": "AllBlocksCleared"})
+            topic, events, snapshots = entry
             if kind == STORED:
                 assert isinstance(value, bytes)
                 events.append(self._stored(topic, tier, value, detail))

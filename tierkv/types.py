@@ -6,6 +6,7 @@ never loads the store, its tiers or LMDB.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -243,14 +244,17 @@ class PutDetail:
     """What a writer may say of the blocks of one put, for the sidecar's KV events only (never
     stored): ``token_ids``, every block's tokens in block order (``layout.block_size`` each;
     empty: none given); ``parent_hash``, the hash of the block before the first (None: the
-    first block starts its chain, or unknown); ``lora_name``; ``extra_keys``, one entry per
-    block (vLLM's ``BlockStored.extra_keys``; empty: none). Routers match token ids against
-    prompts, so they are prompt content: the sidecar publishes them only when asked to."""
+    first block starts its chain, or unknown), the put's blocks being one chain; or
+    ``parent_hashes``, each block's parent (None: a chain starts there), for a put of several
+    chains; ``lora_name``; ``extra_keys``, one entry per block (vLLM's
+    ``BlockStored.extra_keys``; empty: none). Routers match token ids against prompts, so they
+    are prompt content: the sidecar publishes them only when asked to."""
 
     token_ids: tuple[int, ...] = ()
     parent_hash: bytes | None = None
     lora_name: str | None = None
     extra_keys: tuple[tuple[Any, ...] | None, ...] = ()
+    parent_hashes: tuple[bytes | None, ...] = ()
 
     def check(self, num_blocks: int, block_size: int) -> None:
         """``InvalidArgumentError`` unless it fits a put of ``num_blocks`` blocks."""
@@ -266,6 +270,18 @@ class PutDetail:
                 "block, or none)")
         if self.parent_hash is not None and len(self.parent_hash) != 32:
             raise InvalidArgumentError("parent_hash: a block hash is 32 bytes")
+        if self.parent_hashes and len(self.parent_hashes) != num_blocks:
+            raise InvalidArgumentError(
+                f"parent_hashes: {len(self.parent_hashes)} for {num_blocks} blocks (one a "
+                "block, or none)")
+        if any(parent is not None and len(parent) != 32 for parent in self.parent_hashes):
+            raise InvalidArgumentError("parent_hashes: a block hash is 32 bytes")
+
+    def parent_of(self, index: int, hashes: Sequence[bytes]) -> bytes | None:
+        """Block ``index``'s parent among the put's ``hashes``."""
+        if self.parent_hashes:
+            return self.parent_hashes[index]
+        return hashes[index - 1] if index else self.parent_hash
 
     def tokens_of(self, index: int, block_size: int) -> list[int]:
         """Block ``index``'s tokens (empty when none were given)."""

@@ -357,7 +357,7 @@ class Writer:
 
 
 def _block_detail(detail: PutDetail | None, keys: list[bytes], index: int) -> BlockDetail | None:
-    """Block ``index``'s part of a put's detail: a put with a detail is one chain."""
+    """Block ``index``'s part of a put's detail."""
     if detail is None:
         return None
-    return detail, index, keys[index - 1] if index else detail.parent_hash
+    return detail, index, detail.parent_of(index, keys)

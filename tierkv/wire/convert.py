@@ -401,6 +401,7 @@ def put_detail_to(detail: PutDetail | None) -> pb.PutDetail | None:
         extra_keys=msgpack.packb([None if keys is None else list(keys)
                                   for keys in detail.extra_keys], use_bin_type=True)
         if detail.extra_keys else b"",
+        parent_hashes=[parent or b"" for parent in detail.parent_hashes],
     )
 
 
@@ -420,4 +421,5 @@ def put_detail_from(message: Any, present: bool) -> PutDetail | None:
             raise InvalidArgumentError("PutDetail.extra_keys: one array (or nil) a block")
         extra_keys = tuple(None if keys is None else tuple(keys) for keys in decoded)
     return PutDetail(tuple(message.token_ids), bytes(message.parent_hash) or None,
-                     message.lora_name or None, extra_keys)
+                     message.lora_name or None, extra_keys,
+                     tuple(bytes(parent) or None for parent in message.parent_hashes))

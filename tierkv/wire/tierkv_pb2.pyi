@@ -115,16 +115,18 @@ class PinRequest(_message.Message):
     def __init__(self, namespace: _Optional[_Union[Namespace, _Mapping]] = ..., hashes: _Optional[_Iterable[bytes]] = ..., ttl_s: _Optional[float] = ...) -> None: ...
 
 class PutDetail(_message.Message):
-    __slots__ = ("token_ids", "parent_hash", "lora_name", "extra_keys")
+    __slots__ = ("token_ids", "parent_hash", "lora_name", "extra_keys", "parent_hashes")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     PARENT_HASH_FIELD_NUMBER: _ClassVar[int]
     LORA_NAME_FIELD_NUMBER: _ClassVar[int]
     EXTRA_KEYS_FIELD_NUMBER: _ClassVar[int]
+    PARENT_HASHES_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     parent_hash: bytes
     lora_name: str
     extra_keys: bytes
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., parent_hash: _Optional[bytes] = ..., lora_name: _Optional[str] = ..., extra_keys: _Optional[bytes] = ...) -> None: ...
+    parent_hashes: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., parent_hash: _Optional[bytes] = ..., lora_name: _Optional[str] = ..., extra_keys: _Optional[bytes] = ..., parent_hashes: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class PutHeader(_message.Message):
     __slots__ = ("namespace", "hashes", "write_policy", "priority", "detail")

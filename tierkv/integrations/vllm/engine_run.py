@@ -62,6 +62,12 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
         kwargs["num_gpu_blocks_override"] = int(spec["num_gpu_blocks"])
     if spec.get("kv_cache_dtype"):
         kwargs["kv_cache_dtype"] = str(spec["kv_cache_dtype"])
+    if spec.get("kv_events_endpoint"):  # vLLM's own KV events, beside the sidecar's
+        from vllm.config import KVEventsConfig
+
+        kwargs["kv_events_config"] = KVEventsConfig(
+            enable_kv_cache_events=True, publisher="zmq", endpoint=str(spec["kv_events_endpoint"]),
+            topic="vllm")
     llm = LLM(
         model=spec["model"], skip_tokenizer_init=True, enforce_eager=True,
         dtype=spec.get("dtype", "bfloat16"), max_model_len=int(spec.get("max_model_len", 4096)),

@@ -26,6 +26,7 @@ Contracts (vLLM v1's connector API):
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Sequence
@@ -36,6 +37,7 @@ from tierkv.client import Client
 from tierkv.integrations.vllm.geometry import FULL, NULL_BLOCK_ID, BlockGeometry, EngineGeometry
 from tierkv.integrations.vllm.settings import ConnectorSettings
 from tierkv.keys import Namespace
+from tierkv.types import PutDetail
 
 log = logging.getLogger("tierkv.integrations.vllm")
 
@@ -55,6 +57,7 @@ class BlockOp:
     hashes: tuple[bytes, ...]
     block_ids: tuple[int, ...]
     group: int = 0
+    detail: PutDetail | None = None  # a save's: what KV events say of its blocks
 
 
 @dataclass(slots=True)
@@ -288,7 +291,7 @@ class SchedulerSide:
             if end <= start:
                 continue
             state.stored_blocks[g] = end
-            save = self._op(state.request, g, ids, start, end)
+            save = self._save_op(state.request, g, ids, start, end)
             if save is not None:
                 meta.saves.append(save)
 
@@ -302,6 +305,28 @@ class SchedulerSide:
         hashes = self._hashes(request, end, start, group)  # only these: not the whole prefix
         return BlockOp(request.request_id, tuple(hashes[k - start] for k in positions),
                        tuple(ids[k] for k in positions), group)
+
+    def _save_op(self, request: Any, group: int, ids: list[int], start: int, end: int
+                 ) -> BlockOp | None:
+        """``_op``, with what vLLM's own ``BlockStored`` says of each block (its tokens,
+        parent, LoRA and extra keys) when ``event_detail`` is on."""
+        op = self._op(request, group, ids, start, end)
+        if op is None or not self.settings.event_detail:
+            return op
+        positions = [k for k in range(start, end) if ids[k] != NULL_BLOCK_ID]
+        size = self.geometry.groups[group].block_size
+        hashes = self._hashes(request, end, max(0, start - 1), group)
+        parents = tuple(hashes[k - max(0, start - 1) - 1] if k else None for k in positions)
+        tokens = request.all_token_ids
+        lora = getattr(request, "lora_request", None)
+        extra: tuple[tuple[Any, ...] | None, ...] = ()
+        if lora is not None or getattr(request, "cache_salt", None) or getattr(
+                request, "mm_features", None):
+            extra = tuple(_event_extra_keys(request, k * size, (k + 1) * size) for k in positions)
+        return dataclasses.replace(op, detail=PutDetail(
+            tuple(int(t) for k in positions for t in tokens[k * size : (k + 1) * size]),
+            lora_name=lora.name if lora is not None else None, extra_keys=extra,
+            parent_hashes=parents))
 
     def on_output(self, invalid_block_ids: set[int]) -> None:
         """vLLM's report of the blocks whose load failed (on any TP rank): vLLM recomputes them,
@@ -330,3 +355,13 @@ class SchedulerSide:
 
     def close(self) -> None:
         self._client.close()
+
+
+def _event_extra_keys(request: Any, start: int, end: int) -> tuple[Any, ...] | None:
+    """The extra keys vLLM's own ``BlockStored`` carries for tokens ``start`` to ``end`` of
+    ``request`` (LoRA name, multimodal items, salt), by vLLM's own functions."""
+    from vllm.v1.core.kv_cache_utils import generate_block_hash_extra_keys, to_event_extra_keys
+
+    keys, _ = generate_block_hash_extra_keys(request, start, end, 0)
+    event = to_event_extra_keys([keys])
+    return None if not event or event[0] is None else tuple(event[0])

@@ -26,7 +26,7 @@ from tierkv.wire.limits import DEFAULT_TARGET
 
 _KEYS = frozenset({
     "address", "token", "token_file", "write_policy", "priority", "lookup_timeout_s",
-    "load_timeout_s", "save_queue_bytes", "load_mode",
+    "load_timeout_s", "save_queue_bytes", "load_mode", "event_detail",
 })
 LOAD_MODES = ("sync", "async")
 
@@ -42,7 +42,10 @@ class ConnectorSettings:
     ``load_mode``: ``sync`` loads blocks in the step that schedules the request (on a GPU layer
     by layer as the model reaches each layer; on a CPU whole, before the first layer);
     ``async`` loads them between steps while the request waits (vLLM's
-    ``WAITING_FOR_REMOTE_KVS``), so other requests run meanwhile.
+    ``WAITING_FOR_REMOTE_KVS``), so other requests run meanwhile. ``event_detail``: saves carry
+    each block's token ids, parent hash, LoRA name and extra keys (``PutDetail``), so that a
+    sidecar publishing KV events puts them in its ``BlockStored`` events as vLLM's own
+    publisher does (it keeps none of them); off: hashes only.
     """
 
     address: str = DEFAULT_TARGET
@@ -53,6 +56,7 @@ class ConnectorSettings:
     load_timeout_s: float = 10.0
     save_queue_bytes: int = 512 * 1024 * 1024
     load_mode: str = "sync"
+    event_detail: bool = True
 
     @classmethod
     def from_extra_config(cls, extra: dict[str, Any] | None) -> ConnectorSettings:
@@ -82,7 +86,15 @@ class ConnectorSettings:
             load_timeout_s=_positive(extra, "load_timeout_s", 10.0),
             save_queue_bytes=int(_positive(extra, "save_queue_bytes", 512 * 1024 * 1024)),
             load_mode=_one_of(extra, "load_mode", LOAD_MODES, "sync"),
+            event_detail=_flag(extra, "event_detail", True),
         )
+
+
+def _flag(extra: dict[str, Any], key: str, default: bool) -> bool:
+    value = extra.get(key, default)
+    if not isinstance(value, bool):
+        raise ConfigError(f"TierKVConnector: {key} must be true or false, got {value!r}")
+    return value
 
 
 def _text(extra: dict[str, Any], key: str, default: str) -> str:

@@ -57,6 +57,7 @@ from tierkv.integrations.vllm.geometry import BlockGeometry, EngineGeometry
 from tierkv.integrations.vllm.scheduler import BlockOp, StepMetadata
 from tierkv.integrations.vllm.settings import ConnectorSettings
 from tierkv.keys import Namespace
+from tierkv.types import PutDetail
 
 log = logging.getLogger("tierkv.integrations.vllm")
 
@@ -103,6 +104,7 @@ class _Save:
     namespace: Namespace
     hashes: tuple[bytes, ...]
     block_ids: tuple[int, ...]
+    detail: PutDetail | None = None  # what the KV events say of the blocks (every op's)
     staging: torch.Tensor | None = None  # [n, L, H, N, C], gathered out of vLLM's blocks
     buffer: torch.Tensor | None = None  # what ``staging`` is the head of: given back after
     window_open: bool = False
@@ -446,6 +448,7 @@ class WorkerSide:
         block_bytes = group.geometry.layout.bytes_per_block
         hashes: list[bytes] = []
         block_ids: list[int] = []
+        details: list[tuple[PutDetail | None, int]] = []
         with self._lock:
             for op in ops:
                 # Blocks after a dropped one could never be found (lookups walk a prefix):
@@ -458,9 +461,11 @@ class WorkerSide:
                 self._queued_bytes += keep * block_bytes
                 hashes += op.hashes[:keep]
                 block_ids += op.block_ids[:keep]
+                details.append((op.detail, keep))
         if not hashes:
             return
-        item = _Save(g, namespace, tuple(hashes), tuple(block_ids))
+        item = _Save(g, namespace, tuple(hashes), tuple(block_ids),
+                     _joined(details, group.geometry.layout.block_size))
         if self._stream is None:  # the saver gathers it, straight into the sidecar's pages
             item.window_open = True
             with self._lock:
@@ -584,12 +589,14 @@ class WorkerSide:
                     self._save_client.put(
                         namespace, list(hashes), self._blocks_of(staging, namespace, len(hashes)),
                         priority=self.settings.priority, write_policy=self.settings.write_policy,
+                        detail=item.detail,
                     )
                 else:
                     self._save_client.put_with(
                         namespace, list(hashes),
                         lambda indices, out: self._fill(item, indices, out),  # noqa: B023
                         priority=self.settings.priority, write_policy=self.settings.write_policy,
+                        detail=item.detail,
                     )
                 saved = True
             except Exception as exc:  # the saver thread outlives any failure of one save
@@ -650,3 +657,20 @@ def _rows_of(blocks: torch.Tensor, wide: torch.dtype) -> torch.Tensor | None:
         return blocks.view(blocks.shape[0], -1).view(wide)
     except RuntimeError:
         return None
+
+
+def _joined(details: list[tuple[PutDetail | None, int]], block_size: int) -> PutDetail | None:
+    """One put's detail out of its ops' (each with the blocks of it kept): None unless every
+    op has one; the LoRA name only when they share it (each block's extra keys name it too)."""
+    if not details or any(detail is None for detail, _ in details):
+        return None
+    kept = [(detail, keep) for detail, keep in details if keep and detail is not None]
+    loras = {detail.lora_name for detail, _ in kept}
+    with_extra = any(detail.extra_keys for detail, _ in kept)
+    return PutDetail(
+        tuple(t for detail, keep in kept for t in detail.token_ids[: keep * block_size]),
+        lora_name=loras.pop() if len(loras) == 1 else None,
+        extra_keys=tuple(key for detail, keep in kept
+                         for key in (detail.extra_keys or (None,) * keep)[:keep])
+        if with_extra else (),
+        parent_hashes=tuple(p for detail, keep in kept for p in detail.parent_hashes[:keep]))
