@@ -33,9 +33,17 @@ from tierkv.config import Tier
 from tierkv.keys import Namespace
 from tierkv.logs import log_event
 from tierkv.service.config import EventsConfig
-from tierkv.store import TieredStore
-from tierkv.store.events import CLEARED, REMOTE_TIER, REMOVED, SNAPSHOT, STORED, EventLog, Record
-from tierkv.store.events import Snapshot as HoldingSnapshot
+from tierkv.store import (
+    CLEARED,
+    REMOTE_TIER,
+    REMOVED,
+    SNAPSHOT,
+    STORED,
+    EventLog,
+    EventRecord,
+    TieredStore,
+)
+from tierkv.store import Snapshot as HoldingSnapshot
 
 log = logging.getLogger(__name__)
 
@@ -190,7 +198,7 @@ class EventPublisher:
                 restated[topic.name] = first_seq + snapshot_at // self.config.batch_events
         return restated
 
-    def _group(self, records: list[Record]) -> Iterator[tuple[_Topic, list[Any], int | None]]:
+    def _group(self, records: list[EventRecord]) -> Iterator[tuple[_Topic, list[Any], int | None]]:
         """Each topic's events, in record order, and where its last snapshot begins."""
         by_topic: dict[bytes, tuple[_Topic, list[Any], list[int]]] = {}
         for kind, tier, state, value, detail in records:

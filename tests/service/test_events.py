@@ -24,8 +24,7 @@ from tierkv import Namespace, PutDetail, Tier, WritePolicy
 from tierkv.config import RemoteTierConfig
 from tierkv.service.config import EventsConfig
 from tierkv.service.events import EventPublisher, topic_of
-from tierkv.store import TieredStore
-from tierkv.store.events import EventLog
+from tierkv.store import EventLog, TieredStore
 
 NODE = "node-a"
 WHERE = {Tier.GPU: ("GPU", "LOCAL"), Tier.HOST: ("CPU", "LOCAL"),

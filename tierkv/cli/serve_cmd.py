@@ -64,8 +64,7 @@ from tierkv.sizes import format_size, parse_size
 if TYPE_CHECKING:
     from tierkv.service.events import EventPublisher
     from tierkv.service.server import TierKVServer
-    from tierkv.store import StoreStats, TieredStore
-    from tierkv.store.events import EventLog
+    from tierkv.store import EventLog, StoreStats, TieredStore
 
 log = logging.getLogger("tierkv.serve")
 
@@ -365,7 +364,7 @@ async def _serve(settings: Resolved, config: StoreConfig, service_config: Servic
                             "once the server is ready")
     events = None
     if service_config.events is not None:
-        from tierkv.store.events import EventLog
+        from tierkv.store import EventLog
 
         events = EventLog(service_config.events.max_pending)
     try:

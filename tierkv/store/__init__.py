@@ -6,6 +6,16 @@ other user import from this package only, never from its modules. Its errors are
 """
 
 from tierkv.checks import check_lookup_hashes, check_out, check_ttl
+from tierkv.store.events import (
+    CLEARED,
+    REMOTE_TIER,
+    REMOVED,
+    SNAPSHOT,
+    STORED,
+    EventLog,
+    EventRecord,
+    Snapshot,
+)
 from tierkv.store.inspection import BadRecord, DiskReport, NamespaceReport, inspect_disk
 from tierkv.store.leases import LeaseWriter, ReadLease, WriteLease, received_blocks
 from tierkv.store.tiered import TieredStore
@@ -23,7 +33,15 @@ from tierkv.types import (
 )
 
 __all__ = [
+    "CLEARED",
+    "REMOTE_TIER",
+    "REMOVED",
+    "SNAPSHOT",
+    "STORED",
     "BadRecord",
+    "EventLog",
+    "EventRecord",
+    "Snapshot",
     "ClearResult",
     "DiskReport",
     "LeaseWriter",

@@ -43,7 +43,7 @@ BlockDetail = tuple[PutDetail, int, "bytes | None"]
 """What a put's writer said of one block: its put's ``PutDetail``, its index in that put, and
 its parent's hash (the put's previous block's, or the detail's ``parent_hash`` for the first)."""
 
-Record = tuple[int, int, "NamespaceState", object, "BlockDetail | None"]
+EventRecord = tuple[int, int, "NamespaceState", object, "BlockDetail | None"]
 """``(kind, tier code, namespace, block hash | Snapshot | None, BlockDetail | None)``."""
 
 
@@ -59,7 +59,7 @@ class EventLog:
         self.num_dropped = 0
         self.wake = threading.Event()
         self._lock = threading.Lock()
-        self._records: list[Record] = []
+        self._records: list[EventRecord] = []
         self._lost: dict[bytes, NamespaceState] = {}
 
     def stored(self, state: NamespaceState, tier: int, block_hash: bytes,
@@ -80,7 +80,7 @@ class EventLog:
         """``state``'s whole holding now (taken under the store lock by the caller)."""
         self._add((SNAPSHOT, 0, state, snapshot, None), bounded=False)
 
-    def _add(self, record: Record, bounded: bool = True) -> None:
+    def _add(self, record: EventRecord, bounded: bool = True) -> None:
         with self._lock:
             if bounded and len(self._records) >= self.max_pending:
                 self.num_dropped += 1
@@ -91,7 +91,7 @@ class EventLog:
             if len(self._records) >= self.wake_at:
                 self.wake.set()
 
-    def take(self) -> tuple[list[Record], list[NamespaceState]]:
+    def take(self) -> tuple[list[EventRecord], list[NamespaceState]]:
         """Everything recorded since the last call, in order, and the namespaces whose records
         were dropped since (their subscribers need a resync)."""
         with self._lock:
