@@ -80,9 +80,9 @@ def topic_of(template: str, node: str, namespace: Namespace) -> str:
 
 @dataclass(eq=False)
 class EventCounters:
-    """Since start: events and batches published, store records dropped (the publisher fell
-    behind: their namespaces were restated), batches replayed, topics restated on request,
-    and replay or resync requests that were malformed."""
+    """Since start: events and batches published, batches replayed, resync requests answered,
+    and replay or resync requests that were malformed (the store records dropped because the
+    publisher fell behind are the ``EventLog``'s)."""
 
     events_published: int = 0
     batches_published: int = 0
@@ -342,8 +342,9 @@ class EventPublisher:
         if name:
             topic = self._by_name.get(name)
             ids = [topic.namespace.id] if topic is not None else []
-        restated = self._store.restate_events(ids) if ids != [] else []
-        self.counters.resyncs += len(restated)
+        if ids != []:
+            self._store.restate_events(ids)
+        self.counters.resyncs += 1
         starts = self._flush()
         for topic_name, seq in starts.items():
             if not name or topic_name == name:

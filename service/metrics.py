@@ -309,7 +309,8 @@ class _EventsCollector(Collector):
              "were restated)"),
             ("events_batches_replayed", counters.batches_replayed,
              "KV event batches replayed to subscribers"),
-            ("events_resyncs", counters.resyncs, "topics restated at a subscriber's request"),
+            ("events_resyncs", counters.resyncs, "resync requests answered (each restates "
+             "its topic, or every topic)"),
             ("events_bad_requests", counters.bad_requests,
              "malformed replay or resync requests"),
         ):
