@@ -41,18 +41,20 @@ def external(block_hash: bytes) -> int:
 class Sidecar:
     """A store with an event publisher on ``ipc`` sockets under ``root`` (restartable)."""
 
-    def __init__(self, root: Path, remote_url: str, **events: Any) -> None:
+    def __init__(self, root: Path, remote_url: str, max_pending: int = 1_000_000,
+                 **events: Any) -> None:
         self.config = dataclasses.replace(
             store_config(root, host_blocks=8, disk_blocks=12),
             remote=RemoteTierConfig.from_url(remote_url))
-        self.events_config = EventsConfig(f"ipc://{root}/events", node=NODE, interval_s=0.01,
-                                          heartbeat_s=0.2, **events)
+        events = {"interval_s": 0.01, **events}
+        self.events_config = EventsConfig(f"ipc://{root}/events", node=NODE, heartbeat_s=0.2,
+                                          max_pending=max_pending, **events)
         self.store: TieredStore
         self.publisher: EventPublisher
         self.start()
 
     def start(self) -> None:
-        log = EventLog()
+        log = EventLog(self.events_config.max_pending)
         self.store = TieredStore(self.config, events=log)
         for namespace in NAMESPACES:
             self.store.register(namespace)
@@ -223,3 +225,57 @@ def test_token_ids_off_publishes_none(tmp_path: Path, redis_url: str) -> None:
         index.close()
     finally:
         sidecar.stop()
+
+
+def test_records_dropped_while_the_publisher_lags_are_restated(tmp_path: Path,
+                                                               redis_url: str) -> None:
+    # 6 records wait at most; a batch goes every 0.3 s: a burst of puts overflows it.
+    sidecar = Sidecar(tmp_path, redis_url, max_pending=6, interval_s=0.3)
+    try:
+        index = sidecar.subscriber()
+        index.resync()
+        random_workload(sidecar, random.Random(5), 40)
+        assert_index_is_truth(index, sidecar)
+        assert sidecar.publisher.num_dropped > 0
+    finally:
+        sidecar.stop()
+
+
+def test_two_tenants_same_hashes_two_topics(sidecar: Sidecar) -> None:
+    index = sidecar.subscriber()
+    index.resync()
+    alice, bob = NAMESPACES
+    chain = keys(3, start=200)
+    sidecar.store.put(alice, chain, blocks(3))
+    sidecar.store.put(bob, chain, blocks(3))
+    sidecar.store.delete(bob, chain)
+    assert_index_is_truth(index, sidecar)
+    assert index.holding(topic(alice)) == {("CPU", "LOCAL"): {external(h) for h in chain}}
+    assert index.holding(topic(bob)) == {}
+    assert b":alice:" in topic(alice) and b":bob:" in topic(bob)
+    index.close()
+
+
+@pytest.mark.parametrize("frames", [
+    [b""], [b"", b"x" * 9], [b"", b"\x00" * 8, b"no-such-topic"], [b"", b"resync", b"nope"],
+    [b"junk", b"more", b"frames", b"here", b"!"],
+])
+def test_bad_replay_requests_are_answered_or_dropped(sidecar: Sidecar,
+                                                     frames: list[bytes]) -> None:
+    import zmq
+
+    context = zmq.Context()
+    try:
+        dealer = context.socket(zmq.DEALER)
+        dealer.connect(sidecar.publisher.replay_endpoint)
+        dealer.send_multipart(frames)
+        if dealer.poll(2000):  # an answer, if any, ends with the end marker
+            assert dealer.recv_multipart()[-2:] == [(-1).to_bytes(8, "big", signed=True), b""]
+    finally:
+        context.destroy(linger=0)
+    # The publisher goes on: a put still reaches a subscriber.
+    index = sidecar.subscriber()
+    index.resync()
+    sidecar.store.put(NAMESPACES[0], keys(1, start=300), blocks(1))
+    assert_index_is_truth(index, sidecar)
+    index.close()
