@@ -27,7 +27,7 @@ def register(subparsers: Any) -> None:
         "store", help="the embedded store vs memcpy, write+fsync, file reads and cbor2"
     )
     _add_common(store, "store", ["host", "disk", "lookup", "leases", "tenants", "hashing",
-                                   "index", "utilisation"],
+                                   "index", "utilisation", "events"],
                 "where disk benchmarks write (default: a temp dir)")
     store.set_defaults(func=_checked(run_store))
     service = targets.add_parser(

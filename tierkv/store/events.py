@@ -13,6 +13,7 @@ Design: docs/design/events.md
 from __future__ import annotations
 
 import threading
+from collections import deque
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -48,60 +49,73 @@ EventRecord = tuple[int, int, "NamespaceState", object, "BlockDetail | None"]
 
 
 class EventLog:
-    """Records for one publisher (see the module docstring). Thread-safe; the store calls it
-    with its own lock held, never the other way round. ``wake`` is set once ``wake_at``
-    records wait (the publisher then sends before its interval is up)."""
+    """Records for one publisher (see the module docstring). Thread-safe: records go into a
+    deque (its appends are atomic, so the hot path takes no lock) and ``take`` pops what is
+    there; the store calls it with its own lock held, never the other way round. ``wake`` is
+    set once ``wake_at`` records wait (the publisher then sends before its interval is up).
+    ``max_pending`` bounds the waiting records, give or take a few appended at once."""
 
     def __init__(self, max_pending: int = 1_000_000, wake_at: int = 4096) -> None:
         self.max_pending = max_pending
         self.wake_at = wake_at
-        self.num_recorded = 0
         self.num_dropped = 0
         self.wake = threading.Event()
-        self._lock = threading.Lock()
-        self._records: list[EventRecord] = []
+        self._lock = threading.Lock()  # the lost namespaces' only
+        self._records: deque[EventRecord] = deque()
         self._lost: dict[bytes, NamespaceState] = {}
 
     def stored(self, state: NamespaceState, tier: int, block_hash: bytes,
                detail: BlockDetail | None = None) -> None:
         """``block_hash``'s copy in ``tier`` is readable now (``detail``: what its writer said
         of it)."""
-        self._add((STORED, tier, state, block_hash, detail))
+        # Spelled out, as ``removed``: it runs for every copy linked.
+        records = self._records
+        size = len(records)
+        if size >= self.max_pending:
+            self._drop(state)
+            return
+        records.append((STORED, tier, state, block_hash, detail))
+        if size + 1 == self.wake_at:
+            self.wake.set()
 
     def removed(self, state: NamespaceState, tier: int, block_hash: bytes) -> None:
         """``block_hash``'s copy in ``tier`` is gone (no reader gets it any more)."""
-        self._add((REMOVED, tier, state, block_hash, None))
+        records = self._records
+        size = len(records)
+        if size >= self.max_pending:
+            self._drop(state)
+            return
+        records.append((REMOVED, tier, state, block_hash, None))
+        if size + 1 == self.wake_at:
+            self.wake.set()
 
     def cleared(self, state: NamespaceState) -> None:
-        """Every block of ``state`` goes (an operator's clear): what follows is what is left."""
-        self._add((CLEARED, 0, state, None, None))
+        """Every block of ``state`` goes (an operator's clear): what follows is what is left.
+        Never dropped (the log may grow past ``max_pending`` by these)."""
+        self._records.append((CLEARED, 0, state, None, None))
 
     def snapshot(self, state: NamespaceState, snapshot: Snapshot) -> None:
-        """``state``'s whole holding now (taken under the store lock by the caller)."""
-        self._add((SNAPSHOT, 0, state, snapshot, None), bounded=False)
+        """``state``'s whole holding now (taken under the store lock by the caller); never
+        dropped."""
+        self._records.append((SNAPSHOT, 0, state, snapshot, None))
+        self.wake.set()
 
-    def _add(self, record: EventRecord, bounded: bool = True) -> None:
+    def _drop(self, state: NamespaceState) -> None:
         with self._lock:
-            if bounded and len(self._records) >= self.max_pending:
-                self.num_dropped += 1
-                self._lost[record[2].id] = record[2]
-                return
-            self._records.append(record)
-            self.num_recorded += 1
-            if len(self._records) >= self.wake_at:
-                self.wake.set()
+            self.num_dropped += 1
+            self._lost[state.id] = state
 
     def take(self) -> tuple[list[EventRecord], list[NamespaceState]]:
         """Everything recorded since the last call, in order, and the namespaces whose records
         were dropped since (their subscribers need a resync)."""
+        self.wake.clear()
         with self._lock:
-            records, self._records = self._records, []
             lost, self._lost = list(self._lost.values()), {}
-            self.wake.clear()
-        return records, lost
+        records = self._records
+        popleft = records.popleft
+        return [popleft() for _ in range(len(records))], lost
 
     @property
     def num_pending(self) -> int:
         """Records waiting for the publisher."""
-        with self._lock:
-            return len(self._records)
+        return len(self._records)
