@@ -311,13 +311,13 @@ class SchedulerSide:
         """``_op``, with what vLLM's own ``BlockStored`` says of each block (its tokens,
         parent, LoRA and extra keys) when ``event_detail`` is on."""
         op = self._op(request, group, ids, start, end)
-        if op is None or not self.settings.event_detail:
+        tokens = getattr(request, "all_token_ids", None)
+        if op is None or not self.settings.event_detail or tokens is None:
             return op
         positions = [k for k in range(start, end) if ids[k] != NULL_BLOCK_ID]
         size = self.geometry.groups[group].block_size
         hashes = self._hashes(request, end, max(0, start - 1), group)
         parents = tuple(hashes[k - max(0, start - 1) - 1] if k else None for k in positions)
-        tokens = request.all_token_ids
         lora = getattr(request, "lora_request", None)
         extra: tuple[tuple[Any, ...] | None, ...] = ()
         if lora is not None or getattr(request, "cache_salt", None) or getattr(
