@@ -48,10 +48,10 @@ class EventsConfig:
     a template of ``{node}``, ``{tenant}``, ``{model}`` and ``{namespace}``, which it must name
     (one topic a namespace: tenants and layouts never share one). ``node``: this sidecar's
     name in topics and ``ownership``. ``token_ids``: publish the token ids writers give (prompt
-    content). ``hash_form``: ``int`` (the last 8 bytes, vLLM's default external form) or
-    ``bytes``. A batch goes every ``interval_s`` or at ``batch_events`` events, an empty one
-    on every topic quiet for ``heartbeat_s`` (so a subscriber sees a gap, or a restart, within
-    it); the last
+    content: both endpoints must then be a Unix socket or loopback). ``hash_form``: ``int``
+    (the last 8 bytes, vLLM's default external form) or ``bytes``. A batch goes every
+    ``interval_s`` or at ``batch_events`` events, an empty one on every topic quiet for
+    ``heartbeat_s`` (so a subscriber sees a gap, or a restart, within it); the last
     ``ring_batches`` batches are replayable; ``hwm``: ZMQ's high-water mark per subscriber;
     ``max_pending``: store records waiting before they are dropped (their namespaces are then
     restated)."""
@@ -83,6 +83,12 @@ class EventsConfig:
         except (KeyError, IndexError, ValueError) as exc:
             raise ConfigError(f"--events-topic {self.topic!r}: a template of {{node}}, "
                               f"{{tenant}}, {{model}} and {{namespace}} ({exc!r})") from None
+        for name, endpoint in (("--events-endpoint", self.endpoint),
+                               ("--events-replay-endpoint", self.replay_endpoint)):
+            if self.token_ids and not is_local_endpoint(endpoint):
+                raise ConfigError(
+                    f"{name} {endpoint}: events carry prompt token ids; bind ipc:///path or "
+                    "a loopback address (tcp://127.0.0.1:PORT), or set --events-token-ids off")
         if "{namespace}" not in self.topic:
             raise ConfigError(f"--events-topic {self.topic!r} must name {{namespace}}: one "
                               "topic a namespace, so that tenants never share one")
@@ -93,6 +99,14 @@ class EventsConfig:
             raise ConfigError("--events-interval-s, --events-heartbeat-s, --events-batch-events, "
                               "--events-ring-batches, --events-hwm and --events-max-pending "
                               "must be positive")
+
+
+def is_local_endpoint(endpoint: str) -> bool:
+    """Whether only this host can connect to ``endpoint`` (a Unix socket or loopback)."""
+    if endpoint.startswith("ipc://"):
+        return True
+    host = endpoint.removeprefix("tcp://").rpartition(":")[0].strip("[]")
+    return host in ("localhost", "::1") or host.startswith("127.")
 
 
 def replay_endpoint_of(endpoint: str) -> str:

@@ -30,6 +30,7 @@ import msgpack
 import zmq
 
 from tierkv.config import Tier
+from tierkv.errors import StoreClosedError
 from tierkv.keys import Namespace
 from tierkv.logs import log_event
 from tierkv.service.config import EventsConfig
@@ -239,7 +240,11 @@ class EventPublisher:
             for block_hash in hashes:
                 yield self._stored(topic, tier, block_hash, None)
         if snapshot.with_remote:  # read now: every REMOTE change from here on comes after
-            for block_hash in set(self._store.remote_hashes(namespace_id)):
+            try:
+                held = set(self._store.remote_hashes(namespace_id))
+            except StoreClosedError:  # the last flush, after the store closed: none
+                held = set()
+            for block_hash in held:
                 yield self._stored(topic, REMOTE_TIER, block_hash, None)
 
     def _stored(self, topic: _Topic, tier: int, block_hash: bytes,

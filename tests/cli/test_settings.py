@@ -649,3 +649,30 @@ def test_without_a_tokens_file_only_the_default_tenant_may_have_a_share() -> Non
     plan = build_config(resolve([*FIXED, "--tenant-weights", "default=1",
                                  "--tenant-bytes", "default:host=1MiB"], {})).tenants
     assert plan.weights == {"default": 1.0} and plan.sizes == {("default", Tier.HOST): MiB}
+
+
+@pytest.mark.parametrize(("flags", "expected"), [
+    (["--events-endpoint", "tcp://0.0.0.0:5557"],
+     'events_endpoint = "tcp://0.0.0.0:5557" (from --events-endpoint): '
+     "--events-endpoint tcp://0.0.0.0:5557: events carry prompt token ids"),
+    (["--events-endpoint", "ipc:///tmp/e", "--events-replay-endpoint", "tcp://10.1.2.3:1"],
+     "--events-replay-endpoint tcp://10.1.2.3:1: events carry prompt token ids"),
+    (["--events-endpoint", "ipc:///tmp/e", "--events-topic", "kv@{node}@{model}"],
+     "must name {namespace}"),
+    (["--events-endpoint", "ipc:///tmp/e", "--events-topic", "kv@{pod}:{namespace}"],
+     "a template of {node}, {tenant}, {model} and {namespace}"),
+    (["--events-endpoint", "udp://x"], "give ipc:///path or tcp://host:port"),
+    (["--events-endpoint", "ipc:///tmp/e", "--events-heartbeat-s", "0"], "must be positive"),
+])
+def test_events_settings_are_checked_at_start(flags: list[str], expected: str) -> None:
+    with pytest.raises(ConfigError) as raised:
+        build_service_config(resolve([*FIXED, *flags], {}))
+    assert expected in str(raised.value)
+
+
+def test_events_without_token_ids_may_bind_any_address() -> None:
+    config = build_service_config(resolve(
+        [*FIXED, "--events-endpoint", "tcp://0.0.0.0:5557", "--events-token-ids", "off"], {}))
+    assert config.events is not None and config.events.replay_endpoint == "tcp://0.0.0.0:5558"
+    assert not config.events.token_ids
+    assert build_service_config(resolve(FIXED, {})).events is None

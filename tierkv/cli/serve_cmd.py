@@ -437,11 +437,6 @@ def _start_publisher(config: EventsConfig, store: TieredStore, events: EventLog
         raise ConfigError(
             f"--events-endpoint {config.endpoint} / --events-replay-endpoint "
             f"{config.replay_endpoint}: cannot bind ({exc})") from None
-    if config.token_ids and config.endpoint.startswith("tcp://") and not any(
-            host in config.endpoint for host in ("127.0.0.1", "localhost", "[::1]")):
-        log.warning("KV events on %s carry prompt token ids to whoever connects: keep them "
-                    "on a Unix socket or loopback, or set --events-token-ids off",
-                    config.endpoint)
     log_event(log, logging.INFO, "events", f"publishing KV events on {publisher.endpoint} "
               f"(replay: {publisher.replay_endpoint})", endpoint=publisher.endpoint,
               replay_endpoint=publisher.replay_endpoint, topic=config.topic,
