@@ -146,7 +146,9 @@ class EventPublisher:
         self._thread.start()
 
     def close(self) -> None:
-        """Publish what the store recorded so far, then stop (idempotent)."""
+        """Publish what the store recorded so far and an ``AllBlocksCleared`` on every topic
+        (a sidecar that stopped serves nothing: routers stop sending here until it restates
+        its holding at its next start), then stop (idempotent)."""
         if self._stop.is_set():
             return
         self._stop.set()
@@ -178,6 +180,8 @@ class EventPublisher:
                 time.sleep(interval_s)
         try:
             self._flush()
+            for topic in self._topics.values():  # nothing is served from here on
+                self._send(topic, [{"type": "AllBlocksCleared"}])
         except Exception:
             log.exception("publishing the last KV events failed")
 

@@ -7,7 +7,8 @@ stream), read by a subscriber that decodes with vLLM's own classes (``tests/supp
 2. The sidecar SIGKILLed and started again on its disk: the subscriber that stayed sees the
    jump in the sequence (a heartbeat, at the latest), resyncs, and holds exactly the blocks
    the new sidecar serves (those written through).
-3. ``--events-token-ids off``: no token id leaves the sidecar, though the writer gave them.
+3. ``--events-token-ids off``: no token id leaves the sidecar, though the writer gave them; a
+   clean stop ends every topic with an ``AllBlocksCleared``.
 """
 
 from __future__ import annotations
@@ -136,4 +137,10 @@ def test_token_ids_off_publishes_none(pool: SidecarPool, tmp_path: Path) -> None
     index.poll()
     assert len(index.stored) == 2
     assert all(event.token_ids == [] for _, event in index.stored)
+    # A clean stop flushes HOST to DISK, then says nothing is served here any more.
+    sidecar.terminate()
+    index.poll(0.5)
+    name = topic_of_tenant(index, "alice")
+    assert index.holding(name) == {}
+    assert any(event.medium == "STORAGE" for _, event in index.stored)
     index.close()
