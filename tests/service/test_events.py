@@ -279,3 +279,35 @@ def test_bad_replay_requests_are_answered_or_dropped(sidecar: Sidecar,
     sidecar.store.put(NAMESPACES[0], keys(1, start=300), blocks(1))
     assert_index_is_truth(index, sidecar)
     index.close()
+
+
+def test_a_corrupt_remote_record_is_removed(tmp_path: Path, redis_url: str) -> None:
+    import redis
+
+    from tierkv.tiers.remote_keys import remote_key
+
+    redis.Redis.from_url(redis_url).flushall()
+    writer = Sidecar(tmp_path / "a", redis_url)
+    chain = keys(3, start=400)
+    writer.store.put(NAMESPACES[0], chain, blocks(3), write_policy=WritePolicy.WRITE_THROUGH)
+    writer.settle()
+    writer.stop()
+    reader = Sidecar(tmp_path / "b", redis_url)  # a node that never saw them: REMOTE only
+    try:
+        index = reader.subscriber()
+        index.resync()
+        assert_index_is_truth(index, reader)
+        assert index.holding(topic(NAMESPACES[0])) == {
+            REMOTE_WHERE: {external(h) for h in chain}}
+        raw = NAMESPACES[0].id + chain[1]
+        client = redis.Redis.from_url(redis_url)
+        record = bytearray(client.get(remote_key(raw)) or b"")
+        record[-1] ^= 0x01  # the payload's last byte
+        client.set(remote_key(raw), bytes(record))
+        assert len(reader.store.get(NAMESPACES[0], chain)) == 1  # the chain stops before it
+        assert client.exists(remote_key(raw)) == 0
+        assert_index_is_truth(index, reader)
+        assert external(chain[1]) not in index.holding(topic(NAMESPACES[0]))[REMOTE_WHERE]
+        index.close()
+    finally:
+        reader.stop()

@@ -360,19 +360,21 @@ class RemoteLink:
         started_s = time.monotonic()  # before the fetch: a forget from now on wins
         values = self.remote.get([state.id + keys[i] for i in absent])
         wanted: list[tuple[int, memoryview, bytes]] = []
-        num_corrupt = 0
+        corrupt: list[int] = []  # the index of a record that failed its checks, if one did
         for index, value in zip(absent, values, strict=True):
             if value is None:
                 break
             checked = verify_header(memoryview(value), state.id + keys[index], state.fingerprint,
                                     block_bytes)
             if checked is None:
-                num_corrupt += 1
+                corrupt.append(index)
                 break
             wanted.append((index, checked[0], checked[1]))
         num_good, num_brought, bad_payload = self._bring_into_host(
-            state, keys, wanted, started_s) if wanted else (0, 0, False)
-        num_corrupt += bad_payload
+            state, keys, wanted, started_s) if wanted else (0, 0, None)
+        if bad_payload is not None:
+            corrupt.append(bad_payload)
+        num_corrupt = len(corrupt)
         with self._lock:
             counters = self._counters
             counters.hits += num_brought
@@ -380,17 +382,22 @@ class RemoteLink:
             if num_good < len(absent):  # the block that ended the run (or found no room)
                 counters.misses += 1
         if num_corrupt:
-            log.warning("a remote record of %s failed its checks; served as a miss",
+            log.warning("a remote record of %s failed its checks; served as a miss and deleted",
                         state.namespace.model_id)
+            # Garbage for every reader: deleted, as DISK deletes its own (a good record of the
+            # same key written meanwhile by another node goes too: a miss, never wrong bytes).
+            self.remote.delete([state.id + keys[index] for index in corrupt])
+            self._report_removed(self.core.events, state.id, [keys[index] for index in corrupt])
         return num_brought
 
     def _bring_into_host(self, state: NamespaceState, keys: Sequence[bytes],
                          wanted: list[tuple[int, memoryview, bytes]], started_s: float
-                         ) -> tuple[int, int, bool]:
+                         ) -> tuple[int, int, int | None]:
         """Copy verified payloads into fresh HOST pages, hashing each as it lands; publish the
         leading run whose hashes match their records' and that no forget since ``started_s``
         names. Returns its length, how many of it were new in HOST (a put may have stored some
-        meanwhile), and whether a payload that failed its checksum ended it.
+        meanwhile), and the index of the payload that failed its checksum and ended it (None:
+        none did).
 
         The room is made as a put makes it (victims demoted, or dropped when there is no tier
         below), but never by evicting the chain's own local blocks, and never by waiting for
@@ -404,14 +411,14 @@ class RemoteLink:
             reservation = self.writer.reserve_indices(state, list(keys), indices, Priority.NORMAL,
                                                       Tier.HOST, own, wait=False, drop=True)
         except CapacityError:
-            return 0, 0, False
+            return 0, 0, None
         locations = list(reservation.locations.values())
         try:
             num_good, actual = self._copy_verified(locations, wanted, block_bytes)
         except BaseException:
             self.writer.abort(reservation)  # nothing is published: every page comes back
             raise
-        bad_payload = num_good < len(wanted)
+        bad_payload = indices[num_good] if num_good < len(wanted) else None
         with self.forgotten.lock:  # a forget that begins now waits for this publish
             for number, (index, _, _) in enumerate(wanted[:num_good]):
                 if self.forgotten.forbids_locked(state.id + keys[index], started_s):
