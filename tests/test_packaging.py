@@ -208,7 +208,7 @@ def test_the_editable_install_maps_tierkv_service_to_the_service_folder(tmp_path
 # Import names of the runtime dependencies (distribution name -> the module it installs).
 _MODULE_OF_DISTRIBUTION = {"grpcio": "grpc", "grpcio-health-checking": "grpc_health",
                            "grpcio-reflection": "grpc_reflection", "protobuf": "google",
-                           "prometheus-client": "prometheus_client"}
+                           "prometheus-client": "prometheus_client", "pyzmq": "zmq"}
 # Imported only inside the functions that need them, and named in the error when missing.
 _OPTIONAL_MODULES = {"transformers"}
 
