@@ -54,7 +54,9 @@ class EventsConfig:
     ``heartbeat_s`` (so a subscriber sees a gap, or a restart, within it); the last
     ``ring_batches`` batches are replayable; ``hwm``: ZMQ's high-water mark per subscriber;
     ``max_pending``: store records waiting before they are dropped (their namespaces are then
-    restated)."""
+    restated). ``node_topic``: the topic of the node's own heartbeats (empty batches, one
+    sequence a life of the sidecar), where a subscriber sees a restart even when no namespace
+    survived it."""
 
     endpoint: str
     replay_endpoint: str = ""
@@ -68,6 +70,7 @@ class EventsConfig:
     ring_batches: int = 10_000
     hwm: int = 100_000
     max_pending: int = 1_000_000
+    node_topic: str = "kv@{node}"
 
     def __post_init__(self) -> None:
         if not self.endpoint.startswith(("ipc://", "tcp://")):

@@ -22,7 +22,7 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -95,14 +95,18 @@ class EventCounters:
 class _Topic:
     """One namespace's topic: its name, next sequence number and block size."""
 
-    __slots__ = ("block_size", "name", "namespace", "next_seq", "sent_s")
+    __slots__ = ("block_size", "name", "namespace", "next_seq", "ring", "sent_s")
 
-    def __init__(self, name: bytes, namespace: Namespace, first_seq: int) -> None:
+    def __init__(self, name: bytes, namespace: Namespace | None, first_seq: int,
+                 ring_batches: int) -> None:
         self.name = name
-        self.namespace = namespace
-        self.block_size = namespace.layout.block_size
+        self.namespace = namespace  # None: the node's topic
+        self.block_size = namespace.layout.block_size if namespace is not None else 0
         self.next_seq = first_seq
         self.sent_s = 0.0  # when its last batch went (monotonic)
+        # Its last batches, for replay: a ring a topic, so one tenant's traffic never pushes
+        # another's history out.
+        self.ring: deque[tuple[bytes, bytes, bytes]] = deque(maxlen=ring_batches)
 
 
 class EventPublisher:
@@ -118,13 +122,15 @@ class EventPublisher:
         self._first_seq = time.time_ns() // 1000
         self._topics: dict[bytes, _Topic] = {}  # by namespace id
         self._by_name: dict[bytes, _Topic] = {}
-        self._ring: deque[tuple[bytes, bytes, bytes]] = deque(maxlen=config.ring_batches)
+        self._node = _Topic(config.node_topic.format(node=config.node.translate(_RESERVED))
+                            .encode(), None, self._first_seq, config.ring_batches)
         self._ctx = zmq.Context()
         self._pub = self._ctx.socket(zmq.PUB)
         self._pub.setsockopt(zmq.SNDHWM, config.hwm)
         self._pub.setsockopt(zmq.LINGER, 1000)
         self._router = self._ctx.socket(zmq.ROUTER)
         self._router.setsockopt(zmq.LINGER, 0)
+        self._router.setsockopt(zmq.SNDHWM, 0)  # a replay sends a whole ring: never cut it
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="tierkv-events", daemon=True)
         self.endpoint = ""
@@ -143,6 +149,7 @@ class EventPublisher:
         self.replay_endpoint = self._router.getsockopt_string(zmq.LAST_ENDPOINT)
         for namespace in self._store.restate_events():
             self._topic(namespace)  # known from the start: heartbeats go there too
+        self._send(self._node, [])  # the node's life starts (its sequence jumped)
         self._thread.start()
 
     def close(self) -> None:
@@ -180,28 +187,48 @@ class EventPublisher:
                 time.sleep(interval_s)
         try:
             self._flush()
-            for topic in self._topics.values():  # nothing is served from here on
-                self._send(topic, [{"type": "AllBlocksCleared"}])
         except Exception:
             log.exception("publishing the last KV events failed")
+        for topic in self._topics.values():  # nothing is served from here on
+            self._send(topic, [{"type": "AllBlocksCleared"}])
 
-    def _flush(self) -> dict[bytes, int]:
-        """Publish everything recorded so far; the sequence number at which each restated
-        topic's ``AllBlocksCleared`` went (by topic name)."""
+    def _flush(self, restate: Sequence[bytes] | None = ()) -> dict[bytes, int]:
+        """Publish everything recorded so far, then restate the namespaces of ``restate``
+        (None: every one) and those whose records were dropped; the sequence number of the
+        batch each restated topic's ``AllBlocksCleared`` starts (by topic name)."""
         records, lost = self._events.take()
-        if lost:  # their records were dropped: restate them, after what was kept
-            log_event(log, logging.WARNING, "events_dropped",
-                      f"KV events fell behind: {len(lost)} namespaces restated",
-                      num_namespaces=len(lost), num_dropped=self._events.num_dropped)
-            self._store.restate_events([state.id for state in lost])
-            more, _ = self._events.take()
-            records += more
+        try:
+            if lost:
+                log_event(log, logging.WARNING, "events_dropped",
+                          f"KV events fell behind: {len(lost)} namespaces restated",
+                          num_namespaces=len(lost), num_dropped=self._events.num_dropped)
+            if lost or restate != ():
+                ids = None if restate is None else [*restate, *(state.id for state in lost)]
+                records += self._restate(ids)
+            grouped = list(self._group(records))
+        except BaseException:
+            # What was taken is not lost: its namespaces are restated at the next flush.
+            self._events.lose([record[2] for record in records] + lost)
+            raise
         restated: dict[bytes, int] = {}
-        for topic, events, snapshot_at in self._group(records):
-            first_seq = self._send(topic, events)
-            if snapshot_at is not None:
-                restated[topic.name] = first_seq + snapshot_at // self.config.batch_events
+        for topic, events, snapshot_at in grouped:
+            seq = self._send(topic, events, snapshot_at)
+            if seq is not None:
+                restated[topic.name] = seq
         return restated
+
+    def _restate(self, namespace_ids: list[bytes] | None) -> list[EventRecord]:
+        """The store's restatement of ``namespace_ids`` (None: every namespace), and what was
+        recorded before it, taken from the log; a known topic whose namespace is gone (pruned)
+        is cleared instead: it holds nothing."""
+        restated = {namespace.id for namespace in self._store.restate_events(namespace_ids)}
+        records, _ = self._events.take()
+        wanted = self._topics if namespace_ids is None else namespace_ids
+        for namespace_id in wanted:
+            topic = self._topics.get(namespace_id)
+            if namespace_id not in restated and topic is not None:
+                self._send(topic, [{"type": "AllBlocksCleared"}], 0)
+        return records
 
     def _group(self, records: list[EventRecord]) -> Iterator[tuple[_Topic, list[Any], int | None]]:
         """Each topic's events, in record order, and where its last snapshot begins."""
@@ -288,33 +315,45 @@ class EventPublisher:
         topic = self._topics.get(namespace.id)
         if topic is None:
             name = topic_of(self.config.topic, self.config.node, namespace).encode()
-            topic = self._topics[namespace.id] = _Topic(name, namespace, self._first_seq)
+            topic = self._topics[namespace.id] = _Topic(name, namespace, self._first_seq,
+                                                        self.config.ring_batches)
             self._by_name[name] = topic
         return topic
 
-    def _send(self, topic: _Topic, events: list[Any]) -> int:
-        """Publish ``events`` on ``topic`` in batches; the first batch's sequence number."""
-        first_seq = topic.next_seq
+    def _send(self, topic: _Topic, events: list[Any], snapshot_at: int | None = None
+              ) -> int | None:
+        """Publish ``events`` on ``topic`` in batches (an empty one: a heartbeat), a new
+        batch starting at ``snapshot_at`` (a restatement starts a batch of its own); the
+        sequence number of that batch."""
         size = self.config.batch_events
         topic.sent_s = time.monotonic()
-        for start in range(0, max(1, len(events)), size):
-            chunk = events[start : start + size]
-            payload: bytes = msgpack.packb([time.time(), chunk], use_bin_type=True)
+        cuts = [0] if snapshot_at in (None, 0) else [0, snapshot_at]
+        starts = [start for cut, end in zip(cuts, [*cuts[1:], len(events)], strict=True)
+                  for start in range(cut, max(cut + 1, end), size)]
+        snapshot_seq = None
+        for number, start in enumerate(starts):
+            end = starts[number + 1] if number + 1 < len(starts) else len(events)
+            chunk = events[start:end]
+            # vLLM's KVEventBatch: [ts, events, data_parallel_rank] (msgspec, array-like)
+            payload: bytes = msgpack.packb([time.time(), chunk, 0], use_bin_type=True,
+                                           default=repr)
             seq = topic.next_seq
             topic.next_seq += 1
+            if start == snapshot_at:
+                snapshot_seq = seq
             frames = (topic.name, seq.to_bytes(8, "big"), payload)
             self._pub.send_multipart(frames, copy=False)
-            self._ring.append(frames)
+            topic.ring.append(frames)
             self.counters.events_published += len(chunk)
             self.counters.batches_published += 1
-        return first_seq
+        return snapshot_seq
 
     def _heartbeat(self) -> None:
-        """An empty batch on each topic quiet for ``heartbeat_s``: a subscriber learns of a
-        gap (or of this publisher's restart, whose sequence jumps) within that time, even on a
-        topic with nothing to say."""
+        """An empty batch on the node's topic and on each topic quiet for ``heartbeat_s``: a
+        subscriber learns of a gap (or of this publisher's restart, whose sequences jump)
+        within that time, even on a topic with nothing to say."""
         now_s = time.monotonic()
-        for topic in self._topics.values():
+        for topic in [self._node, *self._topics.values()]:
             if now_s - topic.sent_s >= self.config.heartbeat_s:
                 self._send(topic, [])
 
@@ -336,27 +375,34 @@ class EventPublisher:
             self._router.send_multipart((client, b"", b"", END_SEQ, b""))
             return
         start = int.from_bytes(head, "big")
-        only = frames[3] if len(frames) == 4 else None
-        for name, seq_bytes, payload in list(self._ring):
-            if (only is None or name == only) and int.from_bytes(seq_bytes, "big") >= start:
-                self._router.send_multipart((client, b"", name, seq_bytes, payload))
-                self.counters.batches_replayed += 1
+        if len(frames) == 4:
+            one = self._node if frames[3] == self._node.name else self._by_name.get(frames[3])
+            topics = [one] if one is not None else []
+        else:
+            topics = [self._node, *self._topics.values()]
+        for topic in topics:
+            for name, seq_bytes, payload in topic.ring:
+                if int.from_bytes(seq_bytes, "big") >= start:
+                    self._router.send_multipart((client, b"", name, seq_bytes, payload))
+                    self.counters.batches_replayed += 1
         self._router.send_multipart((client, b"", b"", END_SEQ, b""))
 
     def _begin_resync(self, client: bytes, name: bytes) -> None:
         """Restate ``name``'s namespace (empty: every namespace) in-stream now, then answer
-        ``[topic, seq, b"resync"]`` for each topic restated (``seq``: where its
-        ``AllBlocksCleared`` went) and the end marker; an unknown topic gets the marker only."""
-        ids: list[bytes] | None = None
+        ``[topic, seq, b"resync"]`` for each topic restated (``seq``: the batch its
+        ``AllBlocksCleared`` starts) and the end marker; an unknown topic gets the marker
+        only."""
+        self.counters.resyncs += 1
+        restate: list[bytes] | None = None
         if name:
             topic = self._by_name.get(name)
-            ids = [topic.namespace.id] if topic is not None else []
-        if ids != []:
-            self._store.restate_events(ids)
-        self.counters.resyncs += 1
-        starts = self._flush()
-        for topic_name, seq in starts.items():
-            if not name or topic_name == name:
-                self._router.send_multipart((client, b"", topic_name, seq.to_bytes(8, "big"),
-                                             RESYNC))
-        self._router.send_multipart((client, b"", b"", END_SEQ, b""))
+            restate = [topic.namespace.id] if topic is not None and topic.namespace else []
+        starts: dict[bytes, int] = {}
+        try:
+            starts = self._flush(restate)
+        finally:  # answered, even when the flush failed (its namespaces are restated later)
+            for topic_name, seq in starts.items():
+                if not name or topic_name == name:
+                    self._router.send_multipart((client, b"", topic_name,
+                                                 seq.to_bytes(8, "big"), RESYNC))
+            self._router.send_multipart((client, b"", b"", END_SEQ, b""))

@@ -144,3 +144,22 @@ def test_token_ids_off_publishes_none(pool: SidecarPool, tmp_path: Path) -> None
     assert index.holding(name) == {}
     assert any(event.medium == "STORAGE" for _, event in index.stored)
     index.close()
+
+
+def test_a_restart_without_a_disk_clears_what_the_subscriber_held(pool: SidecarPool,
+                                                                   tmp_path: Path) -> None:
+    """Without a disk nothing survives a SIGKILL, and no namespace comes back to be restated:
+    the node's own topic shows the restart, and the subscriber resyncs everything."""
+    sidecar = start(pool, tmp_path, "--no-disk")
+    index = subscriber(sidecar)
+    with shm_client(sidecar, token=ALICE) as alice:
+        alice.put(NAMESPACE, keys(2), blocks(2))
+    index.poll()
+    name = topic_of_tenant(index, "alice")
+    assert hashes_of(index, name) == {external(h) for h in keys(2)}
+    sidecar.kill()
+    start(pool, tmp_path, "--no-disk")
+    index.poll(1.5)
+    assert index.holding(name) == {}
+    assert index.num_resyncs >= 2
+    index.close()

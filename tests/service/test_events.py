@@ -46,8 +46,8 @@ class Sidecar:
         self.config = dataclasses.replace(
             store_config(root, host_blocks=8, disk_blocks=12),
             remote=RemoteTierConfig.from_url(remote_url))
-        events = {"interval_s": 0.01, **events}
-        self.events_config = EventsConfig(f"ipc://{root}/events", node=NODE, heartbeat_s=0.2,
+        events = {"interval_s": 0.01, "heartbeat_s": 0.2, **events}
+        self.events_config = EventsConfig(f"ipc://{root}/events", node=NODE,
                                           max_pending=max_pending, **events)
         self.store: TieredStore
         self.publisher: EventPublisher
@@ -311,3 +311,80 @@ def test_a_corrupt_remote_record_is_removed(tmp_path: Path, redis_url: str) -> N
         index.close()
     finally:
         reader.stop()
+
+
+def test_a_write_through_during_a_remote_delete_is_said_in_order(
+        sidecar: Sidecar, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A slow delete in Redis and a write of the same key offered meanwhile, whose answer
+    comes late: Redis ends with the key (written after the delete), and so does the index."""
+    import threading
+
+    from tierkv.tiers.remote import RemoteTier
+
+    put, delete = RemoteTier.put, RemoteTier.delete
+
+    def slow_answer(self: RemoteTier, *args: Any, **kwargs: Any) -> Any:
+        stored = put(self, *args, **kwargs)
+        time.sleep(0.3)
+        return stored
+
+    def slow_delete(self: RemoteTier, *args: Any, **kwargs: Any) -> Any:
+        time.sleep(0.3)
+        return delete(self, *args, **kwargs)
+
+    namespace, chain = NAMESPACES[0], keys(2, start=500)
+    sidecar.store.put(namespace, chain, blocks(2), write_policy=WritePolicy.WRITE_THROUGH)
+    sidecar.settle()
+    index = sidecar.subscriber()
+    index.resync()
+    monkeypatch.setattr(RemoteTier, "put", slow_answer)
+    monkeypatch.setattr(RemoteTier, "delete", slow_delete)
+    deleting = threading.Thread(target=sidecar.store.delete, args=(namespace, chain))
+    deleting.start()
+    time.sleep(0.1)  # its delete is on its way to Redis
+    sidecar.store.put(namespace, chain, blocks(2), write_policy=WritePolicy.WRITE_THROUGH)
+    deleting.join()
+    assert_index_is_truth(index, sidecar)
+    index.close()
+
+
+def test_a_replay_longer_than_zmqs_high_water_mark_arrives_whole(tmp_path: Path,
+                                                                  redis_url: str) -> None:
+    # Heartbeats every millisecond fill each topic's ring (the node's and two namespaces')
+    # with 2,500 batches: past ZMQ's default high-water mark of 1,000 messages.
+    sidecar = Sidecar(tmp_path, redis_url, interval_s=0.001, heartbeat_s=0.001,
+                      ring_batches=2500)
+    try:
+        sidecar.store.put(NAMESPACES[0], keys(1), blocks(1))
+        name = topic(NAMESPACES[0])
+        deadline = time.monotonic() + 60
+        while sidecar.publisher.counters.batches_published < 3 * 2600:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        index = sidecar.subscriber()
+        index.next_seq[name] = 0
+        index.replay(name, 0)  # everything the ring has: 2,500 batches and the end marker
+        assert index.num_replayed == 0  # none follows on from 0: the ring starts later
+        assert sidecar.publisher.counters.batches_replayed == 2500
+        index.close()
+    finally:
+        sidecar.stop()
+
+
+def test_batches_are_byte_for_byte_what_vllms_msgspec_encodes(sidecar: Sidecar) -> None:
+    import msgspec
+    from vllm.distributed.kv_events import KVEventBatch
+
+    index = sidecar.subscriber()
+    index.resync()
+    sidecar.store.put(NAMESPACES[0], keys(3, start=600), blocks(3),
+                      detail=PutDetail(tuple(range(12)), keys(1, 599)[0], "lora-x",
+                                       (("lora-x", "salt"), None, ("lora-x",))))
+    sidecar.store.delete(NAMESPACES[0], keys(2, start=600))
+    assert_index_is_truth(index, sidecar)
+    decoder = msgspec.msgpack.Decoder(type=KVEventBatch)
+    encoder = msgspec.msgpack.Encoder()
+    assert any(decoder.decode(payload).events for payload in index.payloads)
+    for payload in index.payloads:
+        assert encoder.encode(decoder.decode(payload)) == payload
+    index.close()

@@ -2,7 +2,8 @@
 decoder (``vllm.distributed.kv_events.KVEventBatch``), an index of (topic, medium, locality) ->
 hashes, and the recovery a router needs to trust it: a gap in a topic's sequence is replayed
 from the ring (``[b"", start_seq, topic]`` on the replay socket), and a gap the ring no longer
-covers, or a topic first met mid-stream, is resynced (``[b"", b"resync", topic]``)."""
+covers, or a topic first met mid-stream, is resynced (``[b"", b"resync", topic]``); a jump on
+the node's own topic (``kv@<node>``: the sidecar restarted) resyncs every topic."""
 
 from __future__ import annotations
 
@@ -40,6 +41,7 @@ class EventIndex:
     num_replays: int = 0
     num_replayed: int = 0
     num_resyncs: int = 0
+    payloads: list[bytes] = field(default_factory=list)  # every batch applied, as it came
 
     def __post_init__(self) -> None:
         self._ctx = zmq.Context()
@@ -50,6 +52,7 @@ class EventIndex:
         self._replay.setsockopt(zmq.LINGER, 0)
         self._replay.connect(self.replay_endpoint)
         self._decoder = msgspec.msgpack.Decoder(type=KVEventBatch)
+        self._restating: set[bytes] = set()
 
     def close(self) -> None:
         self._ctx.destroy(linger=0)
@@ -63,11 +66,17 @@ class EventIndex:
         while (left_s := deadline - time.monotonic()) > 0:
             if self._sub.poll(max(1, int(left_s * 1000))):
                 topic, seq, payload = self._sub.recv_multipart()
+                self.payloads.append(payload)
                 self.receive(topic, int.from_bytes(seq, "big"), payload)
 
     def receive(self, topic: bytes, seq: int, payload: bytes) -> None:
         """One batch off the stream, with the recovery of the module docstring."""
         expected = self.next_seq.get(topic)
+        if topic.count(b"@") == 1:  # the node's own topic: heartbeats, one sequence a life
+            self.next_seq[topic] = seq + 1
+            if expected is not None and seq != expected:  # a restart, or missed heartbeats
+                self.resync()
+            return
         if expected is None:
             batch = self._decoder.decode(payload)
             if batch.events and isinstance(batch.events[0], AllBlocksCleared):
@@ -86,6 +95,9 @@ class EventIndex:
         self._apply(topic, seq, self._decoder.decode(payload))
 
     def _apply(self, topic: bytes, seq: int, batch: KVEventBatch) -> None:
+        if topic in self._restating:  # the resync's answer named this batch: it restates
+            assert batch.events and isinstance(batch.events[0], AllBlocksCleared), topic
+            self._restating.discard(topic)
         held = self.index[topic]
         for event in batch.events:
             if isinstance(event, AllBlocksCleared):
@@ -124,9 +136,17 @@ class EventIndex:
         stream is skipped)."""
         self.num_resyncs += 1
         self._replay.send_multipart((b"", b"resync", topic))
+        restated = set()
         for _, name, seq, _ in self._answers():
             self.index.pop(name, None)
             self.next_seq[name] = int.from_bytes(seq, "big")
+            restated.add(name)
+            self._restating.add(name)
+        if not topic:  # every topic was restated: the others hold nothing now
+            for name in [name for name in self.next_seq if name not in restated
+                         and name.count(b"@") != 1]:
+                self.index.pop(name, None)
+                del self.next_seq[name]
 
     # --- what it says -----------------------------------------------------------------------
 

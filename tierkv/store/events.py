@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import threading
 from collections import deque
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -99,6 +100,13 @@ class EventLog:
         dropped."""
         self._records.append((SNAPSHOT, 0, state, snapshot, None))
         self.wake.set()
+
+    def lose(self, states: Iterable[NamespaceState]) -> None:
+        """Mark the namespaces of ``states`` lost (records of theirs taken and not published:
+        the next ``take`` names them, to be restated)."""
+        with self._lock:
+            for state in states:
+                self._lost[state.id] = state
 
     def _drop(self, state: NamespaceState) -> None:
         with self._lock:

@@ -75,6 +75,7 @@ class RemoteLink:
         self._budgets: dict[str, _Budget] = {}  # by tenant (``tenant_write_bytes``)
         self._queued_bytes = 0
         self._num_writing = 0
+        self._num_purging = 0  # forgets deleting from REMOTE now: no batch starts meanwhile
         self._closed = False
         self.forgotten = Forgotten()
         # How long a forget waits for a batch being written (the tier's own deadline).
@@ -185,10 +186,11 @@ class RemoteLink:
     def _write_loop(self) -> None:
         while True:
             with self._lock:
-                while not self._queue and not self._closed:
+                while (not self._queue or self._num_purging) and not self._closed:
                     self._lock.wait()
                 if not self._queue:
                     return
+                taken_s = time.monotonic()
                 batch: list[tuple[bytes, bytes | bytearray, bool, int]] = []
                 num_bytes = 0
                 while self._queue and num_bytes < _WRITE_BATCH_BYTES:
@@ -212,10 +214,16 @@ class RemoteLink:
             demoted = np.array([item[2] for item in batch], bool)  # (see ``offer``)
             events = self.core.events
             if events is not None:  # readable there now (records a forget purged never got here)
-                for (raw_key, _, _, _), ok in zip(batch, stored, strict=True):
-                    state = self.core.namespaces.get(raw_key[:NAMESPACE_ID_BYTES]) if ok else None
-                    if state is not None:
-                        events.stored(state, REMOTE_TIER, raw_key[NAMESPACE_ID_BYTES:])
+                # Not those a forget began on since the batch was taken: its delete may have
+                # gone first, and said so (a batch past the purge's wait): under-reported,
+                # never a copy announced that Redis does not hold.
+                with self.forgotten.lock:
+                    for (raw_key, _, _, _), ok in zip(batch, stored, strict=True):
+                        state = (self.core.namespaces.get(raw_key[:NAMESPACE_ID_BYTES])
+                                 if ok and not self.forgotten.forbids_locked(raw_key, taken_s)
+                                 else None)
+                        if state is not None:
+                            events.stored(state, REMOTE_TIER, raw_key[NAMESPACE_ID_BYTES:])
             with self._lock:
                 self._queued_bytes -= num_bytes
                 self._num_writing = 0
@@ -254,15 +262,23 @@ class RemoteLink:
             self._queue = deque(kept)
             while self._num_writing and not self._closed and time.monotonic() < deadline:
                 self._lock.wait(max(0.0, deadline - time.monotonic()))
-        events = self.core.events
-        for namespace_id in forgetting.namespace_ids:
-            deleted = self.remote.delete_namespace(namespace_id)
-            self._report_removed(events, namespace_id, deleted)
-        if forgetting.raw_keys:
-            self.remote.delete(list(forgetting.raw_keys))
-            for raw_key in forgetting.raw_keys if events is not None else ():
-                self._report_removed(events, raw_key[:NAMESPACE_ID_BYTES],
-                                     [raw_key[NAMESPACE_ID_BYTES:]])
+            # Until the deletes are done and said, no batch starts: a write of a key offered
+            # after the purge began lands after its delete (and its STORED after the REMOVED).
+            self._num_purging += 1
+        try:
+            events = self.core.events
+            for namespace_id in forgetting.namespace_ids:
+                deleted = self.remote.delete_namespace(namespace_id)
+                self._report_removed(events, namespace_id, deleted)
+            if forgetting.raw_keys:
+                self.remote.delete(list(forgetting.raw_keys))
+                for raw_key in forgetting.raw_keys if events is not None else ():
+                    self._report_removed(events, raw_key[:NAMESPACE_ID_BYTES],
+                                         [raw_key[NAMESPACE_ID_BYTES:]])
+        finally:
+            with self._lock:
+                self._num_purging -= 1
+                self._lock.notify_all()
 
     def _report_removed(self, events: EventLog | None, namespace_id: bytes,
                         hashes: Sequence[bytes]) -> None:
@@ -385,9 +401,9 @@ class RemoteLink:
             log.warning("a remote record of %s failed its checks; served as a miss and deleted",
                         state.namespace.model_id)
             # Garbage for every reader: deleted, as DISK deletes its own (a good record of the
-            # same key written meanwhile by another node goes too: a miss, never wrong bytes).
-            self.remote.delete([state.id + keys[index] for index in corrupt])
-            self._report_removed(self.core.events, state.id, [keys[index] for index in corrupt])
+            # same key written meanwhile goes too: a miss, never wrong bytes), as a delete is.
+            with self.forgetting(raw_keys=[state.id + keys[index] for index in corrupt]):
+                pass
         return num_brought
 
     def _bring_into_host(self, state: NamespaceState, keys: Sequence[bytes],
