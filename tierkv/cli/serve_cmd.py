@@ -413,9 +413,9 @@ async def _serve(settings: Resolved, config: StoreConfig, service_config: Servic
     try:
         num_flushed_blocks = await asyncio.to_thread(store.flush)
     finally:
-        await asyncio.to_thread(store.close, False)  # flushed just above
-        if publisher is not None:  # the flush's events too
+        if publisher is not None:  # the flush's events too, while the store can restate
             await asyncio.to_thread(publisher.close)
+        await asyncio.to_thread(store.close, False)  # flushed just above
     duration_s = round(time.monotonic() - start_s, 3)
     log_event(log, logging.INFO, "stopped",
               f"stopped: {num_flushed_blocks} blocks flushed to disk in {duration_s} s",
