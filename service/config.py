@@ -51,8 +51,9 @@ class EventsConfig:
     content: both endpoints must then be a Unix socket or loopback). ``hash_form``: ``int``
     (the last 8 bytes, vLLM's default external form) or ``bytes``. A batch goes every
     ``interval_s`` or at ``batch_events`` events, an empty one on every topic quiet for
-    ``heartbeat_s`` (so a subscriber sees a gap, or a restart, within it); the last
-    ``ring_batches`` batches are replayable; ``hwm``: ZMQ's high-water mark per subscriber;
+    ``heartbeat_s`` (so a subscriber sees a gap, or a restart, within it); each topic's last
+    ``ring_batches`` batches are replayable, within its share of ``ring_bytes`` (at least
+    1 MiB); ``hwm``: ZMQ's high-water mark per subscriber;
     ``max_pending``: store records waiting before they are dropped (their namespaces are then
     restated). ``node_topic``: the topic of the node's own heartbeats (empty batches, one
     sequence a life of the sidecar), where a subscriber sees a restart even when no namespace
@@ -68,6 +69,7 @@ class EventsConfig:
     heartbeat_s: float = 1.0
     batch_events: int = 1000
     ring_batches: int = 10_000
+    ring_bytes: int = 256 * MiB
     hwm: int = 100_000
     max_pending: int = 1_000_000
     node_topic: str = "kv@{node}"
@@ -97,7 +99,8 @@ class EventsConfig:
                               "topic a namespace, so that tenants never share one")
         if self.hash_form not in ("int", "bytes"):
             raise ConfigError(f"--events-hash-form must be int or bytes, got {self.hash_form!r}")
-        counts = (self.batch_events, self.ring_batches, self.hwm, self.max_pending)
+        counts = (self.batch_events, self.ring_batches, self.ring_bytes, self.hwm,
+                  self.max_pending)
         if not self.interval_s > 0 or not self.heartbeat_s > 0 or min(counts) < 1:
             raise ConfigError("--events-interval-s, --events-heartbeat-s, --events-batch-events, "
                               "--events-ring-batches, --events-hwm and --events-max-pending "

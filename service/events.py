@@ -95,7 +95,7 @@ class EventCounters:
 class _Topic:
     """One namespace's topic: its name, next sequence number and block size."""
 
-    __slots__ = ("block_size", "name", "namespace", "next_seq", "ring", "sent_s")
+    __slots__ = ("block_size", "name", "namespace", "next_seq", "ring", "ring_bytes", "sent_s")
 
     def __init__(self, name: bytes, namespace: Namespace | None, first_seq: int,
                  ring_batches: int) -> None:
@@ -107,6 +107,16 @@ class _Topic:
         # Its last batches, for replay: a ring a topic, so one tenant's traffic never pushes
         # another's history out.
         self.ring: deque[tuple[bytes, bytes, bytes]] = deque(maxlen=ring_batches)
+        self.ring_bytes = 0  # of the payloads in ``ring``
+
+    def keep(self, frames: tuple[bytes, bytes, bytes], max_bytes: int) -> None:
+        """Add a batch to the ring, dropping its oldest past ``max_bytes`` (one stays)."""
+        if len(self.ring) == self.ring.maxlen:
+            self.ring_bytes -= len(self.ring[0][2])
+        self.ring.append(frames)
+        self.ring_bytes += len(frames[2])
+        while self.ring_bytes > max_bytes and len(self.ring) > 1:
+            self.ring_bytes -= len(self.ring.popleft()[2])
 
 
 class EventPublisher:
@@ -343,7 +353,8 @@ class EventPublisher:
                 snapshot_seq = seq
             frames = (topic.name, seq.to_bytes(8, "big"), payload)
             self._pub.send_multipart(frames, copy=False)
-            topic.ring.append(frames)
+            # Each topic's share of the ring's bytes (at least 1 MiB): bounded in all.
+            topic.keep(frames, max(1 << 20, self.config.ring_bytes // (len(self._topics) + 1)))
             self.counters.events_published += len(chunk)
             self.counters.batches_published += 1
         return snapshot_seq

@@ -172,7 +172,8 @@ SETTINGS: tuple[Setting, ...] = (
              "an empty batch on every topic quiet this long, so subscribers see a gap or a "
              "restart within it"),
     _setting("events_ring_batches", Kind.INT, 10_000,
-             "event batches kept for replay"),
+             "event batches of each topic kept for replay (all topics together keep at most "
+             "256 MiB, each at least 1 MiB)"),
     _setting("stats_interval_s", Kind.FLOAT, 60.0, "log a stats event this often (0: never)"),
     _setting("log_format", Kind.CHOICE, "text",
              "logs on stderr: text lines, or one JSON object a line", choices=LOG_FORMATS),

@@ -57,21 +57,20 @@ def test_sidecar_events_match_vllms_own(tmp_path: Path) -> None:
             model, sidecar.unix_target, [{"prompts": prompt_set(1), "flush": True}],
             kv_events_endpoint=f"ipc://{tmp_path}/vllm-events"))
         deadline = time.monotonic() + 600
-        while engine.poll() is None:
-            assert time.monotonic() < deadline, "the engine did not finish"
-            index.poll(0.2)
+        def drain_vllms() -> None:
             while own.poll(0):
                 _, _, payload = own.recv_multipart()
                 for event in decoder.decode(payload).events:
                     if isinstance(event, BlockStored):
                         vllm_blocks.update(per_block(event))
+
+        while engine.poll() is None:
+            assert time.monotonic() < deadline, "the engine did not finish"
+            index.poll(0.2)
+            drain_vllms()
         assert engine.returncode == 0, (tmp_path / "engine.log").read_text()[-4000:]
         index.poll(1.0)
-        while own.poll(0):
-            _, _, payload = own.recv_multipart()
-            for event in decoder.decode(payload).events:
-                if isinstance(event, BlockStored):
-                    vllm_blocks.update(per_block(event))
+        drain_vllms()
         context.destroy(linger=0)
 
         saved = {}
