@@ -58,7 +58,8 @@ _MEDIUM: dict[int, tuple[str, str]] = {
     Tier.GPU: ("GPU", "LOCAL"), Tier.HOST: ("CPU", "LOCAL"), Tier.DISK: ("STORAGE", "LOCAL"),
     REMOTE_TIER: ("STORAGE", "REMOTE"),
 }
-_RESERVED = str.maketrans({"%": "%25", "@": "%40", ":": "%3A", "/": "%2F"})
+_RESERVED = str.maketrans({"%": "%25", "@": "%40", ":": "%3A"})
+_RESERVED_IN_MODEL = str.maketrans({"%": "%25", "@": "%40"})  # "org/name" stays as routers know it
 
 
 def model_name(model_id: str) -> str:
@@ -71,11 +72,11 @@ def model_name(model_id: str) -> str:
 
 
 def topic_of(template: str, node: str, namespace: Namespace) -> str:
-    """``template`` filled for ``namespace`` (``%``, ``@``, ``:`` and ``/`` in a field are
-    percent-encoded, so a field never reads as a separator)."""
+    """``template`` filled for ``namespace`` (``%``, ``@`` and ``:`` in a field are
+    percent-encoded, ``:`` not in the model, so a field never reads as a separator)."""
     return template.format(
         node=node.translate(_RESERVED), tenant=namespace.tenant.translate(_RESERVED),
-        model=model_name(namespace.model_id).translate(_RESERVED),
+        model=model_name(namespace.model_id).translate(_RESERVED_IN_MODEL),
         namespace=namespace.id.hex())
 
 

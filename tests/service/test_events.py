@@ -388,3 +388,15 @@ def test_batches_are_byte_for_byte_what_vllms_msgspec_encodes(sidecar: Sidecar) 
     for payload in index.payloads:
         assert encoder.encode(decoder.decode(payload)) == payload
     index.close()
+
+
+def test_topics_name_the_model_as_routers_know_it() -> None:
+    from tierkv.service.events import model_name
+
+    connector_id = "vllm:meta-llama/Llama-3.1-8B@main|config=ab|weights=bf16/none"
+    assert model_name(connector_id) == "meta-llama/Llama-3.1-8B"
+    assert model_name("chat-model|group=1") == "chat-model"
+    namespace = Namespace(connector_id, TINY_LAYOUT, tenant="team:a@b")
+    name = topic_of("kv@{node}:{tenant}:{namespace}@{model}", "node:1", namespace)
+    assert name == f"kv@node%3A1:team%3Aa%40b:{namespace.id.hex()}@meta-llama/Llama-3.1-8B"
+    assert name.count("@") == 2
