@@ -136,6 +136,7 @@ class EventPublisher:
         self._node = _Topic(config.node_topic.format(node=config.node.translate(_RESERVED))
                             .encode(), None, self._first_seq, config.ring_batches)
         self._ctx = zmq.Context()
+        self._ctx.setsockopt(zmq.LINGER, 0)  # a socket left to the collector never blocks it
         self._pub = self._ctx.socket(zmq.PUB)
         self._pub.setsockopt(zmq.SNDHWM, config.hwm)
         self._pub.setsockopt(zmq.LINGER, 1000)

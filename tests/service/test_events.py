@@ -265,6 +265,7 @@ def test_bad_replay_requests_are_answered_or_dropped(sidecar: Sidecar,
     import zmq
 
     context = zmq.Context()
+    context.setsockopt(zmq.LINGER, 0)
     try:
         dealer = context.socket(zmq.DEALER)
         dealer.connect(sidecar.publisher.replay_endpoint)

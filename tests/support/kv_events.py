@@ -45,6 +45,9 @@ class EventIndex:
 
     def __post_init__(self) -> None:
         self._ctx = zmq.Context()
+        # Never wait for unsent messages at the end, even when a failed test leaves this to
+        # the collector (a context's finalizer otherwise blocks on them: the test run hangs).
+        self._ctx.setsockopt(zmq.LINGER, 0)
         self._sub = self._ctx.socket(zmq.SUB)
         self._sub.setsockopt(zmq.SUBSCRIBE, self.prefix)
         self._sub.connect(self.endpoint)

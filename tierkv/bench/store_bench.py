@@ -331,6 +331,7 @@ def _draining(endpoint: str) -> Iterator[None]:
 
     stop = threading.Event()
     context = zmq.Context()
+    context.setsockopt(zmq.LINGER, 0)
     sub = context.socket(zmq.SUB)
     sub.setsockopt(zmq.SUBSCRIBE, b"")
     sub.connect(endpoint)

@@ -48,6 +48,7 @@ def test_sidecar_events_match_vllms_own(tmp_path: Path) -> None:
                            sidecar.ready["events_replay_endpoint"])
         index.resync()
         context = zmq.Context()
+        context.setsockopt(zmq.LINGER, 0)
         own = context.socket(zmq.SUB)
         own.setsockopt(zmq.SUBSCRIBE, b"")
         own.connect(f"ipc://{tmp_path}/vllm-events")
