@@ -15,6 +15,8 @@ Contracts (docs/design/events.md):
    a topic first met after the start begins with an ``AllBlocksCleared`` too. A subscriber may
    adopt a topic from any batch that begins with one, and must resync one it meets elsewhere.
 4. Store records dropped because this publisher fell behind make their namespaces restated.
+5. The node's own topic (``node_topic``) carries heartbeats only, one sequence a life: a jump
+   there is a restart, even one no namespace survived (a subscriber then resyncs everything).
 """
 from __future__ import annotations
 
@@ -234,7 +236,8 @@ class EventPublisher:
         recorded before it, taken from the log; a known topic whose namespace is gone (pruned)
         is cleared instead: it holds nothing."""
         restated = {namespace.id for namespace in self._store.restate_events(namespace_ids)}
-        records, _ = self._events.take()
+        records, lost = self._events.take()
+        self._events.lose(lost)  # dropped meanwhile: restated at the next flush
         wanted = self._topics if namespace_ids is None else namespace_ids
         for namespace_id in wanted:
             topic = self._topics.get(namespace_id)
