@@ -133,6 +133,7 @@ class EventPublisher:
         self._store = store
         self._events = events
         self._first_seq = time.time_ns() // 1000
+        self._ownership = f"tierkv@{config.node}"  # in every event
         self._topics: dict[bytes, _Topic] = {}  # by namespace id
         self._by_name: dict[bytes, _Topic] = {}
         self._node = _Topic(config.node_topic.format(node=config.node.translate(_RESERVED))
@@ -314,10 +315,6 @@ class EventPublisher:
         event["locality"] = locality
         event["ownership"] = self._ownership
         return event
-
-    @property
-    def _ownership(self) -> str:
-        return f"tierkv@{self.config.node}"
 
     def _external(self, block_hash: bytes) -> bytes | int:
         """vLLM's external form of a hash: its last 8 bytes as an int (vLLM's default,

@@ -166,8 +166,8 @@ class StoreCore:
         # The tier past the lowest local one (REMOTE), if any: ``attach_spill``.
         self.spill: Spill | None = None
         self._pending_takes: list[tuple[bytes, float]] = []  # DISK victims: (raw key, evicted at)
-        # Where copies that become readable or go are recorded for KV events, if anywhere
-        # (``attach_events``: after recovery, whose blocks a publisher restates at its start).
+        # Where copies that become readable or go are recorded for KV events, if anywhere (set
+        # by ``TieredStore`` after recovery, whose blocks a publisher restates at its start).
         self.events: EventLog | None = None
 
     def snapshot_events_locked(self, state: NamespaceState) -> None:

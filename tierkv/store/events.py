@@ -1,9 +1,10 @@
 """The store's record of what becomes readable and what goes, per namespace and tier, for a
-publisher of KV events (the sidecar's ``tierkv.service.events``). The store appends under its
-own lock (one tuple a block, no other work on the hot path); the publisher takes what is there
-in one swap and does the rest on its own thread. Bounded: past ``max_pending`` records a record
-is dropped, counted, and its namespace is marked lost, so that the publisher restates that
-namespace in full (a resync) instead of leaving its subscribers with a wrong index.
+publisher of KV events (the sidecar's ``tierkv.service.events``). The store appends one tuple
+a copy (no other work on the hot path; REMOTE's writer appends without the store's lock); the
+publisher pops what is there and does the rest on its own thread. Bounded: past
+``max_pending`` records a record is dropped, counted, and its namespace is marked lost, so that
+the publisher restates that namespace in full (a resync) instead of leaving its subscribers
+with a wrong index.
 
 Contract: for each namespace, the records come in the order the store's state changed (a
 ``STORED`` after the copy is readable, a ``REMOVED`` once no reader can be given that copy), so
@@ -122,8 +123,3 @@ class EventLog:
         records = self._records
         popleft = records.popleft
         return [popleft() for _ in range(len(records))], lost
-
-    @property
-    def num_pending(self) -> int:
-        """Records waiting for the publisher."""
-        return len(self._records)

@@ -10,7 +10,7 @@ import logging
 import threading
 import time
 from collections import OrderedDict, deque
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -23,7 +23,7 @@ from tierkv.errors import CapacityError
 from tierkv.keys import NAMESPACE_ID_BYTES
 from tierkv.paging import Location
 from tierkv.store.core import StoreCore
-from tierkv.store.events import REMOTE_TIER, EventLog
+from tierkv.store.events import REMOTE_TIER
 from tierkv.store.index import DOOMED, Entry, NamespaceState
 from tierkv.store.migrate import Mover
 from tierkv.store.writes import Writer
@@ -266,26 +266,26 @@ class RemoteLink:
             # after the purge began lands after its delete (and its STORED after the REMOVED).
             self._num_purging += 1
         try:
-            events = self.core.events
             for namespace_id in forgetting.namespace_ids:
                 deleted = self.remote.delete_namespace(namespace_id)
-                self._report_removed(events, namespace_id, deleted)
+                self._report_removed(namespace_id + block_hash for block_hash in deleted)
             if forgetting.raw_keys:
                 self.remote.delete(list(forgetting.raw_keys))
-                for raw_key in forgetting.raw_keys if events is not None else ():
-                    self._report_removed(events, raw_key[:NAMESPACE_ID_BYTES],
-                                         [raw_key[NAMESPACE_ID_BYTES:]])
+                self._report_removed(forgetting.raw_keys)
         finally:
             with self._lock:
                 self._num_purging -= 1
                 self._lock.notify_all()
 
-    def _report_removed(self, events: EventLog | None, namespace_id: bytes,
-                        hashes: Sequence[bytes]) -> None:
-        state = self.core.namespaces.get(namespace_id) if events is not None else None
-        if events is not None and state is not None:
-            for block_hash in hashes:
-                events.removed(state, REMOTE_TIER, block_hash)
+    def _report_removed(self, raw_keys: Iterable[bytes]) -> None:
+        """Record REMOTE's copies of ``raw_keys`` gone (of namespaces still registered)."""
+        events = self.core.events
+        if events is None:
+            return
+        for raw_key in raw_keys:
+            state = self.core.namespaces.get(raw_key[:NAMESPACE_ID_BYTES])
+            if state is not None:
+                events.removed(state, REMOTE_TIER, raw_key[NAMESPACE_ID_BYTES:])
 
     def hashes_in(self, namespace_id: bytes) -> list[bytes]:
         """The block hashes REMOTE holds under ``namespace_id`` now (a scan of every node)."""
