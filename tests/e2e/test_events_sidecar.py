@@ -163,3 +163,25 @@ def test_a_restart_without_a_disk_clears_what_the_subscriber_held(pool: SidecarP
     assert index.holding(name) == {}
     assert index.num_resyncs >= 2
     index.close()
+
+
+def test_a_detail_that_does_not_fit_its_put_is_refused_and_stores_nothing(
+        pool: SidecarPool, tmp_path: Path) -> None:
+    from tierkv import InvalidArgumentError
+
+    sidecar = start(pool, tmp_path)
+    index = subscriber(sidecar)
+    bad = [PutDetail(tuple(range(7))),  # 7 tokens for 2 blocks of 4
+           PutDetail(extra_keys=((1,),)),  # one entry for 2 blocks
+           PutDetail(parent_hash=b"short"),
+           PutDetail(parent_hashes=(None,))]
+    with shm_client(sidecar, token=ALICE) as shm, stream_client(sidecar, token=ALICE) as stream:
+        for client in (shm, stream):
+            for detail in bad:
+                with pytest.raises(InvalidArgumentError):
+                    client.put(NAMESPACE, keys(2), blocks(2), detail=detail)
+            assert client.lookup(NAMESPACE, keys(2)) == 0
+        index.poll(0.5)
+        assert index.stored == []
+        assert shm.put(NAMESPACE, keys(2), blocks(2), detail=PutDetail(tuple(range(8)))) == 2
+    index.close()
