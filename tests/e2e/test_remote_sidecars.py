@@ -266,3 +266,35 @@ def test_a_tenant_never_gets_another_tenants_blocks(
     check_served_by_b(b, ns, hashes, data)  # tenant X on B: all of them
     tenant_y_sees_nothing(b)  # now X's blocks are in B's HOST
     tenant_y_sees_nothing(a)  # and in A's
+
+
+def test_publish_sends_write_back_blocks_to_remote_before_answering(
+    pair: tuple[Sidecar, Sidecar], cluster: RedisCluster
+) -> None:
+    """A write_back put stays in A's HOST; Publish sends it to REMOTE and answers once Redis
+    holds it, so that B serves it at once. A chain with a block A lacks publishes up to it."""
+    a, b = pair
+    ns, hashes, data = namespace("published"), keys(12, salt="published"), blocks(12, seed=6)
+    with stream_client(a, token=TOKEN_X) as client_a, shm_client(b, token=TOKEN_X) as client_b:
+        assert client_a.put(ns, hashes[:8], data[:8]) == 8  # write_back: HOST only
+        assert timed(client_b.lookup, ns, hashes) == 0
+        assert timed(client_a.publish, ns, hashes, wait_s=3.0) == 8
+        with cluster.client() as redis_client:
+            assert all(redis_client.exists(redis_key(ns, TENANT_X, h)) for h in hashes[:8])
+        assert timed(client_b.lookup, ns, hashes) == 8
+        assert_exact(client_b.get(ns, hashes), data[:8])
+        assert timed(client_a.publish, ns, hashes[:8], wait_s=3.0) == 8  # again: nothing sent
+    with stream_client(b, token=TOKEN_Y) as other:  # another tenant: its own namespace
+        assert other.publish(ns, hashes, wait_s=1.0) == 0
+        assert other.lookup(ns, hashes) == 0
+
+
+def test_publish_without_remote_counts_what_the_sidecar_holds(
+    sidecar_factory: SidecarFactory,
+) -> None:
+    sidecar = sidecar_factory("--host-bytes", "1MiB", "--page-bytes", "256")
+    ns, hashes, data = namespace("alone"), keys(6, salt="alone"), blocks(6, seed=7)
+    with stream_client(sidecar) as client:
+        client.put(ns, hashes[:4], data[:4])
+        assert client.publish(ns, hashes, wait_s=0.0) == 4
+        assert client.publish(namespace("never-written"), hashes) == 0

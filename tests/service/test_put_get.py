@@ -54,7 +54,7 @@ def test_the_helpers_cover_every_rpc() -> None:
     assert set(ALL_RPCS) == {
         "Describe", "Lookup", "Pin", "Unpin", "Delete", "Stats", "Put", "Get", "Acquire",
         "Release", "Allocate", "Commit", "Abort", "SaveSession", "ResumeSession",
-        "DeleteSession", "ListSessions", "Clear",
+        "DeleteSession", "ListSessions", "Clear", "Publish",
     }
 
 

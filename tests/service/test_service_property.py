@@ -198,6 +198,9 @@ REQUESTS: dict[str, st.SearchStrategy[Any]] = {
     "Pin": st.builds(lambda f, t: pb.PinRequest(**f, ttl_s=t), blocks_fields(), ttls),
     "Unpin": st.builds(lambda f: pb.BlocksRequest(**f), blocks_fields()),
     "Delete": st.builds(lambda f: pb.BlocksRequest(**f), blocks_fields()),
+    "Publish": st.builds(lambda f, t: pb.PublishRequest(**f, timeout_s=t), blocks_fields(),
+                         st.one_of(st.sampled_from([0.0, 0.01, -1.0, 61.0]),
+                                   st.floats(allow_nan=True))),
     "Put": put_streams(),
     "Get": st.builds(lambda f: pb.BlocksRequest(**f), blocks_fields()),
     "Acquire": st.builds(lambda f, t: pb.AcquireRequest(**f, lease_ttl_s=t), blocks_fields(),
@@ -269,7 +272,7 @@ def check_response(rpc: str, request: Any, response: Any, shm_size: int) -> None
         assert response.num_cached <= len(hashes)
         assert response.num_gpu + response.num_host + response.num_disk == response.num_cached
         assert response.num_pinned <= len(hashes)
-    elif rpc in ("Put", "Pin", "Unpin", "Delete"):
+    elif rpc in ("Put", "Pin", "Unpin", "Delete", "Publish"):
         assert response.count <= len(hashes)
     elif rpc == "Get":
         num_blocks = response[0].num_blocks

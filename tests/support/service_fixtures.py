@@ -147,6 +147,7 @@ def request_for(
         "Pin": lambda: pb.PinRequest(**blocks_request, **fields),
         "Unpin": lambda: pb.BlocksRequest(**blocks_request),
         "Delete": lambda: pb.BlocksRequest(**blocks_request),
+        "Publish": lambda: pb.PublishRequest(**blocks_request, **fields),
         "Stats": pb.StatsRequest,
         "Put": lambda: put_chunks(ns, hs, bytes(len(hs) * block_bytes), **fields),
         "Get": lambda: pb.BlocksRequest(**blocks_request),

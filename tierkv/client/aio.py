@@ -185,6 +185,11 @@ class AsyncClient(ClientFlows):
         return await self._run(self._count("Delete", self._blocks_request(namespace, hashes),
                                            timeout_s))
 
+    async def publish(self, namespace: Namespace, hashes: Sequence[bytes], *,
+                      wait_s: float = 5.0, timeout_s: float | None = None) -> int:
+        """``Client.publish``."""
+        return await self._run(self._publish(namespace, hashes, wait_s, timeout_s))
+
     async def stats(self, *, max_namespaces: int = 0, timeout_s: float | None = None
                     ) -> ServerStats:
         """The server's tier and counter snapshot (``StoreStats``) and its largest namespaces

@@ -390,6 +390,14 @@ class ClientFlows(base.ClientBase):
         """A call answered with a ``CountResponse``: its count."""
         return int((yield from self._call(method, request, timeout_s)).count)
 
+    def _publish(self, namespace: Namespace, hashes: Sequence[bytes], wait_s: float,
+                 timeout_s: float | None) -> Flow[int]:
+        # The call's own deadline covers the server's wait for REMOTE.
+        deadline_s = max(timeout_s or self.settings.timeout_s, wait_s + 1.0)
+        return (yield from self._count("Publish", pb.PublishRequest(
+            namespace=self._wire(namespace), hashes=list(hashes), timeout_s=wait_s,
+        ), deadline_s))
+
     def _pin(self, namespace: Namespace, hashes: Sequence[bytes], ttl_s: float | None,
              timeout_s: float | None) -> Flow[int]:
         return (yield from self._count("Pin", pb.PinRequest(

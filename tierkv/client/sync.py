@@ -195,6 +195,13 @@ class Client(ClientFlows):
         """Delete the blocks; returns how many were stored."""
         return self._run(self._count("Delete", self._blocks_request(namespace, hashes), timeout_s))
 
+    def publish(self, namespace: Namespace, hashes: Sequence[bytes], *, wait_s: float = 5.0,
+                timeout_s: float | None = None) -> int:
+        """Make the leading cached blocks readable where every sidecar sharing this one's
+        REMOTE tier looks, waiting up to ``wait_s`` for REMOTE: how many leading ``hashes`` it
+        then holds (without REMOTE: how many this sidecar holds)."""
+        return self._run(self._publish(namespace, hashes, wait_s, timeout_s))
+
     def stats(self, *, max_namespaces: int = 0, timeout_s: float | None = None
               ) -> ServerStats:
         """The server's tier and counter snapshot (``StoreStats``) and its largest namespaces

@@ -12,7 +12,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from tierkv.buffers import BufferPool
 from tierkv.config import StoreConfig, TenantShares, Tier
@@ -26,6 +26,9 @@ from tierkv.store.index import DOOMED, DiskLedger, Entry, Ledger, NamespaceState
 from tierkv.store.pins import PinTable
 from tierkv.store.tenants import TenantShare
 from tierkv.tiers.disk import DiskTier, DiskWrite
+
+if TYPE_CHECKING:
+    import torch
 from tierkv.types import RemoteStats
 
 log = logging.getLogger(__name__)
@@ -73,6 +76,12 @@ class Spill(Protocol):
 
     def flush(self, timeout_s: float | None = None) -> bool:
         """Wait until what was offered so far has been sent; False on timeout."""
+
+    def publish(self, state: NamespaceState, keys: Sequence[bytes], timeout_s: float,
+                read: Callable[[list[bytes]], torch.Tensor]) -> int:
+        """Send the local copies (``read``: the leading ones of the keys given, verified) of
+        the blocks of ``keys`` this tier lacks, and wait up to ``timeout_s``: how many leading
+        ``keys`` this tier then holds."""
 
     def hashes_in(self, namespace_id: bytes) -> list[bytes]:
         """The block hashes it holds under ``namespace_id`` now (a scan: O(its keys))."""

@@ -10,7 +10,7 @@ import logging
 import threading
 import time
 from collections import OrderedDict, deque
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -301,6 +301,29 @@ class RemoteLink:
                     return False
                 self._lock.wait(remaining)
         return True
+
+    def publish(self, state: NamespaceState, keys: Sequence[bytes], timeout_s: float,
+                read: Callable[[list[bytes]], torch.Tensor]) -> int:
+        """Send what REMOTE lacks of ``keys`` from the local copies (``read``: the leading
+        held ones of the keys given, verified on the way, as a tensor of blocks), and wait up
+        to ``timeout_s`` for what was queued before and for them: how many leading ``keys``
+        REMOTE then holds (by asking it). Blocks only a write-back sidecar holds reach REMOTE
+        this way long before their eviction would send them."""
+        deadline = time.monotonic() + max(0.0, timeout_s)
+        self.flush(timeout_s)  # write-through records of the puts before it go first
+        held = self.remote.exists_in(state.id, keys)
+        missing = [keys[int(i)] for i in np.flatnonzero(~held)]
+        if missing:
+            blocks = read(missing)
+            if len(blocks):
+                raw_keys = [state.id + key for key in missing[: len(blocks)]]
+                payloads = blocks.reshape(len(blocks), -1).view(torch.uint8).numpy()
+                encoded = encode_records(raw_keys, state.fingerprint, list(payloads))
+                self.offer([(raw_key, record) for raw_key, (record, _) in
+                            zip(raw_keys, encoded, strict=True)])
+                self.flush(max(0.0, deadline - time.monotonic()))
+                held = self.remote.exists_in(state.id, keys)
+        return int(np.argmin(held)) if not held.all() else len(keys)
 
     # --- reads (docs/design/remote.md, the store's side 2, 3) -------------------
 

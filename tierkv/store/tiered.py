@@ -257,6 +257,18 @@ class TieredStore:
             return num_found
         return self._remote.lookup_suffix(state, check_hashes(hashes), num_found)
 
+    def publish(self, namespace: Namespace, hashes: Sequence[bytes], timeout_s: float) -> int:
+        """Make the leading held blocks of ``hashes`` readable from REMOTE, where every store
+        sharing it looks, and wait up to ``timeout_s`` until they are: how many leading
+        ``hashes`` REMOTE then holds (what was dropped on the way, or is not held here, is
+        not). Without a REMOTE tier: ``lookup`` (this store is where its readers look)."""
+        state = self._state(namespace)
+        keys = check_hashes(hashes)
+        if self._remote is None:
+            return self.lookup(namespace, keys)
+        return self._remote.publish(state, keys, timeout_s,
+                                    lambda missing: self.get(namespace, missing))
+
     @property
     def has_remote_tier(self) -> bool:
         """Whether a REMOTE tier is configured (lookups and reads may then go past the local

@@ -70,6 +70,16 @@ class BlocksRequest(_message.Message):
     hashes: _containers.RepeatedScalarFieldContainer[bytes]
     def __init__(self, namespace: _Optional[_Union[Namespace, _Mapping]] = ..., hashes: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
+class PublishRequest(_message.Message):
+    __slots__ = ("namespace", "hashes", "timeout_s")
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    HASHES_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    namespace: Namespace
+    hashes: _containers.RepeatedScalarFieldContainer[bytes]
+    timeout_s: float
+    def __init__(self, namespace: _Optional[_Union[Namespace, _Mapping]] = ..., hashes: _Optional[_Iterable[bytes]] = ..., timeout_s: _Optional[float] = ...) -> None: ...
+
 class CountResponse(_message.Message):
     __slots__ = ("count",)
     COUNT_FIELD_NUMBER: _ClassVar[int]

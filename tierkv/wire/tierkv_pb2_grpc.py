@@ -59,6 +59,11 @@ class TierKVStub:
                 request_serializer=tierkv_dot_v1_dot_tierkv__pb2.BlocksRequest.SerializeToString,
                 response_deserializer=tierkv_dot_v1_dot_tierkv__pb2.CountResponse.FromString,
                 _registered_method=True)
+        self.Publish = channel.unary_unary(
+                '/tierkv.v1.TierKV/Publish',
+                request_serializer=tierkv_dot_v1_dot_tierkv__pb2.PublishRequest.SerializeToString,
+                response_deserializer=tierkv_dot_v1_dot_tierkv__pb2.CountResponse.FromString,
+                _registered_method=True)
         self.Stats = channel.unary_unary(
                 '/tierkv.v1.TierKV/Stats',
                 request_serializer=tierkv_dot_v1_dot_tierkv__pb2.StatsRequest.SerializeToString,
@@ -157,6 +162,15 @@ class TierKVServicer:
 
     def Delete(self, request, context):
         """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Publish(self, request, context):
+        """Make the leading held blocks readable where every sidecar sharing this one's REMOTE tier
+        looks, and wait (at most timeout_s) until they are: the count REMOTE then holds. Without a
+        REMOTE tier: how many leading blocks this sidecar holds. (A prefill engine's handoff.)
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -274,6 +288,11 @@ def add_TierKVServicer_to_server(servicer, server):
             'Delete': grpc.unary_unary_rpc_method_handler(
                     servicer.Delete,
                     request_deserializer=tierkv_dot_v1_dot_tierkv__pb2.BlocksRequest.FromString,
+                    response_serializer=tierkv_dot_v1_dot_tierkv__pb2.CountResponse.SerializeToString,
+            ),
+            'Publish': grpc.unary_unary_rpc_method_handler(
+                    servicer.Publish,
+                    request_deserializer=tierkv_dot_v1_dot_tierkv__pb2.PublishRequest.FromString,
                     response_serializer=tierkv_dot_v1_dot_tierkv__pb2.CountResponse.SerializeToString,
             ),
             'Stats': grpc.unary_unary_rpc_method_handler(
@@ -476,6 +495,33 @@ class TierKV:
             target,
             '/tierkv.v1.TierKV/Delete',
             tierkv_dot_v1_dot_tierkv__pb2.BlocksRequest.SerializeToString,
+            tierkv_dot_v1_dot_tierkv__pb2.CountResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Publish(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tierkv.v1.TierKV/Publish',
+            tierkv_dot_v1_dot_tierkv__pb2.PublishRequest.SerializeToString,
             tierkv_dot_v1_dot_tierkv__pb2.CountResponse.FromString,
             options,
             channel_credentials,
