@@ -289,7 +289,7 @@ def wait_received(worker: WorkerSide, timeout_s: float = 30.0) -> set[str]:
     """The first non-empty report of finished asynchronous loads."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        received = worker.finished(set())
+        _, received = worker.finished(set())
         if received:
             return received
         time.sleep(0.01)

@@ -57,7 +57,8 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
                  kv_cache_config: KVCacheConfig) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         transfer = vllm_config.kv_transfer_config
-        self.settings = ConnectorSettings.from_extra_config(transfer.kv_connector_extra_config)
+        self.settings = ConnectorSettings.from_extra_config(
+            transfer.kv_connector_extra_config, role=getattr(transfer, "kv_role", "kv_both"))
         if getattr(transfer, "kv_load_failure_policy", "recompute") != "recompute":
             log.warning("tierkv: kv_load_failure_policy=%r: a block the sidecar cannot deliver "
                         "fails its request; 'recompute' recomputes it instead",
@@ -82,7 +83,7 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
                                    num_computed_tokens: int) -> tuple[int | None, bool]:
         assert self._scheduler is not None
         num_tokens = self._scheduler.num_matched_tokens(request, num_computed_tokens)
-        return num_tokens, num_tokens > 0 and self._scheduler.loads_async
+        return num_tokens, bool(num_tokens) and self._scheduler.loads_async
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
                                  num_external_tokens: int) -> None:
@@ -95,6 +96,7 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         meta = TierKVMetadata()
         meta.namespaces, meta.loads, meta.saves = step.namespaces, step.loads, step.saves
         meta.async_loads = step.async_loads
+        meta.tickets, meta.releases = step.tickets, step.releases
         return meta
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
@@ -103,15 +105,15 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
 
     def request_finished(self, request: Request,
                          block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        """Never holds the blocks: saves are copied out of them within their step."""
-        assert self._scheduler is not None
-        self._scheduler.finished(request)
-        return False, None
+        """Holds the blocks only while a save of them is still to come (a request that
+        finished in its load step); a producer asked for a handoff answers its params."""
+        return self.request_finished_all_groups(request, (block_ids,))
 
     def request_finished_all_groups(self, request: Request, block_ids: tuple[list[int], ...]
                                     ) -> tuple[bool, dict[str, Any] | None]:
-        """The hybrid allocator's ``request_finished``: never holds the blocks either."""
-        return self.request_finished(request, [])
+        """The hybrid allocator's ``request_finished``."""
+        assert self._scheduler is not None
+        return self._scheduler.finished(request, block_ids)
 
     @classmethod
     def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
@@ -150,7 +152,8 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         assert self._worker is not None
-        return None, self._worker.finished(finished_req_ids) or None
+        released, received = self._worker.finished(finished_req_ids)
+        return released or None, received or None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         assert self._worker is not None

@@ -20,8 +20,14 @@ Contracts (vLLM v1's connector API):
   computed over blocks that failed to load is never stored. Failed blocks are saved again once
   vLLM has recomputed them, and a failed load stops offers for a while (the presence table in
   shared memory keeps answering for a sidecar that hangs).
-* Saves are copied out of vLLM's blocks within their step, so ``request_finished`` never holds
-  a request's blocks.
+* Saves are copied out of vLLM's blocks within their step. A request that finishes before its
+  blocks are all saved (it finished in its load step) has them saved in the next step, and
+  ``request_finished`` holds its blocks until the worker has copied them out.
+* Roles: a ``kv_producer`` looks up only to skip saving what the sidecar holds, and offers no
+  hit; a ``kv_consumer`` saves nothing. A producer asked for a handoff answers
+  ``kv_transfer_params`` naming it, and its worker writes the ticket once the request's saves
+  are answered; a consumer given one answers ``None`` ("ask again") until the ticket is there
+  or ``pd_wait_timeout_s`` has passed (``handoff.py``).
 """
 
 from __future__ import annotations
@@ -35,6 +41,13 @@ from typing import Any
 
 from tierkv.client import Client
 from tierkv.integrations.vllm.geometry import FULL, NULL_BLOCK_ID, BlockGeometry, EngineGeometry
+from tierkv.integrations.vllm.handoff import (
+    TICKET_NAMESPACE,
+    Handoff,
+    TicketStatus,
+    namespaces_digest,
+    wants_handoff,
+)
 from tierkv.integrations.vllm.settings import ConnectorSettings
 from tierkv.keys import Namespace
 from tierkv.types import PutDetail
@@ -46,6 +59,8 @@ log = logging.getLogger("tierkv.integrations.vllm")
 # not. By then ``on_output`` has heard of any block that failed to load, on any TP rank.
 SAVE_DELAY_STEPS = 2
 _MAX_CUTS = 8  # rounds of cutting a hybrid hit to what every group holds (each: one lookup)
+TICKET_POLL_S = 0.005  # a waiting handoff asks the sidecar for its ticket at most this often
+_NORMAL_FINISHES = frozenset({"FINISHED_STOPPED", "FINISHED_LENGTH_CAPPED"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,6 +75,16 @@ class BlockOp:
     detail: PutDetail | None = None  # a save's: what KV events say of its blocks
 
 
+@dataclass(frozen=True, slots=True)
+class TicketOp:
+    """Write ``handoff``'s ticket once every save of ``req_id`` queued before it is answered
+    and each group's ``publish`` hashes (``(group, hashes)``) are published."""
+
+    req_id: str
+    handoff: Handoff
+    publish: tuple[tuple[int, tuple[bytes, ...]], ...]
+
+
 @dataclass(slots=True)
 class StepMetadata:
     """What the scheduler tells the workers for one step (pickled to them by vLLM). Subclasses
@@ -70,6 +95,19 @@ class StepMetadata:
     loads: list[BlockOp] = field(default_factory=list)  # in this step's forward pass
     async_loads: list[BlockOp] = field(default_factory=list)  # between steps (load_mode async)
     saves: list[BlockOp] = field(default_factory=list)
+    tickets: list[TicketOp] = field(default_factory=list)  # after this step's saves
+    # Finished requests whose blocks vLLM holds for this step's saves: released (vLLM's
+    # ``finished_sending``) once the worker has copied them out.
+    releases: list[str] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class _Wait:
+    """A consumer's wait for a producer's ticket."""
+
+    handoff: Handoff
+    deadline_s: float
+    next_poll_s: float = 0.0
 
 
 @dataclass(slots=True)
@@ -105,6 +143,12 @@ class SchedulerSide:
         self._namespace_sent = False
         self._num_steps = 0
         self.num_lookup_errors = 0
+        self._digest = namespaces_digest(self.namespaces)
+        self._waits: dict[str, _Wait] = {}  # consumer: handoffs waited for
+        self._settled: set[str] = set()  # consumer: requests no longer waited for
+        self._finishing: StepMetadata = StepMetadata()  # saves, tickets, releases for next step
+        # Consumer: how handoffs ended (ticket DONE / FAILED, timed out, params refused).
+        self.handoffs: dict[str, int] = {"done": 0, "failed": 0, "timed_out": 0, "refused": 0}
         if self.geometry.uncached:  # one line at start, naming every group it cannot serve
             log.warning("tierkv: no hits and no saves for this model: %s",
                         "; ".join(self.geometry.uncached))
@@ -133,12 +177,16 @@ class SchedulerSide:
         """Whether loads happen between steps (``load_mode="async"``)."""
         return self.settings.load_mode == "async"
 
-    def num_matched_tokens(self, request: Any, num_computed_tokens: int) -> int:
+    def num_matched_tokens(self, request: Any, num_computed_tokens: int) -> int | None:
         """Tokens beyond ``num_computed_tokens`` that can be loaded: the longest prefix, a
         multiple of the engine's block size, for which every group holds what a hit needs
-        (``geometry``'s module doc), never the last token of the request."""
+        (``geometry``'s module doc), never the last token of the request. None while a
+        producer's handoff is awaited; 0 for a producer (which only learns what not to
+        save)."""
         if not self.geometry.serves:
             return 0
+        if self.settings.loads and self._awaits_handoff(request):
+            return None
         unit = self.geometry.block_size
         groups = self.geometry.groups
         # At least one token is left to compute: vLLM needs one to produce the next token.
@@ -174,9 +222,89 @@ class SchedulerSide:
         length = max(num_computed_tokens, length)
         for g, group in enumerate(groups):
             if group.kind != FULL:
-                held[g] = length // group.block_size
+                held[g] = length // group.block_size if self.settings.loads else 0
         self._matched[request.request_id] = (num_computed_tokens, held)
+        if not self.settings.loads:
+            return 0
         return max(0, int(length) - num_computed_tokens)
+
+    # --- handoffs (consumer) ----------------------------------------------------------------
+
+    def _awaits_handoff(self, request: Any) -> bool:
+        """Whether ``request`` waits for its producer's ticket (``handoff.py``): True until
+        every rank's ticket is there, the sidecar fails, or ``pd_wait_timeout_s`` passed."""
+        req_id = request.request_id
+        if req_id in self._settled:
+            return False
+        wait = self._waits.get(req_id)
+        if wait is None:
+            handoff = self._handoff_of(request)
+            if handoff is None:
+                self._settled.add(req_id)
+                return False
+            wait = self._waits[req_id] = _Wait(
+                handoff, time.monotonic() + self.settings.pd_wait_timeout_s)
+        now = time.monotonic()
+        status: TicketStatus | None = None
+        if now >= wait.next_poll_s:
+            wait.next_poll_s = now + TICKET_POLL_S
+            status = self._ticket_status(wait.handoff)
+        if status is None and now < wait.deadline_s:
+            return True
+        outcome = ("timed_out" if status is None else
+                   "done" if status is TicketStatus.DONE else "failed")
+        self.handoffs[outcome] += 1
+        if outcome == "timed_out":
+            log.warning("tierkv: no ticket of the prefill engine's handoff for request %s "
+                        "within %.1f s; it computes what the sidecar does not hold", req_id,
+                        self.settings.pd_wait_timeout_s)
+        del self._waits[req_id]
+        self._settled.add(req_id)
+        return False
+
+    def _handoff_of(self, request: Any) -> Handoff | None:
+        """The request's handoff if it names this engine's blocks of this very prompt; None
+        (counted, said once a request) for params that do not: never waited for."""
+        params = getattr(request, "kv_transfer_params", None)
+        try:
+            handoff = Handoff.from_params(params)
+        except ValueError as exc:
+            reason = str(exc)
+        else:
+            if handoff is None:
+                return None
+            unit = self.geometry.hash_block_size
+            index = handoff.num_tokens // unit - 1
+            hashes = request.block_hashes
+            if handoff.namespaces != self._digest:
+                reason = "it names another model, layout or cache"
+            elif (handoff.num_tokens % unit or handoff.num_tokens > request.num_prompt_tokens
+                  or index >= len(hashes)):
+                reason = f"num_tokens={handoff.num_tokens} does not fit the prompt"
+            elif bytes(hashes[index]) != handoff.last_block_hash:
+                reason = "its last block hash is not this prompt's"
+            else:
+                return handoff
+        self.handoffs["refused"] += 1
+        log.warning("tierkv: request %s: handoff ignored (%s); looked up as any request",
+                    request.request_id, reason)
+        return None
+
+    def _ticket_status(self, handoff: Handoff) -> TicketStatus | None:
+        """FAILED if any rank's ticket says so (or the sidecar fails: nothing to wait for),
+        DONE when every rank's says so, None while one is missing."""
+        if time.monotonic() < self._down_until:
+            return TicketStatus.FAILED
+        ranks = range(self.namespaces[0].tp_size)
+        try:
+            found = self._client.get(TICKET_NAMESPACE, [handoff.key(r) for r in ranks])
+        except Exception as exc:  # a sidecar that fails has no ticket to wait for
+            log.warning("tierkv: reading a handoff's ticket failed (%s)", exc)
+            return TicketStatus.FAILED
+        statuses = [handoff.status_of(found[r], r) for r in range(found.shape[0])]
+        if TicketStatus.FAILED in statuses:
+            return TicketStatus.FAILED
+        return TicketStatus.DONE if len(statuses) == len(ranks) else None
 
     def _lookup(self, request: Any, group: int, start: int, num_blocks: int) -> int:
         """How many of ``group``'s blocks ``start`` to ``start + num_blocks`` the sidecar holds,
@@ -232,7 +360,7 @@ class SchedulerSide:
     def build(self, output: Any) -> StepMetadata:
         """The metadata of one scheduled step (vLLM's ``SchedulerOutput``); empty for an engine
         the connector does not serve (a hit must restore every group: nothing is saved)."""
-        meta = StepMetadata()
+        meta, self._finishing = self._finishing, StepMetadata()
         if not self.geometry.serves:
             return meta
         current = getattr(output, "kv_connector_block_state", None)
@@ -263,7 +391,8 @@ class SchedulerSide:
             for state in self._requests.values():
                 meta.async_loads += state.pending_loads
                 state.pending_loads = []
-        if not self._namespace_sent or meta.loads or meta.async_loads or meta.saves:
+        if (not self._namespace_sent or meta.loads or meta.async_loads or meta.saves
+                or meta.tickets):
             meta.namespaces = self.namespaces
             self._namespace_sent = True
         self._num_steps += 1
@@ -283,6 +412,13 @@ class SchedulerSide:
             state.load_step = self._num_steps
         if state.load_step is not None and self._num_steps - state.load_step < SAVE_DELAY_STEPS:
             return  # KV computed over a load is saved once the load is known good everywhere
+        self._save_up_to(meta, state, computed_after)
+
+    def _save_up_to(self, meta: StepMetadata, state: _Request, computed_after: int) -> None:
+        """Saves of the request's full prompt blocks computed by ``computed_after`` tokens that
+        are not saved yet (none for a consumer)."""
+        if not self.settings.saves:
+            return
         computed_prompt = min(computed_after, state.num_prompt_tokens)
         for g in range(len(self.geometry.groups)):
             ids = state.block_ids[g]
@@ -348,10 +484,62 @@ class SchedulerSide:
         log.warning("tierkv: %d blocks failed to load; no hits offered for %.1f s",
                     len(invalid_block_ids), self._down_until - now)
 
-    def finished(self, request: Any) -> None:
-        """A request ended (finished, aborted, or failed while it waited)."""
-        self._matched.pop(request.request_id, None)
-        self._requests.pop(request.request_id, None)
+    def finished(self, request: Any, block_ids: Sequence[Sequence[int]] | None = None
+                 ) -> tuple[bool, dict[str, Any] | None]:
+        """A request ended (finished, aborted, or failed while it waited), with ``block_ids``
+        of its computed tokens (per group) where vLLM gives them. Returns vLLM's
+        ``(delay_free_blocks, kv_transfer_params)``: blocks are held when a save of them is
+        still to come (next step); params name the handoff a producer was asked for."""
+        req_id = request.request_id
+        self._matched.pop(req_id, None)
+        self._waits.pop(req_id, None)
+        self._settled.discard(req_id)
+        state = self._requests.pop(req_id, None)
+        if state is None or not self.settings.saves or not self.geometry.serves:
+            return False, None
+        if block_ids is not None:
+            state.block_ids = self._group_ids(block_ids)
+        # Tokens whose KV is computed (async scheduling may have one more step in flight).
+        done = (int(getattr(request, "num_computed_tokens", 0))
+                - int(getattr(request, "num_in_flight_tokens", 0)))
+        delay = False
+        if getattr(getattr(request, "status", None), "name", "") in _NORMAL_FINISHES:
+            # A finished request's loads were good (vLLM recomputes a failed one instead):
+            # what it computed after them is saved now, not SAVE_DELAY_STEPS later.
+            before = len(self._finishing.saves)
+            self._save_up_to(self._finishing, state, done)
+            delay = len(self._finishing.saves) > before
+            if delay:
+                self._finishing.releases.append(req_id)
+        if not wants_handoff(getattr(request, "kv_transfer_params", None)):
+            return delay, None
+        handoff = self._handoff(state, min(done, state.num_prompt_tokens))
+        return delay, None if handoff is None else handoff.to_params()
+
+    def _handoff(self, state: _Request, num_tokens: int) -> Handoff | None:
+        """The handoff of a producer's request: the full blocks of its first ``num_tokens``
+        prompt tokens that every group saved; its ticket is written after their saves."""
+        request = state.request
+        unit = self.geometry.block_size
+        groups = self.geometry.groups
+        num_tokens = min([num_tokens // unit * unit]
+                         + [self._num_hashed_blocks(request, num_tokens, g) * b.block_size
+                            for g, b in enumerate(groups)]
+                         + [state.stored_blocks[g] * b.block_size for g, b in enumerate(groups)])
+        if num_tokens <= 0:
+            return None
+        publish = []
+        for g, group in enumerate(groups):
+            end = num_tokens // group.block_size
+            start = 0 if group.kind == FULL else group.first_needed_block(num_tokens)
+            ids = state.block_ids[g]
+            keep = [k for k in range(start, end) if k < len(ids) and ids[k] != NULL_BLOCK_ID]
+            hashes = self._hashes(request, end, 0, g)
+            publish.append((g, tuple(hashes[k] for k in keep)))
+        index = num_tokens // self.geometry.hash_block_size - 1
+        handoff = Handoff.new(self._digest, num_tokens, bytes(request.block_hashes[index]))
+        self._finishing.tickets.append(TicketOp(request.request_id, handoff, tuple(publish)))
+        return handoff
 
     def close(self) -> None:
         self._client.close()

@@ -26,9 +26,10 @@ from tierkv.wire.limits import DEFAULT_TARGET
 
 _KEYS = frozenset({
     "address", "token", "token_file", "write_policy", "priority", "lookup_timeout_s",
-    "load_timeout_s", "save_queue_bytes", "load_mode", "event_detail",
+    "load_timeout_s", "save_queue_bytes", "load_mode", "event_detail", "pd_wait_timeout_s",
 })
 LOAD_MODES = ("sync", "async")
+ROLES = ("kv_producer", "kv_consumer", "kv_both")
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,6 +47,11 @@ class ConnectorSettings:
     each block's token ids, parent hash, LoRA name and extra keys (``PutDetail``), so that a
     sidecar publishing KV events puts them in its ``BlockStored`` events as vLLM's own
     publisher does (it keeps none of them); off: hashes only.
+
+    ``role`` is vLLM's ``kv_role``: ``kv_producer`` saves and never loads, ``kv_consumer``
+    loads and never saves, ``kv_both`` does both. ``pd_wait_timeout_s`` bounds how long a
+    consumer waits for a prefill engine's handoff (``handoff.py``) before it computes, and how
+    long a producer waits for its blocks to reach REMOTE before it says they did not.
     """
 
     address: str = DEFAULT_TARGET
@@ -57,12 +63,33 @@ class ConnectorSettings:
     save_queue_bytes: int = 512 * 1024 * 1024
     load_mode: str = "sync"
     event_detail: bool = True
+    role: str = "kv_both"
+    pd_wait_timeout_s: float = 5.0
+
+    @property
+    def loads(self) -> bool:
+        """Whether the engine loads blocks (every role but ``kv_producer``)."""
+        return self.role != "kv_producer"
+
+    @property
+    def saves(self) -> bool:
+        """Whether the engine saves blocks (every role but ``kv_consumer``)."""
+        return self.role != "kv_consumer"
 
     @classmethod
-    def from_extra_config(cls, extra: dict[str, Any] | None) -> ConnectorSettings:
-        """Parse vLLM's ``kv_connector_extra_config``; an unknown key or a bad value is a
-        ``ConfigError`` that names it."""
+    def from_extra_config(cls, extra: dict[str, Any] | None, role: str | None = "kv_both"
+                          ) -> ConnectorSettings:
+        """Parse vLLM's ``kv_connector_extra_config`` for an engine of ``kv_role`` ``role``;
+        an unknown key, a bad value, or a setting the role never uses is a ``ConfigError``
+        that names it, in one line."""
         extra = dict(extra or {})
+        if role not in ROLES:
+            raise ConfigError(f"TierKVConnector: kv_role={role!r}; choose one of {list(ROLES)}")
+        if role == "kv_producer" and extra.get("load_mode", "sync") != "sync":
+            raise ConfigError("TierKVConnector: a kv_producer never loads; drop load_mode")
+        if role == "kv_consumer" and ("write_policy" in extra or "priority" in extra):
+            raise ConfigError("TierKVConnector: a kv_consumer never saves; drop write_policy "
+                              "and priority")
         unknown = sorted(set(extra) - _KEYS)
         if unknown:
             raise ConfigError(
@@ -87,6 +114,8 @@ class ConnectorSettings:
             save_queue_bytes=int(_positive(extra, "save_queue_bytes", 512 * 1024 * 1024)),
             load_mode=_one_of(extra, "load_mode", LOAD_MODES, "sync"),
             event_detail=_flag(extra, "event_detail", True),
+            role=role,
+            pd_wait_timeout_s=_positive(extra, "pd_wait_timeout_s", 5.0),
         )
 
 

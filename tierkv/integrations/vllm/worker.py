@@ -29,6 +29,12 @@ the backend does, which is why the namespace names the backend's layout and devi
   missing one could never be found), counted; saves the sidecar refuses are dropped too. The
   engine never waits for the sidecar, and a sidecar that failed a load is not asked again for
   a moment.
+* Handoffs (``handoff.py``): a step's tickets are queued after its saves, so the saver writes
+  one once every save of its request before it was answered; it publishes the request's
+  blocks first (``Client.publish``: with a REMOTE tier, until Redis holds them) and says
+  FAILED when any of them was dropped, refused or not published. A finished request whose
+  blocks vLLM held for a last save is released (``finished_sending``) once the next step's
+  ``before_step`` has copied them out.
 * Staging buffers are reused (a fresh one page-faults once a 4 KiB page, as long as the copy
   itself takes): GPU loads land in one buffer per loading thread; a save's buffer is the saver's
   until its put has returned, then kept (at most ``IDLE_SAVE_BUFFERS``) for a later save.
@@ -54,7 +60,8 @@ import torch
 from tierkv.client import BlockUse, Client
 from tierkv.errors import ConfigError
 from tierkv.integrations.vllm.geometry import BlockGeometry, EngineGeometry
-from tierkv.integrations.vllm.scheduler import BlockOp, StepMetadata
+from tierkv.integrations.vllm.handoff import TICKET_NAMESPACE, TicketStatus
+from tierkv.integrations.vllm.scheduler import BlockOp, StepMetadata, TicketOp
 from tierkv.integrations.vllm.settings import ConnectorSettings
 from tierkv.keys import Namespace
 from tierkv.types import PutDetail
@@ -105,6 +112,7 @@ class _Save:
     hashes: tuple[bytes, ...]
     block_ids: tuple[int, ...]
     detail: PutDetail | None = None  # what the KV events say of the blocks (every op's)
+    req_ids: frozenset[str] = frozenset()  # whose blocks these are (a failure fails each)
     staging: torch.Tensor | None = None  # [n, L, H, N, C], gathered out of vLLM's blocks
     buffer: torch.Tensor | None = None  # what ``staging`` is the head of: given back after
     window_open: bool = False
@@ -164,7 +172,12 @@ class WorkerSide:
         self._open_saves: list[_Save] = []  # saves vLLM's blocks are still kept for
         self._truncated: set[str] = set()  # requests a save was dropped for: no later ones
         self._queued_bytes = 0
-        self._saves: queue.Queue[_Save | None] = queue.Queue()  # None: stop
+        self._num_tickets = 0  # tickets queued, not yet written
+        self._failed: set[str] = set()  # requests a save of failed since their ticket or end
+        self._releasing: list[str] = []  # held for a save of this step: released after it
+        self._released: set[str] = set()  # copied out: vLLM may free their blocks
+        # Saves, then tickets, then requests vLLM finished (their failures are forgotten).
+        self._saves: queue.Queue[_Save | TicketOp | frozenset[str] | None] = queue.Queue()
         self._saver = threading.Thread(target=self._save_loop, name="tierkv-save", daemon=True)
         self._saver.start()
         self._stream: torch.cuda.Stream | None = None
@@ -442,6 +455,11 @@ class WorkerSide:
             ops = [op for op in meta.saves if op.group == g]
             if ops:
                 self._save_group(g, group, namespaces[g], ops)
+        with self._lock:
+            self._releasing += meta.releases
+            self._num_tickets += len(meta.tickets)
+        for ticket in meta.tickets:
+            self._saves.put(ticket)
 
     def _save_group(self, g: int, group: _Group, namespace: Namespace, ops: list[BlockOp]
                     ) -> None:
@@ -457,6 +475,7 @@ class WorkerSide:
                 keep = 0 if op.req_id in self._truncated else min(len(op.hashes), room)
                 if keep < len(op.hashes):
                     self._truncated.add(op.req_id)
+                    self._failed.add(op.req_id)
                     self.counters.blocks_dropped += len(op.hashes) - keep
                 self._queued_bytes += keep * block_bytes
                 hashes += op.hashes[:keep]
@@ -465,7 +484,8 @@ class WorkerSide:
         if not hashes:
             return
         item = _Save(g, namespace, tuple(hashes), tuple(block_ids),
-                     _joined(details, group.geometry.layout.block_size))
+                     _joined(details, group.geometry.layout.block_size),
+                     frozenset(op.req_id for op in ops))
         if self._stream is None:  # the saver gathers it, straight into the sidecar's pages
             item.window_open = True
             with self._lock:
@@ -475,7 +495,7 @@ class WorkerSide:
         try:  # the step's requests in one put: each put costs ~2.5 ms beside its bytes
             self._stage(group, item)
         except BaseException:
-            self._settle(g, len(hashes), saved=False)  # (a flush must not wait for it)
+            self._settle(item, saved=False)  # (a flush must not wait for it)
             raise
         self._saves.put(item)
 
@@ -512,6 +532,9 @@ class WorkerSide:
                 with self._lock:
                     item.staging_pending = False
                     self._gathered.notify_all()
+        with self._lock:  # nothing reads their blocks any more
+            self._released.update(self._releasing)
+            self._releasing = []
 
     def _fill(self, item: _Save, indices: Sequence[int], out: torch.Tensor) -> None:
         """``put_with``'s fill of ``item``: its blocks ``indices`` into ``out`` (uint8, a row a
@@ -579,6 +602,13 @@ class WorkerSide:
             item = self._saves.get()
             if item is None:
                 return
+            if isinstance(item, TicketOp):
+                self._write_ticket(item)
+                continue
+            if isinstance(item, frozenset):
+                with self._lock:
+                    self._failed -= item
+                continue
             namespace, hashes = item.namespace, item.hashes
             saved = False
             try:
@@ -608,35 +638,77 @@ class WorkerSide:
                     self._open_saves = [s for s in self._open_saves if s is not item]
                 if item.buffer is not None:  # the put has returned: no copy reads it any more
                     self._give_back(self._groups[item.group], item.buffer)
-                self._settle(item.group, len(hashes), saved=saved)
+                self._settle(item, saved=saved)
 
-    def _settle(self, group: int, num_blocks: int, *, saved: bool) -> None:
-        """``num_blocks`` queued blocks of ``group`` are saved, or dropped: off the queue,
-        counted."""
-        block_bytes = self._groups[group].geometry.layout.bytes_per_block
+    def _settle(self, item: _Save, *, saved: bool) -> None:
+        """``item``'s queued blocks are saved, or dropped: off the queue, counted (a drop
+        fails its requests' tickets)."""
+        num_blocks = len(item.hashes)
+        block_bytes = self._groups[item.group].geometry.layout.bytes_per_block
         with self._lock:
             self._queued_bytes -= num_blocks * block_bytes
-            if self._queued_bytes == 0:
+            if self._queued_bytes == 0 and self._num_tickets == 0:
                 self._drained.notify_all()
             if saved:
                 self.counters.blocks_saved += num_blocks
                 self.counters.bytes_saved += num_blocks * block_bytes
             else:
                 self.counters.blocks_dropped += num_blocks
+                self._failed |= item.req_ids
 
-    def finished(self, finished_req_ids: set[str]) -> set[str]:
-        """The requests whose asynchronous loads are done since the last call (their failed
-        blocks are in ``take_load_errors`` by then). Saves hold no request: they are copied out
-        of vLLM's blocks before the next step begins (``before_step``)."""
+    def _write_ticket(self, op: TicketOp) -> None:
+        """Publish ``op``'s blocks, then write this rank's ticket: DONE when every save of its
+        request was answered and every block published, else FAILED. A ticket that cannot
+        be written is waited for by the consumer until its bound, then computed."""
+        handoff, rank = op.handoff, self.tp_rank
+        try:
+            with self._lock:
+                failed = op.req_id in self._failed
+                self._failed.discard(op.req_id)
+            namespaces = self._namespaces
+            wait_s = self.settings.pd_wait_timeout_s
+            for g, hashes in op.publish:
+                if failed or namespaces is None:
+                    failed = True
+                    break
+                if self._groups[g].geometry.replicated and rank != 0:
+                    continue  # rank 0 saves (and publishes) a replicated group
+                if hashes and self._save_client.publish(namespaces[g], hashes,
+                                                        wait_s=wait_s) < len(hashes):
+                    failed = True
+            status = TicketStatus.FAILED if failed else TicketStatus.DONE
+            self._save_client.put(TICKET_NAMESPACE, [handoff.key(rank)],
+                                  handoff.record(rank, status))
+            self._save_client.publish(TICKET_NAMESPACE, [handoff.key(rank)], wait_s=wait_s)
+            if failed:
+                log.warning("tierkv: request %s's handoff failed: not every block it names "
+                            "was saved and published", op.req_id)
+        except Exception as exc:  # the consumer waits its bound, then computes
+            log.warning("tierkv: writing request %s's handoff ticket failed (%s)", op.req_id, exc)
+        finally:
+            with self._lock:
+                self._num_tickets -= 1
+                if self._queued_bytes == 0 and self._num_tickets == 0:
+                    self._drained.notify_all()
+
+    def finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
+        """vLLM's ``(finished_sending, finished_recving)``: the finished requests whose held
+        blocks were copied out for their last saves (``before_step``), and the requests whose
+        asynchronous loads are done since the last call (their failed blocks are in
+        ``take_load_errors`` by then)."""
         with self._lock:
             self._truncated -= finished_req_ids
             received, self._received = self._received, set()
-        return received
+            released, self._released = self._released, set()
+        if finished_req_ids:  # after any ticket of theirs queued by now (see ``save``)
+            self._saves.put(frozenset(finished_req_ids))
+        return released, received
 
     def flush(self, timeout_s: float) -> bool:
-        """Wait up to ``timeout_s`` for queued saves; True when none is left."""
+        """Wait up to ``timeout_s`` for queued saves and tickets; True when none is left."""
         with self._drained:
-            return self._drained.wait_for(lambda: self._queued_bytes == 0, timeout_s)
+            return self._drained.wait_for(
+                lambda: self._queued_bytes == 0 and self._num_tickets == 0, timeout_s)
 
     def close(self, timeout_s: float = 10.0) -> None:
         """Finish queued saves (for at most ``timeout_s``), then stop."""
