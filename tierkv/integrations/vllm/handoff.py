@@ -11,9 +11,10 @@ Contracts:
   vLLM's hash of the last of those blocks.
 * Once every save of the request has been answered, and its blocks published where every
   sidecar sharing a REMOTE tier looks (``Client.publish``), each TP rank writes its ticket
-  record (one 64-byte block of ``TICKET_NAMESPACE``): ``DONE``, or ``FAILED`` when a block
-  was dropped, refused or could not be published. A ``DONE`` ticket means every block it
-  names was stored where the consumer looks; a block evicted since is a miss, never wrong.
+  record (one 64-byte block of ``TICKET_NAMESPACE``, with a CRC-32 of its own): ``DONE``,
+  or ``FAILED`` when a block was dropped, refused or could not be published. A ``DONE``
+  ticket means every block it names was stored where the consumer looks; a block evicted
+  since is a miss, never wrong.
 * A consumer checks the params against its own request (its namespaces' digest, its own
   block hash at ``num_tokens``): params that do not match are ignored, never waited for. It
   waits (at most ``pd_wait_timeout_s``) for every rank's ticket, then looks its blocks up as
@@ -27,6 +28,7 @@ import enum
 import hashlib
 import secrets
 import struct
+import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -41,7 +43,9 @@ VERSION = 1
 # One 64-byte block a ticket: fp32 is only the unit the store counts bytes in.
 TICKET_NAMESPACE = Namespace("tierkv:pd-ticket/v1", KVLayout(1, 1, 16, 1, DType.FP32,
                                                                    head_dim_v=0))
-_RECORD = struct.Struct("<4sBBHI16s32s")  # magic, version, status, rank, num_tokens, ns, hash
+# magic, version, status, rank, num_tokens, namespaces digest, last block hash; then a CRC-32
+_RECORD = struct.Struct("<4sBBHI16s32s")
+_CRC = struct.Struct("<I")
 _MAGIC = b"TKVT"
 
 
@@ -110,8 +114,9 @@ class Handoff:
 
     def record(self, tp_rank: int, status: TicketStatus) -> torch.Tensor:
         """Rank ``tp_rank``'s ticket record, as the one block ``TICKET_NAMESPACE`` stores."""
-        raw = _RECORD.pack(_MAGIC, VERSION, int(status), tp_rank, self.num_tokens,
-                           bytes.fromhex(self.namespaces), self.last_block_hash)
+        body = _RECORD.pack(_MAGIC, VERSION, int(status), tp_rank, self.num_tokens,
+                            bytes.fromhex(self.namespaces), self.last_block_hash)
+        raw = body + _CRC.pack(zlib.crc32(body))
         data = torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(torch.float32)
         return data.view(1, *TICKET_NAMESPACE.layout.block_shape).clone()
 
@@ -119,9 +124,10 @@ class Handoff:
         """The status a record says, FAILED for one that does not name this handoff (a
         record of another layout or version, or damaged: never taken as DONE)."""
         raw = block.contiguous().view(torch.uint8).numpy().tobytes()
-        if len(raw) != _RECORD.size:
+        if len(raw) != _RECORD.size + _CRC.size or _CRC.unpack_from(raw, _RECORD.size)[0] != (
+                zlib.crc32(raw[: _RECORD.size])):
             return TicketStatus.FAILED
-        magic, version, status, rank, num_tokens, digest, last = _RECORD.unpack(raw)
+        magic, version, status, rank, num_tokens, digest, last = _RECORD.unpack_from(raw)
         if (magic, version, rank, num_tokens, digest.hex(), last) != (
                 _MAGIC, VERSION, tp_rank, self.num_tokens, self.namespaces,
                 self.last_block_hash) or status not in (TicketStatus.DONE, TicketStatus.FAILED):

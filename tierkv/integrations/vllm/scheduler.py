@@ -59,7 +59,15 @@ log = logging.getLogger("tierkv.integrations.vllm")
 # not. By then ``on_output`` has heard of any block that failed to load, on any TP rank.
 SAVE_DELAY_STEPS = 2
 _MAX_CUTS = 8  # rounds of cutting a hybrid hit to what every group holds (each: one lookup)
-TICKET_POLL_S = 0.005  # a waiting handoff asks the sidecar for its ticket at most this often
+# A waiting handoff asks the sidecar for its ticket after 2 ms, then twice as long each time
+# up to 50 ms: vLLM asks again every step (about 1 ms apart on an idle engine), and a call a
+# step would cost the node's CPU what the prefill engine needs.
+TICKET_POLL_S = 0.002
+TICKET_POLL_MAX_S = 0.05
+# An idle engine (its last step scheduled nothing) that only waits for tickets spins through
+# empty steps, each a call to its workers: a wait sleeps up to this long once a step instead,
+# which a request arriving meanwhile waits at most.
+IDLE_WAIT_S = 0.01
 _NORMAL_FINISHES = frozenset({"FINISHED_STOPPED", "FINISHED_LENGTH_CAPPED"})
 
 
@@ -108,6 +116,7 @@ class _Wait:
     handoff: Handoff
     deadline_s: float
     next_poll_s: float = 0.0
+    interval_s: float = TICKET_POLL_S
 
 
 @dataclass(slots=True)
@@ -121,6 +130,7 @@ class _Request:
     stored_blocks: list[int]
     pending_loads: list[BlockOp] = field(default_factory=list)
     load_step: int | None = None  # the step its last synchronous load was in
+    handoff: Handoff | None = None  # a producer's, minted in the step its prompt completes
 
 
 class SchedulerSide:
@@ -147,6 +157,8 @@ class SchedulerSide:
         self._waits: dict[str, _Wait] = {}  # consumer: handoffs waited for
         self._settled: set[str] = set()  # consumer: requests no longer waited for
         self._finishing: StepMetadata = StepMetadata()  # saves, tickets, releases for next step
+        self._idle = False  # the last step scheduled nothing
+        self._slept_step = -1  # the step a wait last slept in
         # Consumer: how handoffs ended (ticket DONE / FAILED, timed out, params refused).
         self.handoffs: dict[str, int] = {"done": 0, "failed": 0, "timed_out": 0, "refused": 0}
         if self.geometry.uncached:  # one line at start, naming every group it cannot serve
@@ -247,9 +259,14 @@ class SchedulerSide:
         now = time.monotonic()
         status: TicketStatus | None = None
         if now >= wait.next_poll_s:
-            wait.next_poll_s = now + TICKET_POLL_S
             status = self._ticket_status(wait.handoff)
+            wait.next_poll_s = time.monotonic() + wait.interval_s
+            wait.interval_s = min(TICKET_POLL_MAX_S, 2 * wait.interval_s)
         if status is None and now < wait.deadline_s:
+            if self._idle and self._slept_step != self._num_steps:
+                self._slept_step = self._num_steps
+                time.sleep(max(0.0, min(IDLE_WAIT_S, wait.next_poll_s - now,
+                                        wait.deadline_s - now)))
             return True
         outcome = ("timed_out" if status is None else
                    "done" if status is TicketStatus.DONE else "failed")
@@ -296,8 +313,11 @@ class SchedulerSide:
         if time.monotonic() < self._down_until:
             return TicketStatus.FAILED
         ranks = range(self.namespaces[0].tp_size)
-        try:
-            found = self._client.get(TICKET_NAMESPACE, [handoff.key(r) for r in ranks])
+        keys = [handoff.key(r) for r in ranks]
+        try:  # a lookup first: on the sidecar's host it is read from shared memory
+            if self._client.lookup(TICKET_NAMESPACE, keys) < len(keys):
+                return None
+            found = self._client.get(TICKET_NAMESPACE, keys)
         except Exception as exc:  # a sidecar that fails has no ticket to wait for
             log.warning("tierkv: reading a handoff's ticket failed (%s)", exc)
             return TicketStatus.FAILED
@@ -361,6 +381,7 @@ class SchedulerSide:
         """The metadata of one scheduled step (vLLM's ``SchedulerOutput``); empty for an engine
         the connector does not serve (a hit must restore every group: nothing is saved)."""
         meta, self._finishing = self._finishing, StepMetadata()
+        self._idle = not any(getattr(output, "num_scheduled_tokens", {}).values())
         if not self.geometry.serves:
             return meta
         current = getattr(output, "kv_connector_block_state", None)
@@ -413,6 +434,12 @@ class SchedulerSide:
         if state.load_step is not None and self._num_steps - state.load_step < SAVE_DELAY_STEPS:
             return  # KV computed over a load is saved once the load is known good everywhere
         self._save_up_to(meta, state, computed_after)
+        if (computed_after >= state.num_prompt_tokens and state.handoff is None
+                and self.settings.saves
+                and wants_handoff(getattr(state.request, "kv_transfer_params", None))):
+            # The step that completes the prompt: its ticket follows the step's saves, not a
+            # step after the request finished (a busy prefill engine's steps are long).
+            state.handoff = self._handoff(meta, state, state.num_prompt_tokens)
 
     def _save_up_to(self, meta: StepMetadata, state: _Request, computed_after: int) -> None:
         """Saves of the request's full prompt blocks computed by ``computed_after`` tokens that
@@ -513,12 +540,15 @@ class SchedulerSide:
                 self._finishing.releases.append(req_id)
         if not wants_handoff(getattr(request, "kv_transfer_params", None)):
             return delay, None
-        handoff = self._handoff(state, min(done, state.num_prompt_tokens))
+        handoff = state.handoff if not delay else None
+        if handoff is None:
+            handoff = self._handoff(self._finishing, state, min(done, state.num_prompt_tokens))
         return delay, None if handoff is None else handoff.to_params()
 
-    def _handoff(self, state: _Request, num_tokens: int) -> Handoff | None:
+    def _handoff(self, meta: StepMetadata, state: _Request, num_tokens: int) -> Handoff | None:
         """The handoff of a producer's request: the full blocks of its first ``num_tokens``
-        prompt tokens that every group saved; its ticket is written after their saves."""
+        prompt tokens that every group saved or is saving; its ticket goes into ``meta``,
+        after the saves there."""
         request = state.request
         unit = self.geometry.block_size
         groups = self.geometry.groups
@@ -538,7 +568,7 @@ class SchedulerSide:
             publish.append((g, tuple(hashes[k] for k in keep)))
         index = num_tokens // self.geometry.hash_block_size - 1
         handoff = Handoff.new(self._digest, num_tokens, bytes(request.block_hashes[index]))
-        self._finishing.tickets.append(TicketOp(request.request_id, handoff, tuple(publish)))
+        meta.tickets.append(TicketOp(request.request_id, handoff, tuple(publish)))
         return handoff
 
     def close(self) -> None:
