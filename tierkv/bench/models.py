@@ -130,3 +130,27 @@ def build_family(path: Path, family: str, seed: int = 0,
     stamp.write_text(json.dumps(wanted))
     return path
 
+
+CHAT_TEMPLATE = (
+    "{% for message in messages %}<|{{ message['role'] }}|> {{ message['content'] }} "
+    "{% endfor %}{% if add_generation_prompt %}<|assistant|> {% endif %}"
+)
+
+
+def save_word_tokenizer(model: Path, num_words: int = 2000) -> list[str]:
+    """Give ``model`` a word-level tokenizer (``w0`` .. ``w<n>``, one token a word) and a chat
+    template, built with ``tokenizers`` (nothing is downloaded): enough for ``vllm serve``.
+    Returns the vocabulary's words."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<unk>", "<s>", "</s>", "<|system|>", "<|user|>", "<|assistant|>"]
+    words = [f"w{i}" for i in range(num_words)]
+    vocab = {token: index for index, token in enumerate(specials + words)}
+    core = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer = PreTrainedTokenizerFast(  # type: ignore[no-untyped-call]
+        tokenizer_object=core, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
+    tokenizer.chat_template = CHAT_TEMPLATE
+    tokenizer.save_pretrained(model)
+    return words

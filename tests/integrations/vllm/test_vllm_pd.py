@@ -31,26 +31,25 @@ import pytest
 
 from tests.support.harness import Sidecar, SidecarPool
 from tests.support.redis_cluster import RedisCluster
-from tests.support.vllm_engines import ALPHA, BETA, BLOCK_SIZE, TOKENS, save_word_tokenizer
+from tests.support.vllm_engines import ALPHA, BETA, BLOCK_SIZE, TOKENS
 from tests.support.vllm_servers import (
     cached_tokens,
     chat,
     complete,
-    kill_tree,
     post,
     ready,
     start_server,
     text_of,
 )
 from tierkv import Client
-from tierkv.bench.models import TINY, build_llama
-from tierkv.bench.servers import _stop as stop
+from tierkv.bench.models import TINY, build_llama, save_word_tokenizer
+from tierkv.bench.servers import kill_openai_server, stop_openai_server
 from tierkv.integrations.vllm.handoff import TICKET_NAMESPACE, Handoff, TicketStatus
 from tierkv.integrations.vllm.proxy import ProxyConfig, ProxyServer, prefill_body
 
 pytestmark = pytest.mark.slow
 
-WAIT_S = 20.0  # the consumers' pd_wait_timeout_s (generous: 2 cores serve 3 engines here)
+WAIT_S = 20.0  # the consumers' pd_wait_timeout_s
 HANG_BOUND_S = 120.0  # a hang check, not a benchmark
 MAX_MODEL_LEN = 4608
 LENGTHS = (1100, 2000, 3000, 4000)  # prompt words (one token each, plus the template's)
@@ -92,9 +91,13 @@ def deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]
             urls: dict[str, str] = {}
             for name, sidecar, role in (("P", a, "kv_producer"), ("D", a, "kv_consumer"),
                                         ("D2", b, "kv_consumer")):
+                # A waiting consumer steps vLLM's engine without pause, and its worker spins
+                # on vLLM's shared-memory queue (for 1 s after each step): on 2 cores shared
+                # by three engines that starves the prefill engine's saves. Consumers yield.
                 servers[name], urls[name] = start_server(
                     model, sidecar.unix_target, logs[name], role=role,
-                    max_model_len=MAX_MODEL_LEN, pd_wait_timeout_s=WAIT_S)
+                    max_model_len=MAX_MODEL_LEN, pd_wait_timeout_s=WAIT_S,
+                    nice=0 if role == "kv_producer" else 10)
             for name, process in servers.items():
                 ready(process, urls[name], logs[name])
             proxy_a = ProxyServer(ProxyConfig(urls["P"], urls["D"])).start()
@@ -105,8 +108,7 @@ def deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]
             for proxy in proxies:
                 proxy.close()
             for process in servers.values():
-                stop(process)
-                kill_tree(process)
+                stop_openai_server(process)
             pool.close()
 
 
@@ -261,7 +263,7 @@ def test_the_prefill_engine_killed_before_its_blocks_reached_remote(
         os.kill(pid, signal.SIGSTOP)
     try:
         params = prefill(deployment, ask)
-        kill_tree(deployment.servers["P"])
+        kill_openai_server(deployment.servers["P"])
     finally:
         for pid in pids:
             os.kill(pid, signal.SIGCONT)

@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 
 from tests.support.harness import SidecarFactory
-from tests.support.vllm_engines import BLOCK_SIZE, TOKENS, save_word_tokenizer
+from tests.support.vllm_engines import BLOCK_SIZE, TOKENS
 from tests.support.vllm_servers import chat, serve
-from tierkv.bench.models import TINY, build_llama
+from tierkv.bench.models import TINY, build_llama, save_word_tokenizer
 from tierkv.bench.servers import _stop as stop  # SIGTERM (saves are flushed), then SIGKILL
 
 pytestmark = pytest.mark.slow
