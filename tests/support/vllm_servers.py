@@ -14,7 +14,8 @@ from tierkv.bench.servers import start_openai_server, wait_for_openai_server
 
 
 def start_server(model: Path, sidecar_target: str, log: Path, *, role: str = "kv_both",
-                 token: str = ALPHA, max_model_len: int = 2048, nice: int = 0, **extra: Any
+                 token: str = ALPHA, max_model_len: int = 2048, omp_threads: int | None = None,
+                 **extra: Any
                  ) -> tuple[subprocess.Popen[bytes], str]:
     """Start an OpenAI server with the connector (``kv_role`` ``role``, ``extra`` in its
     ``kv_connector_extra_config``); returns it and its base URL, without waiting (``ready``)."""
@@ -24,7 +25,7 @@ def start_server(model: Path, sidecar_target: str, log: Path, *, role: str = "kv
         "kv_connector_extra_config": {"address": sidecar_target, "token": token, **extra},
     }
     return start_openai_server(model, log, transfer=transfer, block_size=BLOCK_SIZE,
-                               max_model_len=max_model_len, nice=nice)
+                               max_model_len=max_model_len, omp_threads=omp_threads)
 
 
 def ready(process: subprocess.Popen[bytes], url: str, log: Path) -> None:

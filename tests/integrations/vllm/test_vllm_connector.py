@@ -213,3 +213,24 @@ def test_other_tenant_dtype_or_model_never_hits(workdir: Path, model: Path, pool
         assert result.num_cached_tokens[0] == reference.num_cached_tokens[0], name
     assert result_of(workdir, "f-tenant").tokens[0] == reference.tokens[0]
 
+
+
+def test_a_prefill_that_finishes_in_its_load_step_saves_what_it_computed(
+    workdir: Path, model: Path, pool: SidecarPool,
+) -> None:
+    """A prefill-only request (``max_tokens=1``) that loads a stored prefix finishes in the
+    step that loads it: the blocks it computes after the prefix are saved all the same (in the
+    next step, from blocks vLLM holds for it), so the next request for the prompt hits every
+    full block. vLLM's own prefix cache is off: every hit below is the sidecar's."""
+    sidecar = start_sidecar(pool, workdir, "finishing")
+    prompt = P[1]["tokens"]  # 230 tokens: 7 full blocks
+    other = {"tokens": Q[1]["tokens"]}  # one more request: the engine steps past the finish
+    result = run_engine(workdir, "finishing", spec(model, sidecar.unix_target, [
+        {"prompts": [{"tokens": prompt[: 3 * BLOCK_SIZE + 4]}], "flush": True},
+        {"prompts": [{"tokens": prompt}], "max_tokens": 1},
+        {"prompts": [other], "flush": True},
+        {"prompts": [{"tokens": prompt}], "max_tokens": 1},
+    ], prefix_caching=False))
+    assert result.num_cached_tokens[1] == [3 * BLOCK_SIZE]  # loaded, then computed 4 blocks
+    assert result.num_cached_tokens[3] == [loadable_tokens({"tokens": prompt})]  # all saved
+    assert result.tokens[3] == result.tokens[1]

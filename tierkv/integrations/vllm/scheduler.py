@@ -61,13 +61,9 @@ SAVE_DELAY_STEPS = 2
 _MAX_CUTS = 8  # rounds of cutting a hybrid hit to what every group holds (each: one lookup)
 # A waiting handoff asks the sidecar for its ticket after 2 ms, then twice as long each time
 # up to 50 ms: vLLM asks again every step (about 1 ms apart on an idle engine), and a call a
-# step would cost the node's CPU what the prefill engine needs.
+# step would cost the sidecar a call a millisecond per waiting request.
 TICKET_POLL_S = 0.002
 TICKET_POLL_MAX_S = 0.05
-# An idle engine (its last step scheduled nothing) that only waits for tickets spins through
-# empty steps, each a call to its workers: a wait sleeps up to this long once a step instead,
-# which a request arriving meanwhile waits at most.
-IDLE_WAIT_S = 0.01
 _NORMAL_FINISHES = frozenset({"FINISHED_STOPPED", "FINISHED_LENGTH_CAPPED"})
 
 
@@ -157,8 +153,7 @@ class SchedulerSide:
         self._waits: dict[str, _Wait] = {}  # consumer: handoffs waited for
         self._settled: set[str] = set()  # consumer: requests no longer waited for
         self._finishing: StepMetadata = StepMetadata()  # saves, tickets, releases for next step
-        self._idle = False  # the last step scheduled nothing
-        self._slept_step = -1  # the step a wait last slept in
+
         # Consumer: how handoffs ended (ticket DONE / FAILED, timed out, params refused).
         self.handoffs: dict[str, int] = {"done": 0, "failed": 0, "timed_out": 0, "refused": 0}
         if self.geometry.uncached:  # one line at start, naming every group it cannot serve
@@ -263,10 +258,6 @@ class SchedulerSide:
             wait.next_poll_s = time.monotonic() + wait.interval_s
             wait.interval_s = min(TICKET_POLL_MAX_S, 2 * wait.interval_s)
         if status is None and now < wait.deadline_s:
-            if self._idle and self._slept_step != self._num_steps:
-                self._slept_step = self._num_steps
-                time.sleep(max(0.0, min(IDLE_WAIT_S, wait.next_poll_s - now,
-                                        wait.deadline_s - now)))
             return True
         outcome = ("timed_out" if status is None else
                    "done" if status is TicketStatus.DONE else "failed")
@@ -381,7 +372,6 @@ class SchedulerSide:
         """The metadata of one scheduled step (vLLM's ``SchedulerOutput``); empty for an engine
         the connector does not serve (a hit must restore every group: nothing is saved)."""
         meta, self._finishing = self._finishing, StepMetadata()
-        self._idle = not any(getattr(output, "num_scheduled_tokens", {}).values())
         if not self.geometry.serves:
             return meta
         current = getattr(output, "kv_connector_block_state", None)
