@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from tierkv.bench.models import BENCH_156M, TINY, LlamaShape, build_llama, save_word_tokenizer
-from tierkv.bench.report import draw_bar_groups
+from tierkv.bench.report import draw_bar_groups, save_figure
 from tierkv.bench.servers import (
     start_openai_server,
     stop_openai_server,
@@ -221,10 +221,4 @@ def save_plot(result: dict[str, Any], path: Path, title: str) -> None:
                                ("decode_ms", "decode step (KV from the prefill engine)",
                                 "tab:green"),
                                ("pd_ms", "prefill + decode steps", "tab:blue")])
-    ax.set_ylabel("time to first token, ms (median)")
-    ax.set_title(title)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, ax, path, title, "time to first token, ms (median)")

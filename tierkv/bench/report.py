@@ -196,3 +196,16 @@ def draw_bar_groups(ax: Any, rows: list[dict[str, Any]], series: list[tuple[str,
         for x, value in zip(xs, values, strict=True):
             ax.text(x, value, f"{value:.0f}", ha="center", va="bottom", fontsize=7)
     ax.set_xticks(range(len(rows)), [f"{r['length']} tokens" for r in rows])
+
+
+def save_figure(fig: Any, ax: Any, path: Path, title: str, ylabel: str) -> None:
+    """Label matplotlib's ``ax`` (its legend too), and write ``fig`` to ``path`` as a PNG."""
+    import matplotlib.pyplot as plt
+
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -41,7 +41,7 @@ from pathlib import Path
 from typing import Any
 
 from tierkv.bench.models import BENCH_156M, TINY, LlamaShape, build_llama
-from tierkv.bench.report import draw_bar_groups
+from tierkv.bench.report import draw_bar_groups, save_figure
 from tierkv.bench.servers import _stop, _wait_for_ready_line
 from tierkv.config import MiB
 from tierkv.errors import TierKVError
@@ -511,11 +511,5 @@ def save_plot(result: dict[str, Any], path: Path, title: str) -> None:
     fig, ax = plt.subplots(figsize=(10, 5))
     draw_bar_groups(ax, rows, [(f"{mode}_ms", labels[mode], colors[mode]) for mode in MODES])
     ax.set_yscale("log")
-    ax.set_ylabel("time to first token, ms (median, log scale)")
-    ax.set_title(title)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, ax, path, title, "time to first token, ms (median, log scale)")
 

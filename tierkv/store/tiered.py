@@ -267,7 +267,14 @@ class TieredStore:
         if self._remote is None:
             return self.lookup(namespace, keys)
         return self._remote.publish(state, keys, timeout_s,
-                                    lambda missing: self.get(namespace, missing))
+                                    lambda missing: self._local_copies(state, missing))
+
+    def _local_copies(self, state: NamespaceState, keys: list[bytes]) -> torch.Tensor:
+        """The leading blocks of ``keys`` the local tiers hold, checked, as a new tensor (no
+        fill from REMOTE: ``publish`` asks for the ones REMOTE lacks)."""
+        layout = state.namespace.layout
+        out = torch.empty((len(keys), *layout.block_shape), dtype=layout.torch_dtype)
+        return out[: self._reader.get_into(state, keys, out)]
 
     @property
     def has_remote_tier(self) -> bool:

@@ -34,8 +34,6 @@ from tests.support.redis_cluster import RedisCluster
 from tests.support.vllm_engines import ALPHA, BETA, BLOCK_SIZE, TOKENS
 from tests.support.vllm_servers import (
     cached_tokens,
-    chat,
-    complete,
     post,
     ready,
     start_server,
@@ -127,20 +125,18 @@ class Ask:
     text: str
 
     def send(self, url: str, model: Path, **fields: Any) -> dict[str, Any]:
-        if self.kind == "chat":
-            return chat(url, model, [{"role": "user", "content": self.text}], **fields)
-        return complete(url, model, self.text, **fields)
+        return post(url, self.path, {**self.body(model), **fields})
 
     @property
     def path(self) -> str:
         return "/v1/chat/completions" if self.kind == "chat" else "/v1/completions"
 
     def body(self, model: Path) -> dict[str, Any]:
-        if self.kind == "chat":
-            return {"model": str(model), "messages": [{"role": "user", "content": self.text}],
-                    "max_tokens": 8, "temperature": 0.0, "ignore_eos": True}
-        return {"model": str(model), "prompt": self.text, "max_tokens": 8,
-                "temperature": 0.0, "ignore_eos": True}
+        """As ``chat`` and ``complete`` send it: greedy, 8 tokens."""
+        prompt = ({"messages": [{"role": "user", "content": self.text}]} if self.kind == "chat"
+                  else {"prompt": self.text})
+        return {"model": str(model), **prompt, "max_tokens": 8, "temperature": 0.0,
+                "ignore_eos": True}
 
 
 def asks(words: list[str], seed: int, lengths: tuple[int, ...] = LENGTHS) -> list[Ask]:

@@ -647,7 +647,7 @@ class WorkerSide:
         block_bytes = self._groups[item.group].geometry.layout.bytes_per_block
         with self._lock:
             self._queued_bytes -= num_blocks * block_bytes
-            if self._queued_bytes == 0 and self._num_tickets == 0:
+            if self._drained_locked():
                 self._drained.notify_all()
             if saved:
                 self.counters.blocks_saved += num_blocks
@@ -666,16 +666,16 @@ class WorkerSide:
                 failed = op.req_id in self._failed
                 self._failed.discard(op.req_id)
             namespaces = self._namespaces
+            failed = failed or namespaces is None
             wait_s = self.settings.pd_wait_timeout_s
             for g, hashes in op.publish:
-                if failed or namespaces is None:
-                    failed = True
+                if failed:
                     break
                 if self._groups[g].geometry.replicated and rank != 0:
                     continue  # rank 0 saves (and publishes) a replicated group
-                if hashes and self._save_client.publish(namespaces[g], hashes,
-                                                        wait_s=wait_s) < len(hashes):
-                    failed = True
+                assert namespaces is not None
+                failed = bool(hashes) and self._save_client.publish(
+                    namespaces[g], hashes, wait_s=wait_s) < len(hashes)
             status = TicketStatus.FAILED if failed else TicketStatus.DONE
             self._save_client.put(TICKET_NAMESPACE, [handoff.key(rank)],
                                   handoff.record(rank, status))
@@ -688,8 +688,12 @@ class WorkerSide:
         finally:
             with self._lock:
                 self._num_tickets -= 1
-                if self._queued_bytes == 0 and self._num_tickets == 0:
+                if self._drained_locked():
                     self._drained.notify_all()
+
+    def _drained_locked(self) -> bool:
+        """Whether no save or ticket is queued (under the lock)."""
+        return self._queued_bytes == 0 and self._num_tickets == 0
 
     def finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
         """vLLM's ``(finished_sending, finished_recving)``: the finished requests whose held
@@ -707,8 +711,7 @@ class WorkerSide:
     def flush(self, timeout_s: float) -> bool:
         """Wait up to ``timeout_s`` for queued saves and tickets; True when none is left."""
         with self._drained:
-            return self._drained.wait_for(
-                lambda: self._queued_bytes == 0 and self._num_tickets == 0, timeout_s)
+            return self._drained.wait_for(self._drained_locked, timeout_s)
 
     def close(self, timeout_s: float = 10.0) -> None:
         """Finish queued saves (for at most ``timeout_s``), then stop."""
