@@ -10,12 +10,14 @@ A and B share a real three-master Redis Cluster as REMOTE: two nodes), with the 
    a ticket of another tenant is never seen: the decode engine waits its bound, then takes
    only its own tenant's blocks.
 3. The consumer's sidecar killed between the two steps: the decode engine computes.
-4. The prefill engine killed after answering, before its blocks reached REMOTE (Redis
-   stalled): no ticket, the decode engine waits ``pd_wait_timeout_s``, then answers right.
+4. REMOTE stalled: the prefill engine's ticket says FAILED, and the decode engine does not
+   wait for it. The prefill engine killed after answering while its sidecar stalled: no
+   ticket, the decode engine waits ``pd_wait_timeout_s``, then answers right.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import signal
@@ -165,6 +167,7 @@ def count(deployment: Deployment, name: str, text: str) -> int:
 
 WAITED = "no ticket of the prefill engine's handoff"
 IGNORED = "handoff ignored"
+HANDOFF_FAILED = "handoff failed"
 
 
 # --- 1. the two-step dance ---------------------------------------------------------------------
@@ -250,29 +253,66 @@ def test_the_consumers_sidecar_killed_between_the_steps(deployment: Deployment) 
     assert cached_tokens(reply) == 0  # nothing to load from: computed
 
 
-def test_the_prefill_engine_killed_before_its_blocks_reached_remote(
-    deployment: Deployment,
-) -> None:
-    """Redis stalls, so P's handoff waits to publish; P is killed once it has answered: no
-    ticket is ever written. D waits its bound, then computes or loads what A holds."""
-    (ask,) = asks(deployment.words, seed=51, lengths=(2200,))
-    reference = ask.send(deployment.urls["P"], deployment.model)
-    cluster = deployment.cluster
-    pids = [cluster.pid(i) for i in range(len(cluster.ports))]
+@contextlib.contextmanager
+def stopped(*pids: int) -> Iterator[None]:
+    """The processes ``pids`` SIGSTOPped for the block (a stall, not a death), then resumed."""
     for pid in pids:
         os.kill(pid, signal.SIGSTOP)
     try:
-        params = prefill(deployment, ask)
-        kill_openai_server(deployment.servers["P"])
+        yield
     finally:
         for pid in pids:
             os.kill(pid, signal.SIGCONT)
+
+
+def wait_for_log(deployment: Deployment, name: str, text: str, count_before: int) -> None:
+    deadline = time.monotonic() + HANG_BOUND_S
+    while count(deployment, name, text) == count_before:
+        assert time.monotonic() < deadline, f"{name} never logged {text!r}"
+        time.sleep(0.2)
+
+
+def test_a_handoff_whose_blocks_cannot_reach_remote_fails_at_once(deployment: Deployment
+                                                                   ) -> None:
+    """Redis stalls: P's publish cannot confirm its blocks in REMOTE, so P writes a FAILED
+    ticket. D never waits for it: it looks up at once, and loads what its sidecar holds."""
+    (ask,) = asks(deployment.words, seed=51, lengths=(2200,))
+    reference = ask.send(deployment.urls["P"], deployment.model)
+    cluster = deployment.cluster
+    failed_before = count(deployment, "P", HANDOFF_FAILED)
+    with stopped(*(cluster.pid(i) for i in range(len(cluster.ports)))):
+        params = prefill(deployment, ask)
+        wait_for_log(deployment, "P", HANDOFF_FAILED, failed_before)
+    waited_before = count(deployment, "D", WAITED)
+    reply = ask.send(deployment.urls["D"], deployment.model, kv_transfer_params=params)
+    assert count(deployment, "D", WAITED) == waited_before  # the FAILED ticket ended the wait
+    assert text_of(reply) == text_of(reference)
+    assert cached_tokens(reply) == loadable(reply)  # sidecar A holds every block P computed
+
+
+def test_the_prefill_engine_killed_before_its_ticket_was_written(deployment: Deployment
+                                                                 ) -> None:
+    """P's sidecar stalls, so P's saver cannot write (nor publish) a thing; P answers the
+    prefill and is SIGKILLed; the sidecar resumes with no ticket and a dead client's cut-off
+    writes. D waits its bound, then loads what the sidecar holds: the blocks of an earlier
+    handoff of the same prompt, never a byte of the killed engine's half-sent ones."""
+    (ask,) = asks(deployment.words, seed=53, lengths=(2400,))
+    # Through the proxy first: its DONE ticket means sidecar A holds every block (a plain
+    # answer of P's could still be saving them when A stops, and P's death drop them).
+    reference = ask.send(deployment.proxy_a.url, deployment.model)
+    assert cached_tokens(reference) == loadable(reference)
+    sidecar = deployment.a.process
+    assert sidecar is not None
+    with stopped(sidecar.pid):
+        params = prefill(deployment, ask)
+        kill_openai_server(deployment.servers["P"])
     waited_before = count(deployment, "D", WAITED)
     started = time.monotonic()
     reply = ask.send(deployment.urls["D"], deployment.model, kv_transfer_params=params)
     assert time.monotonic() - started < WAIT_S + HANG_BOUND_S
     assert count(deployment, "D", WAITED) == waited_before + 1
     assert text_of(reply) == text_of(reference)
+    assert cached_tokens(reply) == loadable(reply)
     # The proxy with its prefill engine gone: the decode engine computes the prompt itself.
     (alone,) = asks(deployment.words, seed=52, lengths=(1300,))
     reply = alone.send(deployment.proxy_a.url, deployment.model)
