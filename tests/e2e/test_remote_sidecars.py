@@ -26,7 +26,7 @@ import torch
 from tests.support.harness import Sidecar, SidecarFactory, SidecarPool, shm_client, stream_client
 from tests.support.redis_cluster import RedisCluster
 from tests.support.tiny_blocks import RECORD_BYTES, TINY_LAYOUT, blocks, keys, same_bytes
-from tierkv import Client, Namespace, WritePolicy
+from tierkv import Client, Namespace, Tier, WritePolicy
 from tierkv.store import RemoteStats
 from tierkv.tiers.remote_keys import remote_key
 
@@ -58,6 +58,13 @@ def remote(client: Client) -> RemoteStats:
     stats = client.stats().remote
     assert stats is not None, "the server has no REMOTE tier"
     return stats
+
+
+def served(client: Client) -> tuple[int, int, int, int]:
+    """The server's gets, and its HOST tier's hits, misses and promotions in."""
+    stats = client.stats()
+    host = stats.tiers[Tier.HOST]
+    return stats.gets, host.hits, host.misses, host.promotions_in
 
 
 def drain(client: Client, *, written: int = 0, demoted: int = 0, settled: int = 0
@@ -278,7 +285,9 @@ def test_publish_sends_write_back_blocks_to_remote_before_answering(
     with stream_client(a, token=TOKEN_X) as client_a, shm_client(b, token=TOKEN_X) as client_b:
         assert client_a.put(ns, hashes[:8], data[:8]) == 8  # write_back: HOST only
         assert timed(client_b.lookup, ns, hashes) == 0
+        served_before = served(client_a)
         assert timed(client_a.publish, ns, hashes, wait_s=3.0) == 8
+        assert served(client_a) == served_before  # A's copies read for REMOTE are nobody's hit
         with cluster.client() as redis_client:
             assert all(redis_client.exists(redis_key(ns, TENANT_X, h)) for h in hashes[:8])
         assert timed(client_b.lookup, ns, hashes) == 8

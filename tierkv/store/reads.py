@@ -36,25 +36,28 @@ class Reader:
         self._background_lock = threading.Lock()
 
     def get_into(self, state: NamespaceState, keys: list[bytes], out: torch.Tensor,
-                 missed_after: bool = False) -> int:
-        """See ``TieredStore.get_into``."""
+                 missed_after: bool = False, *, served: bool = True) -> int:
+        """See ``TieredStore.get_into``. ``served=False``: the store reads for itself (a
+        publish's copies for REMOTE): no get, hit or miss is counted, nothing is promoted."""
         flat = check_out(state.namespace.layout, out, len(keys))
         with self.core.busy() as marks:
-            plan = self._plan_reads(state, keys, marks)
+            plan = self._plan_reads(state, keys, marks, served)
             num_ok = self._copy_out(plan, state.block_bytes, flat)
-        self.count_served(state, plan[:num_ok], missed_after or num_ok < len(keys))
-        if self.core.config.promote_on_read:
-            self._promote_later(plan[:num_ok])
+        if served:
+            self.count_served(state, plan[:num_ok], missed_after or num_ok < len(keys))
+            if self.core.config.promote_on_read:
+                self._promote_later(plan[:num_ok])
         return num_ok
 
-    def _plan_reads(self, state: NamespaceState, keys: list[bytes], marks: BusyMarks
-                    ) -> list[Planned]:
+    def _plan_reads(self, state: NamespaceState, keys: list[bytes], marks: BusyMarks,
+                    served: bool = True) -> list[Planned]:
         """The leading stored blocks of ``keys`` and the tier each is read from, busy-marked
         in ``marks``; touches the chain tail first."""
         core = self.core
         plan: list[Planned] = []
         with core.lock:
-            core.count_get_locked(state)
+            if served:
+                core.count_get_locked(state)
             for index, key in enumerate(keys):
                 entry = state.blocks.get(key)
                 tier = entry.top_tier() if entry is not None else None

@@ -271,10 +271,11 @@ class TieredStore:
 
     def _local_copies(self, state: NamespaceState, keys: list[bytes]) -> torch.Tensor:
         """The leading blocks of ``keys`` the local tiers hold, checked, as a new tensor (no
-        fill from REMOTE: ``publish`` asks for the ones REMOTE lacks)."""
+        fill from REMOTE: ``publish`` asks for the ones REMOTE lacks). Not a hit: nobody is
+        served them, so the tenant's hits and the tiers' stay as they were."""
         layout = state.namespace.layout
         out = torch.empty((len(keys), *layout.block_shape), dtype=layout.torch_dtype)
-        return out[: self._reader.get_into(state, keys, out)]
+        return out[: self._reader.get_into(state, keys, out, served=False)]
 
     @property
     def has_remote_tier(self) -> bool:
