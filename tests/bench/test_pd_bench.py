@@ -5,29 +5,19 @@ asserted."""
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+from tests.support.bench_runs import run_quick_bench
 
 pytestmark = pytest.mark.slow
 
 
 def test_bench_pd_quick_hits_every_block_and_matches_the_single_engine(tmp_path: Path) -> None:
-    out_json, out_png = tmp_path / "pd.json", tmp_path / "pd.png"
-    env = {**os.environ, "TQDM_DISABLE": "1"}
-    result = subprocess.run(
-        [sys.executable, "-m", "tierkv", "bench", "pd", "--quick", "--model-dir",
-         str(tmp_path / "model"), "--work-dir", str(tmp_path), "--json", str(out_json),
-         "--plot", str(out_png)],
-        check=False, capture_output=True, text=True, timeout=1200, env=env,
-    )
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
-    assert "decode/single" in result.stdout
-    rows = json.loads(out_json.read_text())["rows"]
+    stdout, data, out_png = run_quick_bench("pd", tmp_path)
+    assert "decode/single" in stdout
+    rows = data["rows"]
     assert [row["length"] for row in rows] == [256, 512]
     for row in rows:
         assert row["all_handoffs"] and row["all_cached"] and row["tokens_match"], row["samples"]

@@ -4,31 +4,19 @@ generated the reference token. No timing is asserted."""
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from tests.support.bench_runs import run_quick_bench
 from tierkv.bench.vllm_bench import COLUMNS, MODES
 
 pytestmark = pytest.mark.slow
 
 
 def test_bench_vllm_quick_writes_every_column_and_loaded_prompts_match(tmp_path: Path) -> None:
-    out_json, out_png = tmp_path / "vllm.json", tmp_path / "vllm.png"
-    env = {**os.environ, "TQDM_DISABLE": "1"}
-    result = subprocess.run(
-        [sys.executable, "-m", "tierkv", "bench", "vllm", "--quick", "--model-dir",
-         str(tmp_path / "model"), "--work-dir", str(tmp_path), "--json", str(out_json),
-         "--plot", str(out_png)],
-        check=False, capture_output=True, text=True, timeout=1200, env=env,
-    )
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
-    assert "(c) tierkv HOST" in result.stdout
-    data = json.loads(out_json.read_text())
+    stdout, data, out_png = run_quick_bench("vllm", tmp_path)
+    assert "(c) tierkv HOST" in stdout
     rows = data["rows"]
     assert [row["length"] for row in rows] == [64, 128]
     for row in rows:

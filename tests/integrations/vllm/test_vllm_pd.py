@@ -32,7 +32,7 @@ from typing import Any
 import pytest
 
 from tests.support.harness import Sidecar, SidecarPool
-from tests.support.redis_cluster import RedisCluster
+from tests.support.redis_cluster import RedisCluster, wait_until
 from tests.support.vllm_engines import ALPHA, BETA, BLOCK_SIZE, TOKENS
 from tests.support.vllm_servers import (
     cached_tokens,
@@ -265,13 +265,6 @@ def stopped(*pids: int) -> Iterator[None]:
             os.kill(pid, signal.SIGCONT)
 
 
-def wait_for_log(deployment: Deployment, name: str, text: str, count_before: int) -> None:
-    deadline = time.monotonic() + HANG_BOUND_S
-    while count(deployment, name, text) == count_before:
-        assert time.monotonic() < deadline, f"{name} never logged {text!r}"
-        time.sleep(0.2)
-
-
 def test_a_handoff_whose_blocks_cannot_reach_remote_fails_at_once(deployment: Deployment
                                                                    ) -> None:
     """Redis stalls: P's publish cannot confirm its blocks in REMOTE, so P writes a FAILED
@@ -282,7 +275,8 @@ def test_a_handoff_whose_blocks_cannot_reach_remote_fails_at_once(deployment: De
     failed_before = count(deployment, "P", HANDOFF_FAILED)
     with stopped(*(cluster.pid(i) for i in range(len(cluster.ports)))):
         params = prefill(deployment, ask)
-        wait_for_log(deployment, "P", HANDOFF_FAILED, failed_before)
+        wait_until(lambda: count(deployment, "P", HANDOFF_FAILED) > failed_before,
+                   HANG_BOUND_S, "P logs that its handoff failed")
     waited_before = count(deployment, "D", WAITED)
     reply = ask.send(deployment.urls["D"], deployment.model, kv_transfer_params=params)
     assert count(deployment, "D", WAITED) == waited_before  # the FAILED ticket ended the wait
