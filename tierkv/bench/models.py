@@ -64,9 +64,11 @@ FAMILIES = ("llama", "mistral-sliding", "gemma3", "gpt-oss", "deepseek-v2")
 
 
 def build_family(path: Path, family: str, seed: int = 0,
-                 window_tokens: int = SLIDING_WINDOW_TOKENS) -> Path:
+                 window_tokens: int = SLIDING_WINDOW_TOKENS,
+                 shape: LlamaShape | None = None) -> Path:
     """Save a tiny random-weight model of ``family`` at ``path`` (``FAMILIES``), unless it is
-    already there; returns ``path``. Each is shaped as the CPU backend takes it (64-wide heads):
+    already there; returns ``path``. Each is shaped as the CPU backend takes it (64-wide heads;
+    ``shape``, when given, sets the width, heads and layers of ``gemma3`` instead):
 
     * ``llama``: ``TINY``.
     * ``mistral-sliding``: Mistral, a sliding window on every layer.
@@ -79,8 +81,12 @@ def build_family(path: Path, family: str, seed: int = 0,
     """
     if family == "llama":
         return build_llama(path, replace(TINY, seed=seed))
+    if shape is not None and family != "gemma3":
+        raise ValueError(f"a shape is taken for gemma3 only, not {family!r}")
     stamp = path / "tierkv-shape.json"
-    wanted = {"family": family, "seed": seed, "window": window_tokens}
+    wanted: dict[str, Any] = {"family": family, "seed": seed, "window": window_tokens}
+    if shape is not None:
+        wanted["shape"] = asdict(shape)
     if stamp.exists() and json.loads(stamp.read_text()) == wanted:
         return path
     import torch
@@ -91,10 +97,21 @@ def build_family(path: Path, family: str, seed: int = 0,
         "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 16384,
         "dtype": "bfloat16",
     }
+    num_layers = 6
+    if shape is not None:
+        common.update(vocab_size=shape.vocab_size, hidden_size=shape.hidden_size,
+                      intermediate_size=shape.intermediate_size,
+                      num_attention_heads=shape.num_heads, num_key_value_heads=shape.num_kv_heads,
+                      max_position_embeddings=shape.max_positions, dtype=shape.dtype)
+        num_layers = shape.num_layers
     window = window_tokens
-    gemma3 = {**common, "num_hidden_layers": 6, "head_dim": 64, "sliding_window": window,
-              "layer_types": ["sliding_attention"] * 5 + ["full_attention"],
-              "query_pre_attn_scalar": 64}
+    head_dim = common["hidden_size"] // common["num_attention_heads"]
+    # Gemma 3's pattern: five window layers, then a global one.
+    gemma3 = {**common, "num_hidden_layers": num_layers, "head_dim": head_dim,
+              "sliding_window": window,
+              "layer_types": ["full_attention" if i % 6 == 5 else "sliding_attention"
+                              for i in range(num_layers)],
+              "query_pre_attn_scalar": head_dim}
     configs: dict[str, tuple[str, str, dict[str, Any]]] = {
         "mistral-sliding": ("MistralConfig", "MistralForCausalLM",
                             {**common, "num_hidden_layers": 2, "head_dim": 64,
@@ -123,9 +140,9 @@ def build_family(path: Path, family: str, seed: int = 0,
     if family not in configs:
         raise ValueError(f"unknown model family {family!r}; choose one of {FAMILIES}")
     config_name, model_name, fields = configs[family]
-    torch.manual_seed(seed)
+    torch.manual_seed(seed if shape is None else shape.seed + seed)
     config = getattr(transformers, config_name)(**fields)
-    model = getattr(transformers, model_name)(config).to(torch.bfloat16)
+    model = getattr(transformers, model_name)(config).to(getattr(torch, common["dtype"]))
     model.save_pretrained(path)
     stamp.write_text(json.dumps(wanted))
     return path

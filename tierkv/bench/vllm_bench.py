@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tierkv.bench.models import BENCH_156M, TINY, LlamaShape, build_llama
+from tierkv.bench.models import BENCH_156M, TINY, LlamaShape, build_family, build_llama
 from tierkv.bench.report import draw_bar_groups, save_figure
 from tierkv.bench.servers import _stop, _wait_for_ready_line
 from tierkv.config import MiB
@@ -100,6 +100,18 @@ class VllmBenchConfig:
     seed: int = 7
     kv_space_gib: int = field(default=0)  # 0: enough for every prompt, at least 2 GiB
     reserved_cpus: int = field(default_factory=_reserved_cpus)
+    # "llama", or "gemma3": ``shape``'s widths in Gemma 3's pattern (five layers of a
+    # ``window_tokens`` sliding window, then a global one): several KV cache groups in vLLM.
+    family: str = "llama"
+    window_tokens: int = 512
+
+    def build_model(self) -> None:
+        """Save the random-weight model at ``model_dir`` unless it is there."""
+        if self.family == "llama":
+            build_llama(self.model_dir, self.shape)
+        else:
+            build_family(self.model_dir, self.family, window_tokens=self.window_tokens,
+                         shape=self.shape)
 
     def kv_bytes_per_token(self) -> int:
         head_dim = self.shape.hidden_size // self.shape.num_heads
@@ -119,17 +131,17 @@ class VllmBenchConfig:
 
 
 def default_config(work_dir: Path, model_dir: Path, *, lengths: tuple[int, ...] | None = None,
-                   samples: int = 3) -> VllmBenchConfig:
+                   samples: int = 3, family: str = "llama") -> VllmBenchConfig:
     """The benchmark of the issue: the 156M model, 128-token blocks (vLLM CPU's default)."""
     return VllmBenchConfig(work_dir, model_dir, lengths=lengths or (1024, 2048, 4096, 8192),
-                           samples=samples)
+                           samples=samples, family=family)
 
 
-def quick_config(work_dir: Path, model_dir: Path) -> VllmBenchConfig:
+def quick_config(work_dir: Path, model_dir: Path, family: str = "llama") -> VllmBenchConfig:
     """A smoke run: the tiny test model, 32-token blocks, two short lengths, one sample."""
     return VllmBenchConfig(work_dir, model_dir, shape=TINY, lengths=(64, 128), samples=1,
                            block_size=32, warmup_blocks=2, engine_timeout_s=600.0,
-                           kv_space_gib=1)
+                           kv_space_gib=1, family=family, window_tokens=64)
 
 
 NUM_STEPS = 9
@@ -326,7 +338,7 @@ def _fresh_engine(cfg: VllmBenchConfig, name: str, connector: str, extra: dict[s
 def run_vllm_bench(cfg: VllmBenchConfig, progress: Progress | None = None) -> dict[str, Any]:
     """Run the seven engines; returns the rows (see ``COLUMNS``) and what else was seen."""
     step = progress or (lambda message: None)
-    build_llama(cfg.model_dir, cfg.shape)
+    cfg.build_model()
     step("model")
     prompts = make_prompts(cfg)
     warmup = _warmup_prompt(cfg)

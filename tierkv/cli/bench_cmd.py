@@ -80,6 +80,10 @@ def register(subparsers: Any) -> None:
     vllm.add_argument("--json", type=Path, default=Path("bench-out/vllm.json"))
     vllm.add_argument("--plot", type=Path, nargs="?", const=Path("bench-out/vllm.png"),
                       default=None, help="also write a PNG bar chart")
+    vllm.add_argument("--family", choices=("llama", "gemma3"), default="llama",
+                      help="the model: a Llama (default), or a Gemma-3-like one of the same "
+                           "widths (five 512-token sliding-window layers, then a global one: "
+                           "several KV cache groups)")
     vllm.add_argument("--windows", action="store_true",
                       help="instead: bytes stored and loaded per hit of a Gemma-3-like model "
                            "(sliding windows) against the same model with every layer global")
@@ -303,13 +307,13 @@ def run_vllm(args: argparse.Namespace) -> int:
     )
     from tierkv.errors import ConfigError
 
-    name = "llama-tiny" if args.quick else "llama-156m"
+    name = f"{args.family}-{'tiny' if args.quick else '156m'}"
     model_dir = args.model_dir or Path.home() / ".cache" / "tierkv" / "bench-models" / name
     with contextlib.ExitStack() as stack:
         work = _work_dir(stack, args.work_dir, "vllm-")
-        cfg: VllmBenchConfig = (quick_config(Path(work), model_dir) if args.quick else
-                                default_config(Path(work), model_dir, lengths=args.lengths,
-                                               samples=args.samples))
+        cfg: VllmBenchConfig = (quick_config(Path(work), model_dir, args.family) if args.quick
+                                else default_config(Path(work), model_dir, lengths=args.lengths,
+                                                    samples=args.samples, family=args.family))
         if args.quick and args.lengths:
             raise ConfigError("bench vllm: --quick runs lengths 64,128; drop --lengths")
         if cfg.samples < 1:
@@ -320,12 +324,15 @@ def run_vllm(args: argparse.Namespace) -> int:
                               f"{cfg.block_size}-token block above one block")
         with _progress(NUM_STEPS, "bench vllm") as progress:
             result = run_vllm_bench(cfg, progress)
-        config = {"model": str(model_dir), "shape": asdict(cfg.shape), "lengths": cfg.lengths,
+        config = {"model": str(model_dir), "family": cfg.family, "shape": asdict(cfg.shape),
+                  "window_tokens": cfg.window_tokens if cfg.family == "gemma3" else None,
+                  "lengths": cfg.lengths,
                   "samples": cfg.samples, "block_size": cfg.block_size,
                   "kv_space_gib": cfg.kv_space(), "max_model_len": cfg.max_model_len(),
                   "vllm_cpu_num_of_reserved_cpu": cfg.reserved_cpus, "quick": args.quick,
                   "work_dir": None if args.work_dir is None else str(work)}
-    title = (f"tierkv bench vllm: TTFT, {'tiny' if args.quick else '156M'} Llama, "
+    model = "Llama" if cfg.family == "llama" else "Gemma-3-like"
+    title = (f"tierkv bench vllm: TTFT, {'tiny' if args.quick else '156M'} {model}, "
              f"vllm-cpu, {cfg.block_size}-token blocks")
     return _write_engine_result(args, result, config, format_table(result),
                                 lambda path: save_plot(result, path, title))
