@@ -127,7 +127,7 @@ def wait_received(worker: WorkerSide, timeout_s: float = 30.0) -> set[str]:
     deadline = time.monotonic() + timeout_s
     received: set[str] = set()
     while time.monotonic() < deadline and not received:
-        _, received = worker.finished(set())
+        _, received, _ = worker.finished(set())
         time.sleep(0.005)
     return received
 

@@ -309,9 +309,9 @@ def test_a_request_finished_in_its_load_step_saves_the_rest_and_holds_its_blocks
         assert last.releases == ["r"]
         worker.before_step()
         worker.save(last)
-        assert worker.finished(set()) == (set(), set())  # copied out by the next step only
+        assert worker.finished(set()) == (set(), set(), set())  # copied out by the next step only
         worker.before_step()
-        assert worker.finished(set()) == ({"r"}, set())
+        assert worker.finished(set()) == ({"r"}, set(), set())
         assert worker.flush(30.0)
         with Client(target) as client:
             assert client.lookup(NAMESPACE, hashes) == 6

@@ -11,7 +11,9 @@ The scheduler half lives in ``scheduler.py``, the worker half in ``worker.py``; 
 maps vLLM's calls onto them. A sidecar that is down or slow never stops the engine: lookups
 answer 0, saves are dropped and counted, failed loads are reported so that vLLM recomputes them
 (with ``kv_load_failure_policy="recompute"``; vLLM's default, ``"fail"``, ends such a request
-with an error instead), and the connector reconnects when the sidecar is back.
+with an error instead): as block ids for a model of one KV cache group, as the request's
+(``failed_recving``) for several, the only way vLLM 0.32 takes them there. The connector
+reconnects when the sidecar is back. Its counters reach vLLM's metrics (``stats.py``).
 """
 
 from __future__ import annotations
@@ -24,12 +26,14 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorTransferResults,
     SupportsHMA,
 )
 
 from tierkv.integrations.vllm.geometry import geometry_of
 from tierkv.integrations.vllm.scheduler import SchedulerSide, StepMetadata
 from tierkv.integrations.vllm.settings import ConnectorSettings, namespaces_of
+from tierkv.integrations.vllm.stats import TierKVPromMetrics, TierKVStats
 from tierkv.integrations.vllm.worker import WorkerSide
 
 if TYPE_CHECKING:
@@ -57,13 +61,14 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
                  kv_cache_config: KVCacheConfig) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         transfer = vllm_config.kv_transfer_config
-        self.settings = ConnectorSettings.from_extra_config(
+        settings = ConnectorSettings.from_extra_config(
             transfer.kv_connector_extra_config, role=getattr(transfer, "kv_role", "kv_both"))
         if getattr(transfer, "kv_load_failure_policy", "recompute") != "recompute":
             log.warning("tierkv: kv_load_failure_policy=%r: a block the sidecar cannot deliver "
                         "fails its request; 'recompute' recomputes it instead",
                         transfer.kv_load_failure_policy)
         self.geometry = geometry_of(vllm_config, kv_cache_config)
+        self.settings = settings.for_engine(len(self.geometry.groups))
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
@@ -101,7 +106,8 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         assert self._scheduler is not None
-        self._scheduler.on_output(set(connector_output.invalid_block_ids or ()))
+        self._scheduler.on_output(set(connector_output.invalid_block_ids or ()),
+                                  set(getattr(connector_output, "failed_recving", None) or ()))
 
     def request_finished(self, request: Request,
                          block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
@@ -151,13 +157,40 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         self._worker.save(meta)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        """``get_transfer_results`` without its failures (vLLM calls that one)."""
+        results = self.get_transfer_results(finished_req_ids)
+        return results.finished_sending or None, results.finished_recving or None
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        """Blocks released, asynchronous loads done, and those of them that failed (an engine
+        of several groups: vLLM takes such failures per request, never as block ids)."""
         assert self._worker is not None
-        released, received = self._worker.finished(finished_req_ids)
-        return released or None, received or None
+        released, received, failed = self._worker.finished(finished_req_ids)
+        return KVConnectorTransferResults(finished_sending=released, finished_recving=received,
+                                          failed_recving=failed)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
+        """Blocks whose load failed (an engine of one group; vLLM recomputes from them)."""
         assert self._worker is not None
         return self._worker.take_load_errors()
+
+    def get_kv_connector_stats(self) -> TierKVStats | None:
+        """What this worker loaded, saved, failed and dropped since the last call."""
+        if self._worker is None:
+            return None
+        counts = self._worker.take_stats()
+        return TierKVStats(data=counts) if counts else None
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> TierKVStats:
+        return TierKVStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: VllmConfig, metric_types: dict[type, type],
+                           labelnames: list[str], per_engine_labelvalues: dict[int, list[object]]
+                           ) -> TierKVPromMetrics:
+        """``vllm:tierkv_*`` counters on vLLM's ``/metrics`` (``stats.py``)."""
+        return TierKVPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
         """Called before anything of a step writes vLLM's blocks (preempted requests' blocks

@@ -12,14 +12,17 @@ Contracts (vLLM v1's connector API):
   shared-memory presence table when it can, else with one Lookup; a sidecar that is down or
   slow makes it answer 0 within ``lookup_timeout_s``, and it is not asked again for a while
   (a breaker).
-* Loads are synchronous by default (in the step that schedules the request; see the README for
-  the measurement), or asynchronous (``load_mode="async"``: while the request waits); saves
-  cover the full prompt blocks the sidecar does not hold, in the step vLLM computes them.
+* Loads are synchronous for an engine of one KV cache group (in the step that schedules the
+  request; see the README for the measurement) and asynchronous for several (while the
+  request waits: the only loads whose failure vLLM 0.32 takes for such a model, as the
+  request's, ``failed_recving``); ``load_mode`` may ask for async with one group. Saves cover
+  the full prompt blocks the sidecar does not hold, in the step vLLM computes them.
 * Blocks computed in the step that loads a request are saved in its next step, once vLLM has
   told (``update_connector_output``) whether the load failed anywhere (on any TP rank): KV
   computed over blocks that failed to load is never stored. Failed blocks are saved again once
-  vLLM has recomputed them, and a failed load stops offers for a while (the presence table in
-  shared memory keeps answering for a sidecar that hangs).
+  vLLM has recomputed them, a request whose load failed is offered nothing at its next lookup,
+  and a failed load stops offers for a while (the presence table in shared memory keeps
+  answering for a sidecar that hangs).
 * Saves are copied out of vLLM's blocks within their step. A request that finishes before its
   blocks are all saved (it finished in its load step) has them saved in the next step, and
   ``request_finished`` holds its blocks until the worker has copied them out.
@@ -35,7 +38,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Sequence, Set
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -135,8 +138,8 @@ class SchedulerSide:
 
     def __init__(self, settings: ConnectorSettings, geometry: EngineGeometry | BlockGeometry,
                  namespaces: Sequence[Namespace] | Namespace) -> None:
-        self.settings = settings
         self.geometry = EngineGeometry.of(geometry)
+        self.settings = settings.for_engine(len(self.geometry.groups))
         self.namespaces = ((namespaces,) if isinstance(namespaces, Namespace)
                            else tuple(namespaces))
         if len(self.namespaces) != len(self.geometry.groups):
@@ -153,6 +156,7 @@ class SchedulerSide:
         self._digest = namespaces_digest(self.namespaces)
         self._waits: dict[str, _Wait] = {}  # consumer: handoffs waited for
         self._settled: set[str] = set()  # consumer: requests no longer waited for
+        self._refused: set[str] = set()  # requests whose load failed: no offer at the next lookup
         self._finishing: StepMetadata = StepMetadata()  # saves, tickets, releases for next step
 
         # Consumer: how handoffs ended (ticket DONE / FAILED, timed out, params refused).
@@ -195,6 +199,10 @@ class SchedulerSide:
             return 0
         if self.settings.loads and self._awaits_handoff(request):
             return None
+        if request.request_id in self._refused:  # its load failed: vLLM recomputes it
+            self._refused.discard(request.request_id)
+            self._matched[request.request_id] = (num_computed_tokens, [0] * len(self.geometry.groups))
+            return 0
         unit = self.geometry.block_size
         groups = self.geometry.groups
         # At least one token is left to compute: vLLM needs one to produce the next token.
@@ -483,25 +491,33 @@ class SchedulerSide:
             lora_name=lora.name if lora is not None else None, extra_keys=extra,
             parent_hashes=parents))
 
-    def on_output(self, invalid_block_ids: set[int]) -> None:
-        """vLLM's report of the blocks whose load failed (on any TP rank): vLLM recomputes them,
-        and they (and all after them, in every group) are saved again once it has; offers stop
-        for a while."""
-        if not invalid_block_ids:
+    def on_output(self, invalid_block_ids: set[int], failed_receives: Set[str] = frozenset()
+                  ) -> None:
+        """vLLM's report of the loads that failed (on any TP rank): blocks (an engine of one
+        group: vLLM recomputes from the first of a request), or whole requests (several
+        groups: an asynchronous load whose request vLLM recomputes from its start, or fails
+        alone). What failed (and all after it, in every group) is saved again once vLLM has
+        recomputed it; a failed request's next lookup offers nothing (vLLM's own contract:
+        the same hit again would fail the same way); offers stop for a while."""
+        if not invalid_block_ids and not failed_receives:
             return
         groups = self.geometry.groups
         for state in self._requests.values():
             failed = [k * groups[g].block_size for g, ids in enumerate(state.block_ids)
                       for k, block_id in enumerate(ids) if block_id in invalid_block_ids]
+            if state.request.request_id in failed_receives:
+                failed.append(0)
             if failed:
                 token = min(failed)
                 state.stored_blocks = [min(stored, token // group.block_size)
                                        for stored, group in zip(state.stored_blocks, groups,
                                                                 strict=True)]
+        self._refused |= failed_receives
         now = time.monotonic()
         self._down_until = max(self._down_until, now + max(1.0, 4 * self.settings.lookup_timeout_s))
-        log.warning("tierkv: %d blocks failed to load; no hits offered for %.1f s",
-                    len(invalid_block_ids), self._down_until - now)
+        log.warning("tierkv: %s failed to load; no hits offered for %.1f s",
+                    f"{len(failed_receives)} requests" if failed_receives
+                    else f"{len(invalid_block_ids)} blocks", self._down_until - now)
 
     def finished(self, request: Any, block_ids: Sequence[Sequence[int]] | None = None
                  ) -> tuple[bool, dict[str, Any] | None]:
@@ -513,6 +529,7 @@ class SchedulerSide:
         self._matched.pop(req_id, None)
         self._waits.pop(req_id, None)
         self._settled.discard(req_id)
+        self._refused.discard(req_id)
         state = self._requests.pop(req_id, None)
         if state is None or not self.settings.saves or not self.geometry.serves:
             return False, None

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -28,7 +28,7 @@ _KEYS = frozenset({
     "address", "token", "token_file", "write_policy", "priority", "lookup_timeout_s",
     "load_timeout_s", "save_queue_bytes", "load_mode", "event_detail", "pd_wait_timeout_s",
 })
-LOAD_MODES = ("sync", "async")
+LOAD_MODES = ("auto", "sync", "async")
 ROLES = ("kv_producer", "kv_consumer", "kv_both")
 
 
@@ -43,7 +43,9 @@ class ConnectorSettings:
     ``load_mode``: ``sync`` loads blocks in the step that schedules the request (on a GPU layer
     by layer as the model reaches each layer; on a CPU whole, before the first layer);
     ``async`` loads them between steps while the request waits (vLLM's
-    ``WAITING_FOR_REMOTE_KVS``), so other requests run meanwhile. ``event_detail``: saves carry
+    ``WAITING_FOR_REMOTE_KVS``), so other requests run meanwhile; ``auto`` (the default) is
+    ``sync`` for an engine of one KV cache group and ``async`` for several (``for_engine``).
+    ``event_detail``: saves carry
     each block's token ids, parent hash, LoRA name and extra keys (``PutDetail``), so that a
     sidecar publishing KV events puts them in its ``BlockStored`` events as vLLM's own
     publisher does (it keeps none of them); off: hashes only.
@@ -61,7 +63,7 @@ class ConnectorSettings:
     lookup_timeout_s: float = 0.5
     load_timeout_s: float = 10.0
     save_queue_bytes: int = 512 * 1024 * 1024
-    load_mode: str = "sync"
+    load_mode: str = "auto"
     event_detail: bool = True
     role: str = "kv_both"
     pd_wait_timeout_s: float = 5.0
@@ -76,6 +78,23 @@ class ConnectorSettings:
         """Whether the engine saves blocks (every role but ``kv_consumer``)."""
         return self.role != "kv_consumer"
 
+    def for_engine(self, num_groups: int) -> ConnectorSettings:
+        """These settings with ``load_mode`` resolved for an engine of ``num_groups`` KV cache
+        groups: ``auto`` is ``sync`` for one group and ``async`` for several. vLLM 0.32 takes a
+        failed load of several groups only per request, and only from an asynchronous load
+        (``failed_recving``); a failed synchronous one it can only be told as block ids, which
+        stop its engine with several groups (``Scheduler._handle_invalid_blocks``): ``sync``
+        with several groups is a ``ConfigError``."""
+        mode = self.load_mode
+        if mode == "auto":
+            mode = "sync" if num_groups <= 1 else "async"
+        elif mode == "sync" and num_groups > 1:
+            raise ConfigError(
+                f"TierKVConnector: load_mode='sync' with {num_groups} KV cache groups: vLLM 0.32 "
+                "cannot recover a failed synchronous load of a model with several groups (its "
+                "scheduler stops the engine); drop load_mode (auto: async here) or set 'async'")
+        return replace(self, load_mode=mode)
+
     @classmethod
     def from_extra_config(cls, extra: dict[str, Any] | None, role: str | None = "kv_both"
                           ) -> ConnectorSettings:
@@ -85,7 +104,7 @@ class ConnectorSettings:
         extra = dict(extra or {})
         if role not in ROLES:
             raise ConfigError(f"TierKVConnector: kv_role={role!r}; choose one of {list(ROLES)}")
-        if role == "kv_producer" and extra.get("load_mode", "sync") != "sync":
+        if role == "kv_producer" and extra.get("load_mode", "auto") not in ("auto", "sync"):
             raise ConfigError("TierKVConnector: a kv_producer never loads; drop load_mode")
         if role == "kv_consumer" and ("write_policy" in extra or "priority" in extra):
             raise ConfigError("TierKVConnector: a kv_consumer never saves; drop write_policy "
@@ -112,7 +131,7 @@ class ConnectorSettings:
             lookup_timeout_s=_positive(extra, "lookup_timeout_s", 0.5),
             load_timeout_s=_positive(extra, "load_timeout_s", 10.0),
             save_queue_bytes=int(_positive(extra, "save_queue_bytes", 512 * 1024 * 1024)),
-            load_mode=_one_of(extra, "load_mode", LOAD_MODES, "sync"),
+            load_mode=_one_of(extra, "load_mode", LOAD_MODES, "auto"),
             event_detail=_flag(extra, "event_detail", True),
             role=role,
             pd_wait_timeout_s=_positive(extra, "pd_wait_timeout_s", 5.0),

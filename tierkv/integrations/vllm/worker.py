@@ -78,6 +78,7 @@ class WorkerCounters:
 
     blocks_loaded: int = 0
     blocks_failed: int = 0
+    loads_failed: int = 0  # requests whose load failed (any of their blocks)
     blocks_saved: int = 0
     blocks_dropped: int = 0
     bytes_loaded: int = 0
@@ -146,8 +147,8 @@ class WorkerSide:
 
     def __init__(self, settings: ConnectorSettings, geometry: EngineGeometry | BlockGeometry,
                  tp_rank: int) -> None:
-        self.settings = settings
         self.engine = EngineGeometry.of(geometry)
+        self.settings = settings.for_engine(len(self.engine.groups))
         self.tp_rank = tp_rank
         self.counters = WorkerCounters()
         # One client per thread that uses one: a client that finds the sidecar's slab replaced
@@ -163,6 +164,9 @@ class WorkerSide:
         self._fetcher = ThreadPoolExecutor(1, thread_name_prefix="tierkv-load")
         self._async_loader = ThreadPoolExecutor(1, thread_name_prefix="tierkv-async-load")
         self._received: set[str] = set()  # async loads done (or failed), not yet reported
+        # Of those, the ones that failed (several groups: vLLM takes failures per request).
+        self._failed_receives: set[str] = set()
+        self._reported = WorkerCounters()  # what ``take_stats`` reported so far
         self._loads: list[_Load] = []
         self._loaded_layers: set[tuple[int, int]] = set()
         self._load_errors: set[int] = set()
@@ -296,7 +300,7 @@ class WorkerSide:
                 continue
             if self._stream is None:
                 for op in ops:
-                    fetched = self._fetcher.submit(self._fetch_and_scatter, namespaces[g], op,
+                    fetched = self._fetcher.submit(self._load_in_step, namespaces[g], op,
                                                    deadline)
                     self._loads.append(_Load(op, None, fetched))
                 continue
@@ -306,40 +310,81 @@ class WorkerSide:
             for op in ops:
                 staging = group.load_buffer[first : first + len(op.hashes)]
                 first += len(op.hashes)
-                fetched = self._fetcher.submit(self._fetch, self._load_client, namespaces[g],
-                                               op, deadline, staging)
+                fetched = self._fetcher.submit(self._load_in_step, namespaces[g], op, deadline,
+                                               staging)
                 self._loads.append(_Load(op, staging, fetched))
+        by_request: dict[str, list[BlockOp]] = {}
         for op in meta.async_loads:
-            self._async_loader.submit(self._load_between_steps, namespaces[op.group], op)
+            by_request.setdefault(op.req_id, []).append(op)
+        for ops in by_request.values():  # every group of a request, then it is received
+            self._async_loader.submit(self._load_between_steps, namespaces, ops)
 
-    def _load_between_steps(self, namespace: Namespace, op: BlockOp) -> None:
-        """An asynchronous load: every layer, on a worker thread, into blocks vLLM keeps for the
-        waiting request; its errors are recorded before the request is reported received."""
+    def _load_in_step(self, namespace: Namespace, op: BlockOp, deadline: float,
+                      staging: torch.Tensor | None = None) -> int:
+        """A synchronous load (an engine of one group) on the fetching thread: into ``staging``
+        (GPU), else scattered out of the slab into vLLM's blocks, every layer, checked. The
+        blocks that did not arrive, and every block of it when anything else fails (a bug must
+        not leave the forward half loaded), are load errors: vLLM recomputes from the first."""
+        count = 0
         try:
-            group = self._groups[op.group]
-            deadline = time.monotonic() + self.settings.load_timeout_s
-            if self._stream is None:  # scattered out of the slab as it is fetched
-                self._fetch(self._async_client, namespace, op, deadline)
-                return
-            group.async_buffer = self._reused(group, group.async_buffer, len(op.hashes))
-            staging = group.async_buffer[: len(op.hashes)]
-            count = self._fetch(self._async_client, namespace, op, deadline, staging)
-            for index in range(len(group.layers)):
-                self._scatter(op, staging, count, index, wait=True)
-        except Exception as exc:  # a bug must not leave the request waiting forever
-            log.exception("tierkv: asynchronous load failed: %s", exc)
-            with self._lock:
-                self._load_errors.update(op.block_ids)
+            count = self._fetch(self._load_client, namespace, op, deadline, staging)
+        except Exception as exc:
+            log.exception("tierkv: a load failed (%s); vLLM recomputes it", exc)
+        self._note_failure(op, count, per_request=False)
+        return count
+
+    def _load_between_steps(self, namespaces: tuple[Namespace, ...], ops: list[BlockOp]) -> None:
+        """An asynchronous load of one request (``ops``: each of its groups'): every layer, on
+        a worker thread, into blocks vLLM keeps for the waiting request. Blocks that do not
+        arrive fail the request: with several groups as a whole (vLLM's ``failed_recving``:
+        it recomputes the request, or fails it alone), with one as block ids (vLLM recomputes
+        from the first). Recorded before the request is reported received."""
+        deadline = time.monotonic() + self.settings.load_timeout_s
+        per_request = len(self._groups) > 1
+        try:
+            for op in ops:
+                count = 0
+                try:
+                    count = self._load_op(namespaces[op.group], op, deadline)
+                except Exception as exc:  # a bug must not leave the request waiting forever
+                    log.exception("tierkv: asynchronous load failed: %s", exc)
+                self._note_failure(op, count, per_request=per_request)
         finally:
             with self._lock:
-                self._received.add(op.req_id)
+                self._received.add(ops[0].req_id)
+
+    def _load_op(self, namespace: Namespace, op: BlockOp, deadline: float) -> int:
+        """One group's blocks of an asynchronous load, every layer; the leading count there."""
+        if self._stream is None:  # scattered out of the slab as it is fetched
+            return self._fetch(self._async_client, namespace, op, deadline)
+        group = self._groups[op.group]
+        group.async_buffer = self._reused(group, group.async_buffer, len(op.hashes))
+        staging = group.async_buffer[: len(op.hashes)]
+        count = self._fetch(self._async_client, namespace, op, deadline, staging)
+        for index in range(len(group.layers)):
+            self._scatter(op, staging, count, index, wait=True)
+        return count
+
+    def _note_failure(self, op: BlockOp, count: int, *, per_request: bool) -> None:
+        """``op``'s blocks after its ``count`` leading ones did not load: block ids for vLLM
+        to recompute from, or (``per_request``) its request failed as a whole."""
+        if count >= len(op.block_ids):
+            return
+        with self._lock:
+            self.counters.blocks_failed += len(op.block_ids) - count
+            if per_request:
+                if op.req_id not in self._failed_receives:
+                    self.counters.loads_failed += 1
+                self._failed_receives.add(op.req_id)
+            else:
+                self.counters.loads_failed += 1
+                self._load_errors.update(op.block_ids[count:])
 
     def _fetch(self, client: Client, namespace: Namespace, op: BlockOp, deadline: float,
                staging: torch.Tensor | None = None) -> int:
         """How many leading blocks of ``op`` arrived by ``deadline``, in ``staging`` or, without
         it, scattered into vLLM's blocks (0 when the sidecar failed, or failed a moment ago:
-        the rest of the step does not wait for it). The blocks that did not arrive are load
-        errors from here on."""
+        the rest of the step does not wait for it); the caller notes the rest as failed."""
         count = 0
         now = time.monotonic()
         if self._down_until <= now < deadline:
@@ -359,21 +404,7 @@ class WorkerSide:
         with self._lock:
             self.counters.blocks_loaded += count
             self.counters.bytes_loaded += count * namespace.layout.bytes_per_block
-            self.counters.blocks_failed += len(op.block_ids) - count
-            self._load_errors.update(op.block_ids[count:])
         return count
-
-    def _fetch_and_scatter(self, namespace: Namespace, op: BlockOp, deadline: float) -> int:
-        """A synchronous load on the CPU, on the fetching thread: every layer scattered out of
-        the slab into vLLM's blocks, checked. Anything else that fails makes every block of the
-        load an error (a bug must not leave the forward half loaded)."""
-        try:
-            return self._fetch(self._load_client, namespace, op, deadline)
-        except Exception as exc:
-            log.exception("tierkv: scattering a load failed (%s); vLLM recomputes it", exc)
-            with self._lock:
-                self._load_errors.update(op.block_ids)
-            return 0
 
     def _scatterer(self, op: BlockOp, namespace: Namespace) -> BlockUse:
         """What ``get_with`` hands ``op``'s blocks to: each layer of them into vLLM's blocks
@@ -435,10 +466,18 @@ class WorkerSide:
             self.wait_for_layer(name)
 
     def take_load_errors(self) -> set[int]:
-        """vLLM block ids whose load failed since the last call."""
+        """vLLM block ids whose load failed since the last call (an engine of one group)."""
         with self._lock:
             errors, self._load_errors = self._load_errors, set()
         return errors
+
+    def take_stats(self) -> dict[str, int]:
+        """What the counters grew by since the last call (vLLM's connector stats)."""
+        with self._lock:
+            now = WorkerCounters(*(getattr(self.counters, n) for n in WorkerCounters.__slots__))
+            before, self._reported = self._reported, now
+        return {n: getattr(now, n) - getattr(before, n) for n in WorkerCounters.__slots__
+                if getattr(now, n) != getattr(before, n)}
 
     # --- saves ------------------------------------------------------------------------------
 
@@ -695,18 +734,21 @@ class WorkerSide:
         """Whether no save or ticket is queued (under the lock)."""
         return self._queued_bytes == 0 and self._num_tickets == 0
 
-    def finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
-        """vLLM's ``(finished_sending, finished_recving)``: the finished requests whose held
-        blocks were copied out for their last saves (``before_step``), and the requests whose
-        asynchronous loads are done since the last call (their failed blocks are in
-        ``take_load_errors`` by then)."""
+    def finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str], set[str]]:
+        """vLLM's ``(finished_sending, finished_recving, failed_recving)``: the finished
+        requests whose held blocks were copied out for their last saves (``before_step``), the
+        requests whose asynchronous loads are done since the last call, and those of them whose
+        load failed (several groups; with one, their failed blocks are in ``take_load_errors``
+        by then)."""
         with self._lock:
             self._truncated -= finished_req_ids
             received, self._received = self._received, set()
+            failed = self._failed_receives & received
+            self._failed_receives -= failed
             released, self._released = self._released, set()
         if finished_req_ids:  # after any ticket of theirs queued by now (see ``save``)
             self._saves.put(frozenset(finished_req_ids))
-        return released, received
+        return released, received, failed
 
     def flush(self, timeout_s: float) -> bool:
         """Wait up to ``timeout_s`` for queued saves and tickets; True when none is left."""
