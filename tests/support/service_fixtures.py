@@ -203,6 +203,13 @@ def mapped_slab(shm_name: str) -> Iterator[mmap.mmap]:
         mapping.close()
 
 
+def flip_every_page(shm_name: str, page_bytes: int = 4096) -> None:
+    """A stray write: one byte of every ``page_bytes`` of a server's HOST slab flipped."""
+    with mapped_slab(shm_name) as slab:
+        for offset in range(0, len(slab), page_bytes):
+            slab[offset] ^= 0x5A
+
+
 def commit_after_a_late_write(store: TieredStore, namespace: Namespace,
                               hashes: Sequence[bytes], data: torch.Tensor, changed: int) -> None:
     """Write ``data`` into a write lease of ``store`` through its mapped slab, as a same-host

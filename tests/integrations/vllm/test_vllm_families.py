@@ -12,7 +12,12 @@ cache. A sliding-window group loads only the blocks of the window before the hit
 
 from __future__ import annotations
 
+import json
+import os
 import random
+import signal
+import subprocess
+import time
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -21,8 +26,20 @@ from typing import Any
 
 import pytest
 
-from tests.support.harness import SidecarPool
-from tests.support.vllm_engines import ALPHA, BLOCK_SIZE, TOKENS, EngineResult, crowd, run_engine, spec
+from tests.support.harness import Sidecar, SidecarPool
+from tests.support.redis_cluster import wait_until
+from tests.support.service_fixtures import flip_every_page
+from tests.support.vllm_engines import (
+    ALPHA,
+    BLOCK_SIZE,
+    TOKENS,
+    EngineResult,
+    crowd,
+    result_of,
+    run_engine,
+    spec,
+    start_engine,
+)
 from tierkv import Client
 from tierkv.bench.models import SLIDING_WINDOW_TOKENS, TINY, build_family, build_llama
 from tierkv.layout import DType
@@ -68,8 +85,9 @@ def _stored(target: str) -> list[Any]:
 
 @dataclass
 class Handover:
-    """What one family's engines gave: the reference (the handover's rounds, then ``more``),
-    B, the namespaces holding blocks after it, and C's result (gemma3 only)."""
+    """What one family's engines gave: the reference (the handover's rounds, then ``more``,
+    then ``FAULT_PROMPTS`` with faults), B, the namespaces holding blocks after it, and C's
+    result (gemma3 only)."""
 
     ref: EngineResult
     b: EngineResult
@@ -78,10 +96,67 @@ class Handover:
     c: EngineResult | None = None
 
 
+FAULT_PROMPTS = long_prompts(9)  # computed and stored by B itself, then damaged in HOST
+FAULTS = ("stray write", "kill", "stop", "clear")
+"""B's fault rounds after its hits (``fault_rounds``): a stray write over the HOST slab, then,
+as a load starts (``tests/support/vllm_faults.py``), the sidecar SIGKILLed (restarted after
+the round), SIGSTOPped past ``load_timeout_s`` (continued after it), cleared."""
+
+
+def fault_rounds(workdir: Path, rounds: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
+    """B's rounds with faults: ``rounds`` (hits), ``FAULT_PROMPTS`` computed and stored, one
+    round a fault (its prompts: ``FAULT_PROMPTS`` for the stray write, the first round's
+    after it), each waiting for ``go-<fault>`` and signalling ``done-<fault>``, then the
+    first round's prompts again (hits again, from what B saved after recomputing them)."""
+    out: list[dict[str, Any]] = [*({"prompts": r} for r in rounds),
+                                 {"prompts": FAULT_PROMPTS, "flush": True,
+                                  "signal": str(workdir / "done-store")}]
+    for fault in FAULTS:
+        out.append({"prompts": FAULT_PROMPTS if fault == "stray write" else rounds[0],
+                    "wait_for": str(workdir / f"go-{fault}"),
+                    "signal": str(workdir / f"done-{fault}"), "flush": fault != "stop"})
+    out.append({"prompts": rounds[0], "wait_for": str(workdir / "go-again")})
+    return out
+
+
+def run_faults(workdir: Path, pool: SidecarPool, sidecar: Sidecar, flags: tuple[str, ...],
+               b: subprocess.Popen[bytes]) -> Sidecar:
+    """Drive B's fault rounds (``fault_rounds``): each fault set up once the round before it
+    is done, and undone once its own is; the sidecar B is left with."""
+    fault_file = workdir / "fault.json"
+
+    def finished(name: str) -> None:
+        wait_until(lambda: (workdir / f"done-{name}").exists() or b.poll() is not None,
+                   600.0, f"B's {name} round")
+        assert b.poll() is None, f"B died in its {name} round"
+
+    previous = "store"
+    for fault in (*FAULTS, "again"):
+        finished(previous)
+        assert not fault_file.exists(), f"the {previous} round loaded nothing: no fault ran"
+        assert sidecar.process is not None
+        if previous == "kill":  # on its disk (write_through), at the same address
+            sidecar = pool.start(*flags, disk_path=workdir / "disk",
+                                 socket_dir=sidecar.socket_dir)
+        elif previous == "stop":
+            os.kill(sidecar.process.pid, signal.SIGCONT)
+        if fault == "stray write":
+            flip_every_page(sidecar.ready["host_shm_name"])
+        elif fault != "again":
+            fault_file.write_text(json.dumps({"fault": fault, "pid": sidecar.process.pid,
+                                              "target": sidecar.unix_target, "token": ALPHA}))
+        time.sleep(1.2)  # the connector offers no hit for a second after a failed load
+        (workdir / f"go-{fault}").touch()
+        previous = fault
+    return sidecar
+
+
 def hand_over(workdir: Path, family: str, model: Path, rounds: list[list[dict[str, Any]]],
-              more: tuple[dict[str, Any], ...] = (), **fields: Any) -> Handover:
+              more: tuple[dict[str, Any], ...] = (), faults: bool = False,
+              **fields: Any) -> Handover:
     """The reference, then A (stores ``rounds``, write_through), a SIGKILL and restart of the
-    sidecar, then B (``rounds``); for gemma3, C (a small cache that preempts, ``more``)."""
+    sidecar, then B (``rounds``; with ``faults``, then ``fault_rounds``); for gemma3, C (a
+    small cache that preempts, ``more``)."""
     workdir.mkdir(parents=True, exist_ok=True)
     (workdir / "tokens").write_text(TOKENS)
     flags = ("--host-bytes", "256MiB", "--disk-bytes", "1GiB", "--tokens-file",
@@ -91,7 +166,7 @@ def hand_over(workdir: Path, family: str, model: Path, rounds: list[list[dict[st
         sidecar = pool.start(*flags, disk_path=workdir / "disk")
         # One OpenMP thread each (vLLM reserves one more core for an engine with a connector):
         # MLA's CPU kernels sum in another order with another thread count.
-        every: list[Any] = [*rounds, *more]
+        every: list[Any] = [*rounds, *more, *([FAULT_PROMPTS] if faults else [])]
         ref = run_engine(workdir, "ref", spec(model, None, every, connector=None,
                                               prefix_caching=False, **fields), env=one_core(0))
         storing: list[Any] = [*rounds[:-1], {"prompts": rounds[-1], "flush": True}]
@@ -99,15 +174,35 @@ def hand_over(workdir: Path, family: str, model: Path, rounds: list[list[dict[st
                                           prefix_caching=False, **fields), env=one_core(1))
         assert a.tokens == ref.tokens[: len(rounds)]
         sidecar.kill()
-        sidecar = pool.start(*flags, disk_path=workdir / "disk")
-        b = run_engine(workdir, "b", spec(model, sidecar.unix_target, rounds,
-                                          prefix_caching=False, **fields), env=one_core(1))
+        sidecar = pool.start(*flags, disk_path=workdir / "disk", socket_dir=sidecar.socket_dir)
+        if faults:
+            # Loads fail within 2 s of a stalled sidecar; offers resume 1 s after a failure.
+            # B's own saves stay in HOST only (write_back), where the stray write reaches
+            # them: a block with a good disk copy is served from it, a HOST copy that fails.
+            extra = {"load_timeout_s": 2.0, "lookup_timeout_s": 0.25, "write_policy": "write_back"}
+            process = start_engine(workdir, "b", spec(
+                model, sidecar.unix_target, fault_rounds(workdir, rounds),
+                connector="tests.support.vllm_faults:FaultConnector", extra=extra,
+                prefix_caching=False, round_counters=True, **fields),
+                env={**one_core(1), "TIERKV_TEST_FAULT_FILE": str(workdir / "fault.json")})
+            try:
+                sidecar = run_faults(workdir, pool, sidecar, flags, process)
+                assert process.wait(timeout=600) == 0, (workdir / "b.log").read_text()[-6000:]
+            finally:
+                if process.poll() is None:
+                    process.kill()
+                    process.wait()
+            b = result_of(workdir, "b")
+        else:
+            b = run_engine(workdir, "b", spec(model, sidecar.unix_target, rounds,
+                                              prefix_caching=False, round_counters=True,
+                                              **fields), env=one_core(1))
         c = None
         if more:
             # A small cache: vLLM preempts requests and brings them back, loading every group's
             # blocks (windows with the null block before them) from the sidecar again.
             c = run_engine(workdir, "c", spec(
-                model, sidecar.unix_target, every[len(rounds):], num_gpu_blocks=60, max_model_len=256,
+                model, sidecar.unix_target, list(more), num_gpu_blocks=60, max_model_len=256,
                 max_num_seqs=12, prefix_caching=False), env=one_core(1))
         return Handover(ref, b, _stored(sidecar.unix_target), workdir, c)
     finally:
@@ -116,8 +211,8 @@ def hand_over(workdir: Path, family: str, model: Path, rounds: list[list[dict[st
 
 FAMILY_RUNS: dict[str, dict[str, Any]] = {
     "mistral-sliding": {},
-    "gemma3": {"more": (CROWD,)},
-    "gpt-oss": {},
+    "gemma3": {"more": (CROWD,), "faults": True},
+    "gpt-oss": {"faults": True},
     # vLLM's reference CPU MLA backend (this CPU has no AMX) cannot compute after a cached
     # prefix, and the connector offers no hits for it. It also decodes a batch in an order of
     # its own (in a batch of four, an engine without the connector and one with it, both
@@ -145,7 +240,8 @@ def one_core(core: int) -> dict[str, str]:
 
 
 def bytes_loaded(result: Any) -> int:
-    return sum(int(c["bytes_loaded"]) for c in result.raw["worker_counters"])
+    """What the engine's first round loaded."""
+    return sum(int(c["bytes_loaded"]) for c in result.raw["rounds"][0]["worker_counters"])
 
 
 @pytest.mark.parametrize("family", ["mistral-sliding", "gemma3"])
@@ -179,7 +275,30 @@ def test_a_sink_model_hits_every_block(handovers: dict[str, Future[Handover]]) -
     block holds them)."""
     run = handovers["gpt-oss"].result()
     assert run.b.num_cached_tokens[0] == [loadable(p) for p in P]
-    assert run.b.tokens == run.ref.tokens[:1]
+    assert run.b.tokens[0] == run.ref.tokens[0]
+
+
+@pytest.mark.parametrize("family", ["gemma3", "gpt-oss"])
+def test_a_failed_load_fails_the_request_never_the_engine(
+    handovers: dict[str, Future[Handover]], family: str,
+) -> None:
+    """Several KV cache groups (vLLM 0.32 stopped the engine at the first failed load): every
+    fault of ``FAULTS`` fails loads, which vLLM recomputes; every reply is the reference's,
+    the failures are counted, and after them B hits again what it saved."""
+    run = handovers[family].result()
+    ref_p, ref_fault = run.ref.tokens[0], run.ref.tokens[-1]
+    rounds = run.b.raw["rounds"]
+    failed = [sum(int(c["loads_failed"]) for c in r["worker_counters"]) for r in rounds]
+    first = 2  # after the hits of P and the round that stores FAULT_PROMPTS
+    assert failed[first - 1] == 0
+    for index, fault in enumerate(FAULTS, start=first):
+        assert run.b.tokens[index] == (ref_fault if fault == "stray write" else ref_p), fault
+        assert failed[index] > failed[index - 1], f"no load failed in the {fault} round"
+    assert run.b.tokens[-1] == ref_p
+    assert run.b.num_cached_tokens[-1] == [loadable(p) for p in P]  # hits again
+    assert failed[-1] == failed[-2]
+    # Where an operator sees them: vLLM's own metrics (the connector's stats, ``stats.py``).
+    assert run.b.counters.get("tierkv_loads_failed", 0) == failed[-1]
 
 
 def test_an_mla_model_on_vllms_reference_cpu_backend_starts_and_gets_no_hits(

@@ -24,7 +24,8 @@ from typing import Any
 import pytest
 
 from tests.support.harness import Sidecar, SidecarFactory
-from tests.support.service_fixtures import mapped_slab
+from tests.support.redis_cluster import RedisCluster, wait_until
+from tests.support.service_fixtures import flip_every_page
 from tests.support.vllm_scheduler import (
     BLOCK,
     SchedulerEngine,
@@ -93,13 +94,6 @@ def on_first_load(fault: Callable[[], None]) -> Callable[[Any], None]:
     return before_load
 
 
-def flip_every_page(sidecar: Sidecar) -> None:
-    """A stray write: one byte of every 4 KiB of the sidecar's HOST slab."""
-    with mapped_slab(sidecar.ready["host_shm_name"]) as slab:
-        for offset in range(0, len(slab), 4096):
-            slab[offset] ^= 0x5A
-
-
 def scheduled_computed(engine: SchedulerEngine, req_id: str) -> list[int]:
     return [c for r, c in engine.admitted if r == req_id]
 
@@ -152,7 +146,7 @@ def faults(sidecar: Sidecar) -> dict[str, Callable[[], None]]:
     assert sidecar.process is not None
     pid = sidecar.process.pid
     return {
-        "a stray write over the slab": lambda: flip_every_page(sidecar),
+        "a stray write over the slab": lambda: flip_every_page(sidecar.ready["host_shm_name"]),
         "the sidecar SIGKILLed": sidecar.kill,
         "the sidecar stalled past load_timeout_s": lambda: os.kill(pid, signal.SIGSTOP),
     }
@@ -194,3 +188,43 @@ def test_sync_loads_with_several_groups_are_refused_at_start(model: Path, sideca
     with pytest.raises(ConfigError, match="load_mode='sync' with 2 KV cache groups"):
         SchedulerEngine(vllm_config(model, sidecar.unix_target, load_mode="sync"),
                         kv_cache_config(sliding=True))
+
+
+@pytest.mark.parametrize("groups", list(GROUPS))
+def test_a_remote_fetch_that_fails_is_recomputed(
+    model: Path, sidecar_factory: SidecarFactory, tmp_path: Path,
+    engines: Callable[..., SchedulerEngine], groups: str,
+) -> None:
+    """Node X's engine stores through to REMOTE (a real Redis Cluster); node Y's sidecar holds
+    nothing locally, so its lookup answers from REMOTE; every Redis node stops as Y's load
+    starts: the fetch fails (a miss, as REMOTE's failures always are), vLLM recomputes."""
+    sliding = GROUPS[groups]
+    tokens = prompt(5)
+    with RedisCluster(tmp_path / "redis") as cluster:
+        remote = ("--host-bytes", "64MiB", "--no-disk", "--remote", cluster.url,
+                  "--remote-timeout-s", "0.5")
+        x = sidecar_factory(*remote, disk_path=tmp_path / "x")
+        y = sidecar_factory(*remote, disk_path=tmp_path / "y")
+        store(engines(model, x.unix_target, sliding=sliding, write_policy="write_through"),
+              tokens)
+        with Client(x.unix_target) as client:
+            wait_until(lambda: _remote_drained(client), 30.0, "X's blocks written to REMOTE")
+        engine = engines(model, y.unix_target, sliding=sliding)
+        engine.add(request("b", tokens))
+        pids = [cluster.pid(i) for i in range(len(cluster.ports))]
+        try:
+            engine.run("b", before_load=on_first_load(
+                lambda: [os.kill(pid, signal.SIGSTOP) for pid in pids]))
+        finally:
+            for pid in pids:
+                os.kill(pid, signal.SIGCONT)
+        assert str(engine.outputs["b"].finish_reason) == "length"
+        assert engine.wrong["b"] == []
+        counters = engine.worker.worker_counters()  # REMOTE's blocks were offered, and failed
+        assert counters["loads_failed"] == 1 and counters["blocks_failed"] > 0
+        assert counters["blocks_loaded"] == 0
+
+
+def _remote_drained(client: Client) -> bool:
+    stats = client.stats().remote
+    return stats is not None and stats.queued_bytes == 0 and stats.written > 0

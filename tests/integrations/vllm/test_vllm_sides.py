@@ -467,6 +467,58 @@ def test_hybrid_saves_skip_the_null_block_and_load_into_each_groups_own_blocks(
         side.close()
 
 
+def test_a_hybrid_async_load_is_received_once_after_every_group_and_fails_as_a_request(
+    server: BackgroundServer,
+) -> None:
+    """Several groups load asynchronously (``load_mode`` auto): a request is reported received
+    once, when every group's blocks are in place (reported after its first group, vLLM ran
+    the request on the other's unloaded blocks, then met a second report of a request it had
+    finished and stopped: ``assert req_id in self.requests``); a request whose load failed in
+    any group is reported failed (``failed_recving``), never as block ids, which vLLM refuses
+    for such a model."""
+    target = server.served.unix_target
+    geometry, namespaces = hybrid()
+    shape = (NUM_VLLM_BLOCKS, LAYOUT.num_kv_heads, BLOCK, 2 * LAYOUT.head_dim)
+    source = {name: torch.randn(shape).to(LAYOUT.torch_dtype) for name in (*SLIDING, *GLOBAL)}
+    from tierkv.integrations.vllm.scheduler import BlockOp, StepMetadata
+
+    prompts = {r: tokens(6 * BLOCK, seed=20 + i) for i, r in enumerate(("x", "y", "z"))}
+    hashes = {r: tuple(bytes(h) for h in block_hashes(p, BLOCK)) for r, p in prompts.items()}
+    saver = WorkerSide(settings_for(target), geometry, tp_rank=0)
+    loader = WorkerSide(settings_for(target), geometry, tp_rank=0)
+    try:
+        saver.register(source)
+        saver.save(StepMetadata(namespaces, saves=[
+            op_ for r in ("x", "y") for op_ in (BlockOp(r, hashes[r], (1, 2, 3, 4, 5, 6), 0),
+                                                BlockOp(r, hashes[r][3:6], (8, 9, 10), 1))]))
+        assert saver.flush(30.0)
+        assert loader.settings.load_mode == "async"
+        target_caches = {name: torch.zeros(shape).to(LAYOUT.torch_dtype) for name in source}
+        loader.register(target_caches)
+        ids = {"x": (9, 10, 11), "y": (12, 13, 14), "z": (1, 2, 3)}
+        loads = [op_ for r in ("x", "y", "z") for op_ in (
+            BlockOp(r, hashes[r][:3], ids[r], 0), BlockOp(r, hashes[r][3:6], ids[r], 1))]
+        loader.start_load(StepMetadata(namespaces, async_loads=loads))
+        reports: list[str] = []
+        failed: set[str] = set()
+        deadline = time.monotonic() + 30
+        while len(reports) < 3 and time.monotonic() < deadline:
+            _, received, failing = loader.finished(set())
+            for req_id in received:  # in place when reported: both groups' blocks
+                if req_id not in failing:
+                    for name in (*SLIDING, *GLOBAL):
+                        assert target_caches[name][list(ids[req_id])].any(), (req_id, name)
+            reports += sorted(received)
+            failed |= failing
+        assert sorted(reports) == ["x", "y", "z"]  # each once
+        assert failed == {"z"}  # never stored: a failed request, not block ids
+        assert loader.take_load_errors() == set()
+        assert loader.take_stats()["loads_failed"] == 1
+    finally:
+        saver.close()
+        loader.close()
+
+
 def test_an_engine_with_a_state_group_gets_no_hits_and_saves_nothing(
     server: BackgroundServer, caplog: pytest.LogCaptureFixture,
 ) -> None:

@@ -11,8 +11,9 @@ for vLLM's ``ExampleConnector``, or ``"module:Class"``), ``extra_config`` (the c
 "cache_salt": ...}, ...]}`` generated together (greedy) after the previous round, with
 ``max_tokens`` (this round's), ``repeat`` (time the round several times), ``wait_for`` (a
 file to wait for before the round), ``flush`` (wait until the connector's saves are in the
-sidecar after it) and ``signal`` (a file to create after it). OUT holds per round the
-generated token ids, ``num_cached_tokens`` per prompt and the wall time of each repeat, plus
+sidecar after it) and ``signal`` (a file to create after it); ``round_counters`` (the
+connector's worker counters after each round). OUT holds per round the generated token ids,
+``num_cached_tokens`` per prompt and the wall time of each repeat (and the counters), plus
 the engine's start time and vLLM's counters (preemptions, external hits).
 """
 
@@ -103,6 +104,9 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
         })
         if round_spec.get("flush"):
             assert all(llm.collective_rpc(_flush_saves, timeout=120.0)), "saves did not finish"
+        if spec.get("round_counters"):
+            result["rounds"][-1]["worker_counters"] = llm.collective_rpc(_worker_counters,
+                                                                          timeout=60.0)
         if round_spec.get("signal"):
             Path(round_spec["signal"]).touch()
     result["counters"] = _counters(llm)
@@ -137,7 +141,10 @@ def _counters(llm: Any) -> dict[str, float]:
     """vLLM's counters of interest (from its metrics), summed over engines."""
     wanted = {"vllm:num_preemptions": "num_preemptions",
               "vllm:external_prefix_cache_hits": "external_prefix_cache_hits",
-              "vllm:prefix_cache_hits": "prefix_cache_hits"}
+              "vllm:prefix_cache_hits": "prefix_cache_hits",
+              # The connector's own (``stats.py``), as an operator's Prometheus sees them.
+              "vllm:tierkv_loads_failed": "tierkv_loads_failed",
+              "vllm:tierkv_blocks_loaded": "tierkv_blocks_loaded"}
     totals: dict[str, float] = {}
     for metric in llm.get_metrics():
         name = wanted.get(metric.name)

@@ -53,7 +53,7 @@ import time
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_until_done
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -341,14 +341,17 @@ class WorkerSide:
         from the first). Recorded before the request is reported received."""
         deadline = time.monotonic() + self.settings.load_timeout_s
         per_request = len(self._groups) > 1
+        failed = False  # (several groups: the rest of a failed request is not fetched)
         try:
             for op in ops:
                 count = 0
                 try:
-                    count = self._load_op(namespaces[op.group], op, deadline)
+                    if not failed:
+                        count = self._load_op(namespaces[op.group], op, deadline)
                 except Exception as exc:  # a bug must not leave the request waiting forever
                     log.exception("tierkv: asynchronous load failed: %s", exc)
                 self._note_failure(op, count, per_request=per_request)
+                failed = failed or (per_request and count < len(op.block_ids))
         finally:
             with self._lock:
                 self._received.add(ops[0].req_id)
@@ -474,7 +477,7 @@ class WorkerSide:
     def take_stats(self) -> dict[str, int]:
         """What the counters grew by since the last call (vLLM's connector stats)."""
         with self._lock:
-            now = WorkerCounters(*(getattr(self.counters, n) for n in WorkerCounters.__slots__))
+            now = replace(self.counters)
             before, self._reported = self._reported, now
         return {n: getattr(now, n) - getattr(before, n) for n in WorkerCounters.__slots__
                 if getattr(now, n) != getattr(before, n)}
