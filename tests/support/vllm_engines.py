@@ -62,6 +62,13 @@ def start_engine(workdir: Path, name: str, spec: dict[str, Any],
         )
 
 
+def one_core(core: int) -> dict[str, str]:
+    """An engine's environment for one OpenMP thread bound to ``core``: the thread count an
+    engine alone on this machine picks, also when two engines start at once (the count
+    changes bf16 sums, and greedy tokens with them)."""
+    return {"VLLM_CPU_OMP_THREADS_BIND": str(core)}
+
+
 def result_of(workdir: Path, name: str) -> EngineResult:
     raw = json.loads((workdir / f"{name}.out.json").read_text())
     return EngineResult(

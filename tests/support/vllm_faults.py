@@ -1,12 +1,13 @@
 """A ``TierKVConnector`` that breaks its sidecar at the moment a load starts, as the test asks:
 loaded by vLLM as ``tests.support.vllm_faults:FaultConnector`` (the tests put the checkout on
 the engine's PYTHONPATH). Before a round the test writes a fault file (``TIERKV_TEST_FAULT_FILE``,
-JSON ``{"fault": ..., "pid": ..., "target": ..., "token": ...}``); the worker's first
+JSON ``{"fault": ..., "pids": [...], "target": ..., "token": ...}``); the worker's first
 ``start_load_kv`` with loads after that runs the fault once, then renames the file ``.done``:
 
-* ``kill``: SIGKILL the sidecar (the test restarts it on its disk after the round);
-* ``stop``: SIGSTOP it (the test sends SIGCONT after the round): the load runs past
-  ``load_timeout_s``;
+* ``kill``: SIGKILL the processes ``pids`` (the sidecar: the test restarts it on its disk
+  after the round);
+* ``stop``: SIGSTOP them (the sidecar: its load runs past ``load_timeout_s``; or the nodes of
+  the Redis Cluster behind its REMOTE tier); the test sends SIGCONT after the round;
 * ``clear``: clear every namespace of the token's tenant: blocks gone between lookup and load.
 """
 
@@ -40,11 +41,14 @@ def _run_pending_fault() -> None:
         return
     fault = json.loads(path.read_text())
     path.rename(path.with_suffix(".done"))
+    pids = [int(pid) for pid in fault.get("pids", ())]
     if fault["fault"] == "kill":
-        os.kill(int(fault["pid"]), signal.SIGKILL)
-        _wait_dead(int(fault["pid"]))
+        for pid in pids:
+            os.kill(pid, signal.SIGKILL)
+            _wait_dead(pid)
     elif fault["fault"] == "stop":
-        os.kill(int(fault["pid"]), signal.SIGSTOP)
+        for pid in pids:
+            os.kill(pid, signal.SIGSTOP)
     elif fault["fault"] == "clear":
         with Client(fault["target"], token=fault.get("token"), timeout_s=30.0) as client:
             client.clear(all_namespaces=True)

@@ -12,6 +12,7 @@ cache. A sliding-window group loads only the blocks of the window before the hit
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
@@ -27,7 +28,7 @@ from typing import Any
 import pytest
 
 from tests.support.harness import Sidecar, SidecarPool
-from tests.support.redis_cluster import wait_until
+from tests.support.redis_cluster import RedisCluster, wait_until
 from tests.support.service_fixtures import flip_every_page
 from tests.support.vllm_engines import (
     ALPHA,
@@ -35,6 +36,7 @@ from tests.support.vllm_engines import (
     TOKENS,
     EngineResult,
     crowd,
+    one_core,
     result_of,
     run_engine,
     spec,
@@ -97,10 +99,12 @@ class Handover:
 
 
 FAULT_PROMPTS = long_prompts(9)  # computed and stored by B itself, then damaged in HOST
-FAULTS = ("stray write", "kill", "stop", "clear")
-"""B's fault rounds after its hits (``fault_rounds``): a stray write over the HOST slab, then,
-as a load starts (``tests/support/vllm_faults.py``), the sidecar SIGKILLed (restarted after
-the round), SIGSTOPped past ``load_timeout_s`` (continued after it), cleared."""
+FAULTS = ("stray write", "kill", "stop", "remote", "clear")
+"""B's fault rounds after its hits (``fault_rounds``): a stray write over the HOST slab; as a
+load starts (``tests/support/vllm_faults.py``) the sidecar SIGKILLed (restarted after the
+round), then SIGSTOPped past ``load_timeout_s`` (continued after it); every record of its
+REMOTE tier damaged, the sidecar restarted on an empty disk (the hit is REMOTE's: A stored
+through to it, and the fetch fails); cleared as a load starts."""
 
 
 def fault_rounds(workdir: Path, rounds: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
@@ -120,7 +124,7 @@ def fault_rounds(workdir: Path, rounds: list[list[dict[str, Any]]]) -> list[dict
 
 
 def run_faults(workdir: Path, pool: SidecarPool, sidecar: Sidecar, flags: tuple[str, ...],
-               b: subprocess.Popen[bytes]) -> Sidecar:
+               b: subprocess.Popen[bytes], cluster: RedisCluster) -> Sidecar:
     """Drive B's fault rounds (``fault_rounds``): each fault set up once the round before it
     is done, and undone once its own is; the sidecar B is left with."""
     fault_file = workdir / "fault.json"
@@ -142,13 +146,30 @@ def run_faults(workdir: Path, pool: SidecarPool, sidecar: Sidecar, flags: tuple[
             os.kill(sidecar.process.pid, signal.SIGCONT)
         if fault == "stray write":
             flip_every_page(sidecar.ready["host_shm_name"])
+        elif fault == "remote":  # nothing local: the blocks are REMOTE's alone, and damaged
+            sidecar.stop()
+            sidecar = pool.start(*flags, disk_path=workdir / "disk-empty",
+                                 socket_dir=sidecar.socket_dir)
+            damage_every_record(cluster)
         elif fault != "again":
-            fault_file.write_text(json.dumps({"fault": fault, "pid": sidecar.process.pid,
+            fault_file.write_text(json.dumps({"fault": fault, "pids": [sidecar.process.pid],
                                               "target": sidecar.unix_target, "token": ALPHA}))
         time.sleep(1.2)  # the connector offers no hit for a second after a failed load
         (workdir / f"go-{fault}").touch()
         previous = fault
     return sidecar
+
+
+def damage_every_record(cluster: RedisCluster) -> None:
+    """Flip the last byte of every record the cluster holds: each still exists (REMOTE's
+    lookups say held), and each fails its checksum when a sidecar fetches it."""
+    with contextlib.closing(cluster.client()) as client:
+        for key in list(client.scan_iter()):
+            if client.type(key) != b"string":
+                continue
+            value = client.get(key)
+            if value:
+                client.set(key, value[:-1] + bytes([value[-1] ^ 0x5A]), keepttl=True)
 
 
 def hand_over(workdir: Path, family: str, model: Path, rounds: list[list[dict[str, Any]]],
@@ -159,10 +180,15 @@ def hand_over(workdir: Path, family: str, model: Path, rounds: list[list[dict[st
     small cache that preempts, ``more``)."""
     workdir.mkdir(parents=True, exist_ok=True)
     (workdir / "tokens").write_text(TOKENS)
-    flags = ("--host-bytes", "256MiB", "--disk-bytes", "1GiB", "--tokens-file",
-             str(workdir / "tokens"), "--write-policy", "write_through")
+    flags: tuple[str, ...] = ("--host-bytes", "256MiB", "--disk-bytes", "1GiB", "--tokens-file",
+                              str(workdir / "tokens"), "--write-policy", "write_through")
     pool = SidecarPool(workdir)
+    stack = contextlib.ExitStack()
     try:
+        cluster = None
+        if faults:  # a REMOTE tier: A's blocks reach it too (write_through)
+            cluster = stack.enter_context(RedisCluster(workdir / "redis"))
+            flags += ("--remote", cluster.url, "--remote-timeout-s", "0.5")
         sidecar = pool.start(*flags, disk_path=workdir / "disk")
         # One OpenMP thread each (vLLM reserves one more core for an engine with a connector):
         # MLA's CPU kernels sum in another order with another thread count.
@@ -186,7 +212,8 @@ def hand_over(workdir: Path, family: str, model: Path, rounds: list[list[dict[st
                 prefix_caching=False, round_counters=True, **fields),
                 env={**one_core(1), "TIERKV_TEST_FAULT_FILE": str(workdir / "fault.json")})
             try:
-                sidecar = run_faults(workdir, pool, sidecar, flags, process)
+                assert cluster is not None
+                sidecar = run_faults(workdir, pool, sidecar, flags, process, cluster)
                 assert process.wait(timeout=600) == 0, (workdir / "b.log").read_text()[-6000:]
             finally:
                 if process.poll() is None:
@@ -207,6 +234,7 @@ def hand_over(workdir: Path, family: str, model: Path, rounds: list[list[dict[st
         return Handover(ref, b, _stored(sidecar.unix_target), workdir, c)
     finally:
         pool.close()
+        stack.close()
 
 
 FAMILY_RUNS: dict[str, dict[str, Any]] = {
@@ -233,10 +261,6 @@ def handovers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Fu
             futures[family] = executor.submit(hand_over, root / family, family, model,
                                               **{"rounds": [P], **fields})
         yield futures
-
-
-def one_core(core: int) -> dict[str, str]:
-    return {"VLLM_CPU_OMP_THREADS_BIND": str(core)}
 
 
 def bytes_loaded(result: Any) -> int:

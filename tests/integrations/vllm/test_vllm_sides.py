@@ -140,6 +140,30 @@ def test_plans_loads_then_saves_only_what_the_sidecar_lacks(server: BackgroundSe
         side.close()
 
 
+def test_a_request_whose_load_failed_is_offered_nothing_at_its_next_lookup(
+    server: BackgroundServer,
+) -> None:
+    """vLLM's ``test_failed_receive_completion_honors_failure_policy``: after a failed receive
+    the request is looked up again, and the same hit would fail the same way (a sidecar that
+    stalled still holds every block). Its next lookup offers nothing, even once offers
+    resume for everyone else; the one after, and other requests, are offered as before."""
+    target = server.served.unix_target
+    prompt = tokens(5 * BLOCK + 10)
+    put_prefix(target, prompt, 5)
+    side = SchedulerSide(settings_for(target, lookup_timeout_s=0.1), GEOMETRY, NAMESPACE)
+    try:
+        assert side.num_matched_tokens(request("r", prompt), 0) == 5 * BLOCK
+        side.after_alloc(request("r", prompt), ([1, 2, 3, 4, 5, 6],), 5 * BLOCK)
+        side.on_output(set(), {"r"})
+        assert side.num_matched_tokens(request("other", prompt), 0) == 0  # the breaker
+        time.sleep(1.05)  # offers resume after a second
+        assert side.num_matched_tokens(request("other", prompt), 0) == 5 * BLOCK
+        assert side.num_matched_tokens(request("r", prompt), 0) == 0
+        assert side.num_matched_tokens(request("r", prompt), 0) == 5 * BLOCK
+    finally:
+        side.close()
+
+
 def test_a_sidecar_that_is_not_there_answers_zero(tmp_path: Path) -> None:
     side = SchedulerSide(settings_for(f"unix://{tmp_path}/none.sock"), GEOMETRY, NAMESPACE)
     try:
