@@ -126,9 +126,12 @@ def check_settled(stats: StoreStats, num_found: int) -> None:
 
 @dataclass
 class PinModel:
-    """What is known of one key's pins: its count lies in ``[low, high]``; the later deadline
-    of its pins is ``deadline_s``. The store drops expired pins lazily, so after expiry the
-    count is only known to be at most ``high``."""
+    """What is known of one key's pins: its count lies in ``[low, high]``; while ``low >= 1``,
+    the store's deadline for the key is at least ``deadline_s``. A key's pins share one
+    deadline, the latest of the pins added since its count was last zero: an unpin keeps it,
+    but a pin after the count reached zero (unpinned, or expired) starts afresh, so the
+    deadline of a pin that has gone says nothing of the pins left. The store drops expired
+    pins lazily, so after expiry the count is only known to be at most ``high``."""
 
     low: int
     high: int
@@ -333,10 +336,10 @@ class StoreMachine(RuleBasedStateMachine):
             pin = self.pins.get(i)
             if pin is None:
                 self.pins[i] = PinModel(1, 1, deadline)
-            elif pin.deadline_s > now:
+            elif pin.low >= 1 and pin.deadline_s > now:  # still pinned: one more pin
                 pin.low, pin.high = pin.low + 1, pin.high + 1
                 pin.deadline_s = max(pin.deadline_s, deadline)
-            else:  # expired: the store may or may not have dropped the old pins yet
+            else:  # unpinned or expired: the store may or may not hold old pins still
                 self.pins[i] = PinModel(1, pin.high + 1, deadline)
 
     @rule(start=st.integers(0, NUM_KEYS - 1), length=st.integers(1, 4))
