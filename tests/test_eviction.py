@@ -30,6 +30,24 @@ def test_lru_order_and_touch() -> None:
     assert lru.num_linked == 3
 
 
+def test_a_node_goes_just_behind_its_anchor() -> None:
+    lru: PriorityLru[str] = PriorityLru()
+    nodes = {name: Residency(name, 0) for name in "abcxy"}
+    for name in "abc":
+        lru.push_mru(nodes[name], Priority.NORMAL)
+    lru.push_before(nodes["x"], nodes["b"])  # a descendant of b: evicted before it
+    lru.push_before(nodes["y"], nodes["b"])  # then its parent's other child... in order
+    assert order(lru) == ["a", "x", "y", "b", "c"] and lru.num_linked == 5
+    lru.touch_before(nodes["c"], Priority.NORMAL, nodes["a"])
+    assert order(lru) == ["c", "a", "x", "y", "b"]
+    lru.touch_before(nodes["a"], Priority.NORMAL, None)  # no anchor: most recently used
+    assert order(lru) == ["c", "x", "y", "b", "a"]
+    lru.remove(nodes["b"])  # an unlinked (pinned) anchor: most recently used too
+    lru.touch_before(nodes["x"], Priority.NORMAL, nodes["b"])
+    lru.touch_before(nodes["y"], Priority.NORMAL, nodes["y"])  # itself: stays
+    assert order(lru) == ["c", "y", "a", "x"]
+
+
 def test_lower_priority_classes_come_first() -> None:
     lru: PriorityLru[str] = PriorityLru()
     lru.push_mru(Residency("session", 0), Priority.SESSION)

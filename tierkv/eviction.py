@@ -61,6 +61,17 @@ class PriorityLru(Generic[T]):
         sentinel.prev = node
         self.num_linked += 1
 
+    def push_before(self, node: Residency[T], anchor: Residency[T]) -> None:
+        """Link ``node`` just less recently used than ``anchor``, a linked node of the same
+        class (a block's descendants go there: evicted before it). ``node`` must be unlinked."""
+        prev = anchor.prev
+        assert prev is not None and node.prev is None
+        node.prev = prev
+        node.next = anchor
+        prev.next = node
+        anchor.prev = node
+        self.num_linked += 1
+
     def remove(self, node: Residency[T]) -> None:
         """Unlink ``node`` if it is linked."""
         prev, nxt = node.prev, node.next
@@ -77,6 +88,18 @@ class PriorityLru(Generic[T]):
             return
         self.remove(node)
         self.push_mru(node, priority)
+
+    def touch_before(self, node: Residency[T], priority: int,
+                     anchor: Residency[T] | None) -> None:
+        """``touch``, but just less recently used than ``anchor`` when it is a linked node of
+        the same class (None, unlinked or the node itself: most recently used)."""
+        if node.prev is None or node is anchor:
+            return
+        self.remove(node)
+        if anchor is None or anchor.prev is None:
+            self.push_mru(node, priority)
+        else:
+            self.push_before(node, anchor)
 
     def iter_lru(self) -> Iterator[Residency[T]]:
         """Nodes from least to most recently used, lowest priority class first.

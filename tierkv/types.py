@@ -241,7 +241,8 @@ class SessionInfo:
 
 @dataclass(frozen=True, slots=True)
 class PutDetail:
-    """What a writer may say of the blocks of one put, for the sidecar's KV events only (never
+    """What a writer may say of the blocks of one put, for the sidecar's KV events and its
+    eviction order (a block continuing a stored chain is evicted before its parent; never
     stored): ``token_ids``, every block's tokens in block order (``layout.block_size`` each;
     empty: none given); ``parent_hash``, the hash of the block before the first (None: the
     first block starts its chain, or unknown), the put's blocks being one chain; or

@@ -104,7 +104,7 @@ class _NoCache:
         return 0
 
     def put(self, namespace: Any, hashes: Sequence[bytes], blocks: Any, *,
-            priority: Any = None, write_policy: Any = None) -> int:
+            priority: Any = None, write_policy: Any = None, parent: Any = None) -> int:
         return 0
 
     def save_session(self, namespace: Any, session_id: str, token_ids: Sequence[int]) -> int:

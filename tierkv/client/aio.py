@@ -112,7 +112,8 @@ class AsyncClient(ClientFlows):
         timeout_s: float | None = None, detail: PutDetail | None = None,
     ) -> int:
         """Store ``blocks`` under ``hashes``; returns the blocks newly stored. ``detail``: what
-        the writer says of them (token ids...), for the sidecar's KV events only."""
+        the writer says of them: token ids for the sidecar's KV events, parents so that a
+        chain saved in several puts is evicted tail first."""
         return await self._run(self._put(namespace, hashes, blocks, priority, write_policy,
                                          timeout_s, detail))
 

@@ -256,11 +256,13 @@ class StoreCore:
 
     def link_locked(
         self, entry: Entry, tier: Tier, location: Location, checksum: int | None = None,
-        detail: BlockDetail | None = None,
+        detail: BlockDetail | None = None, parent: Entry | None = None,
     ) -> None:
         """Give ``entry`` a (complete) copy in ``tier`` at ``location``; a HOST copy comes with
         the checksum of its bytes (computed by the caller, outside the lock). ``detail``: what
-        a put's writer said of the block, for its KV event."""
+        a put's writer said of the block, for its KV event; ``parent``: its chain's stored
+        block before it, which it is linked just behind (evicted before it; docs/design/
+        eviction.md#chains), else it is the most recently used."""
         node: Residency[Entry] = Residency(entry, location)
         # Each tier spelled out: this runs for every block stored.
         if tier is Tier.HOST:
@@ -279,7 +281,11 @@ class StoreCore:
         share.num_blocks += 1
         share.stored_bytes += entry.ns.block_bytes
         if entry not in self.pins:
-            share.lru.push_mru(node, entry.priority)
+            anchor = _anchor(parent, tier, entry.priority)
+            if anchor is None:
+                share.lru.push_mru(node, entry.priority)
+            else:
+                share.lru.push_before(node, anchor)
         if self.events is not None:
             self.events.stored(entry.ns, tier, entry.block_hash, detail)
 
@@ -454,17 +460,31 @@ class StoreCore:
             counters = self.tenant_counters[tenant] = TenantCounters()
         return counters
 
-    def touch_locked(self, entry: Entry) -> None:
-        """Mark ``entry`` most recently used in every tier it is in."""
+    def touch_locked(self, entry: Entry, parent: Entry | None = None) -> None:
+        """Mark ``entry`` most recently used in every tier it is in; with its chain's
+        ``parent``, just less recently used than it wherever both are linked in one class."""
         # Each tier spelled out: this runs for every block of every put and get. A linked copy's
         # share was set when it was linked.
         shares, priority = entry.ns.shares, entry.priority
+        if parent is not None:
+            for tier in Tier:
+                node = entry.residency(tier)
+                if node is not None:
+                    shares[tier].lru.touch_before(  # type: ignore[union-attr]
+                        node, priority, _anchor(parent, tier, priority))
+            return
         if entry.gpu is not None:
             shares[Tier.GPU].lru.touch(entry.gpu, priority)  # type: ignore[union-attr]
         if entry.host is not None:
             shares[Tier.HOST].lru.touch(entry.host, priority)  # type: ignore[union-attr]
         if entry.disk is not None:
             shares[Tier.DISK].lru.touch(entry.disk, priority)  # type: ignore[union-attr]
+
+    def touch_run_locked(self, run: Sequence[Entry]) -> None:
+        """Touch a chain's leading blocks tail first, as every read does: the head ends most
+        recently used, and the run's tail is evicted before its head."""
+        for entry in reversed(run):
+            self.touch_locked(entry)
 
     def relink_locked(self, entry: Entry) -> None:
         """Link an entry's copies back into their LRU lists (after its pins went)."""
@@ -676,3 +696,12 @@ class StoreCore:
         assert self.disk_ledger is not None
         self.disk_ledger.release_bytes(num_records * state.record_bytes,
                                        self.share_of_locked(state, Tier.DISK))
+
+
+def _anchor(parent: Entry | None, tier: Tier, priority: int) -> Residency[Entry] | None:
+    """``parent``'s linked node in ``tier`` when it is of class ``priority``: where a block of
+    its chain goes (just before it); None: the block goes most recently used."""
+    if parent is None or parent.priority != priority:
+        return None
+    node = parent.residency(tier)
+    return node if node is not None and node.linked else None

@@ -199,14 +199,16 @@ class Leases:
                 blocks.append(self._extents(node.location, entry.ns.block_bytes))
                 checksums.append(host.checksum_of(node.location))
             share.read_bytes -= (len(planned) - len(leased)) * block_room
+            core.touch_run_locked(leased)  # a read refreshes what it serves
             # A read of stored blocks that leased none of them is counted by the read that
             # serves them instead (the SDK streams them): one read, one get.
             if leased or not num_cached:
                 core.count_get_locked(state)
             lease_id = self._new_id()
-            ends_run = len(leased) == num_cached < len(keys)
-            self._active[lease_id] = _Read(owner, client_id, self._clock() + ttl, leased,
-                                           _ReadCount(state, tiers[: len(leased)], ends_run))
+            self._active[lease_id] = _Read(
+                owner, client_id, self._clock() + ttl, leased,
+                _ReadCount(state, tiers[: len(leased)],
+                           ends_run=len(leased) == num_cached < len(keys)))
         return ReadLease(lease_id, blocks[: len(leased)], num_cached, ttl, checksums)
 
     def release(self, lease_id: bytes, owner: str, corrupt_indices: Sequence[int] = (),

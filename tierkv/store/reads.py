@@ -65,8 +65,7 @@ class Reader:
                     break
                 marks.add_locked(entry)
                 plan.append((index, entry, tier))
-            for _, entry, _ in reversed(plan):  # tail first: the head ends most recently used
-                core.touch_locked(entry)
+            core.touch_run_locked([entry for _, entry, _ in plan])
         return plan
 
     def count_served(self, state: NamespaceState, served: Sequence[Planned],

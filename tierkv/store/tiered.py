@@ -222,7 +222,8 @@ class TieredStore:
         (without a disk tier, only that). Keys already there keep their one
         copy (put is idempotent). Returns the number of blocks newly stored in ``tier``. Raises
         ``CapacityError`` when they do not fit even after eviction; nothing is then stored.
-        ``detail``: what the writer says of the blocks, for KV events only (never stored).
+        ``detail``: what the writer says of the blocks, for KV events and the eviction order
+        (a block named as a parent is evicted after its descendants); never stored.
         """
         state = self._state(namespace)
         keys = check_hashes(hashes)
@@ -755,8 +756,22 @@ class TieredStore:
         self.register(namespace)
         tokens = record.token_array()
         block_size = namespace.layout.block_size
-        num_blocks = self.lookup(namespace, block_hashes(tokens, block_size, seed, algorithm=algorithm))
+        hashes = block_hashes(tokens, block_size, seed, algorithm=algorithm)
+        num_blocks = self.lookup(namespace, hashes)
+        self._refresh(self._state(namespace), check_hashes(hashes[:num_blocks]))
         return ResumedSession(namespace, tuple(tokens.tolist()), num_blocks * block_size)
+
+    def _refresh(self, state: NamespaceState, keys: list[bytes]) -> None:
+        """Touch the leading stored blocks of ``keys`` tail first, as a read does (a resumed
+        session is read next: its history must not be the next victim)."""
+        with self._core.lock:
+            run = []
+            for key in keys:
+                entry = state.blocks.get(key)
+                if entry is None:
+                    break
+                run.append(entry)
+            self._core.touch_run_locked(run)
 
     def delete_session(self, tenant: str, session_id: str) -> bool:
         """Delete the session (durably, with a disk tier); True if it existed and had not

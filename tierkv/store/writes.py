@@ -53,7 +53,7 @@ class Reservation:
     target: Tier
     plan: PutPlan
     locations: dict[int, Location]
-    detail: PutDetail | None = None  # what its writer said of the blocks (KV events only)
+    detail: PutDetail | None = None  # what its writer said of the blocks (KV events, eviction order)
 
 
 class Writer:
@@ -279,33 +279,38 @@ class Writer:
             num_stored = 0
             # Tail first, each block linked or touched where it is met: the head ends most
             # recently used, in one pass over the keys (this runs for every block of a put).
+            # A put that continues a stored chain goes just behind its parent, so that a
+            # chain saved in several puts is still evicted tail first (docs/design/
+            # eviction.md#chains).
+            anchors = _anchors(detail, keys, blocks)
             for index in range(len(keys) - 1, -1, -1):
                 entry = blocks.get(keys[index])
                 location = locations.get(index)
+                parent = anchors[index] if anchors else None
                 if location is not None:
                     if index in new and (entry is None or entry.residency(target) is None):
                         if entry is None:
                             entry = self._entry_locked(state, keys[index], priority)
                         core.link_locked(entry, target, location, checksums.get(index),
-                                         _block_detail(detail, keys, index))
+                                         _block_detail(detail, keys, index), parent)
                         num_stored += 1
                         if ((entry.gpu is not None) + (entry.host is not None)
                                 + (entry.disk is not None)) > 1:
-                            core.touch_locked(entry)  # its copies in the other tiers too
+                            core.touch_locked(entry, parent)  # its copies in the other tiers
                         continue
                     # A concurrent put of the same key won, or only its record was wanted.
                     core.release_pages_locked(target, location, state)
                 if entry is not None and not with_records:
-                    core.touch_locked(entry)
+                    core.touch_locked(entry, parent)
             if with_records:
                 num_on_disk = self._publish_disk(state, keys, priority, plan.disk_indices,
                                                  detail)
                 if target is Tier.DISK:
                     num_stored = num_on_disk
-                for key in reversed(keys):  # the records' blocks too, tail first
-                    touched = blocks.get(key)
+                for index in range(len(keys) - 1, -1, -1):  # the records' blocks, tail first
+                    touched = blocks.get(keys[index])
                     if touched is not None:
-                        core.touch_locked(touched)
+                        core.touch_locked(touched, anchors[index] if anchors else None)
         return num_stored
 
     def _entry_locked(self, state: NamespaceState, key: bytes, priority: Priority) -> Entry:
@@ -361,3 +366,24 @@ def _block_detail(detail: PutDetail | None, keys: list[bytes], index: int) -> Bl
     if detail is None:
         return None
     return detail, index, detail.parent_of(index, keys)
+
+
+def _anchors(detail: PutDetail | None, keys: list[bytes],
+             blocks: dict[bytes, Entry]) -> list[Entry | None] | None:
+    """For each block of a put, the stored block its chain continues (the parent of the first
+    block of its run in the put), which the run is linked behind; None when the writer named
+    no stored parent (the usual put of a new chain: every block most recently used)."""
+    if detail is None:
+        return None
+    if not detail.parent_hashes:
+        parent = None if detail.parent_hash is None else blocks.get(detail.parent_hash)
+        return None if parent is None else [parent] * len(keys)
+    anchors: list[Entry | None] = []
+    for index, parent_hash in enumerate(detail.parent_hashes):
+        if parent_hash is None:
+            anchors.append(None)
+        elif index and parent_hash == keys[index - 1]:
+            anchors.append(anchors[-1])  # the same run
+        else:
+            anchors.append(blocks.get(parent_hash))
+    return anchors if any(anchor is not None for anchor in anchors) else None

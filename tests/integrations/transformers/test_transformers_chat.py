@@ -392,3 +392,25 @@ def test_a_template_that_re_renders_the_history_appends_only_the_new_message(
     warnings = [r for r in caplog.records if r.levelno >= logging.WARNING]
     assert len(warnings) == 1 and "renders the history differently" in warnings[0].getMessage()
 
+
+
+def test_a_conversation_under_pressure_loses_its_latest_turns_first(tmp_path: Path) -> None:
+    """Each turn saves only its new blocks, continuing the history: they name their parent, so
+    the store evicts a conversation from its end, never its head. Three turns of A, three of B
+    through a store that holds 8 blocks in HOST and 12 on DISK: A's next turn still hits its
+    first four blocks (before issue 43, each turn's save was newer than the history it
+    continued: one block)."""
+    from tierkv import DiskTierConfig, HostTierConfig, StoreConfig
+
+    model = tiny_llama()
+    config = StoreConfig(host=HostTierConfig(8 * 8192, 4096),
+                         disk=DiskTierConfig(tmp_path / "disk", 12 * 8320))  # 12 records
+    with TieredStore(config) as store:
+        blocks = blocks_of(store, "alice")
+        a = ChatSession(model, blocks, max_new_tokens=NUM_NEW_TOKENS)
+        b = ChatSession(model, blocks, max_new_tokens=NUM_NEW_TOKENS)
+        for turn in range(3):
+            a.turn(prompt(40, seed=10 + turn))
+        for turn in range(3):
+            b.turn(prompt(40, seed=50 + turn))
+        assert a.turn(prompt(10, seed=99)).num_cached_tokens >= 4 * 16

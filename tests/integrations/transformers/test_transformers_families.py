@@ -266,14 +266,15 @@ class DroppingBlocks:
         return self.inner.get_into(namespace, hashes, out)
 
     def put(self, namespace: Namespace, hashes: Sequence[bytes], blocks: torch.Tensor, *,
-            priority: Priority = Priority.NORMAL,
-            write_policy: WritePolicy | None = None) -> int:
+            priority: Priority = Priority.NORMAL, write_policy: WritePolicy | None = None,
+            parent: bytes | None = None) -> int:
         keep = [i for i, h in enumerate(hashes)
                 if namespace.id != self.namespace.id or h not in self.lost]
         if not keep:
             return 0
         return self.inner.put(namespace, [hashes[i] for i in keep], blocks[keep],
-                              priority=priority, write_policy=write_policy)
+                              priority=priority, write_policy=write_policy,
+                              parent=parent if keep[0] == 0 else hashes[keep[0] - 1])
 
     def save_session(self, namespace: Namespace, session_id: str,
                      token_ids: Sequence[int]) -> int:

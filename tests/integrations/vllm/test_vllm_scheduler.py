@@ -228,3 +228,33 @@ def test_a_remote_fetch_that_fails_is_recomputed(
 def _remote_drained(client: Client) -> bool:
     stats = client.stats().remote
     return stats is not None and stats.queued_bytes == 0 and stats.written > 0
+
+
+@pytest.mark.parametrize("parents", [True, False])
+def test_a_prompt_saved_in_chunks_keeps_its_head_under_pressure(
+    model: Path, sidecar_factory: SidecarFactory, engines: Callable[..., SchedulerEngine],
+    parents: bool, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A prompt saved as vLLM saves a chunked prefill (three blocks a step, each save naming
+    its blocks' parents), then another prompt through a 16-block HOST: the first prompt's tail
+    is evicted, its head half still hits. Without parents (the connector before issue 43: each
+    step's save newer than the last), the head went first and nothing hit."""
+    if not parents:
+        from tierkv.integrations.vllm import scheduler
+        monkeypatch.setattr(scheduler, "PutDetail", _no_parents)
+    sidecar = sidecar_factory("--host-bytes", "512KiB", "--no-disk")  # 16 blocks of 32 KiB
+    engine = engines(model, sidecar.unix_target, sliding=False,
+                     max_num_batched_tokens=3 * BLOCK)
+    store(engine, prompt(1), "a")
+    store(engine, prompt(2), "b")
+    engine.add(request("a2", prompt(1)))
+    engine.run("a2")
+    assert engine.wrong["a2"] == []
+    assert scheduled_computed(engine, "a2")[0] == (6 * BLOCK if parents else 0)
+
+
+def _no_parents(*args: Any, **kwargs: Any) -> Any:
+    from tierkv.types import PutDetail
+
+    kwargs.pop("parent_hashes", None)
+    return PutDetail(*args, **kwargs)

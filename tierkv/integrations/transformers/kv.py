@@ -98,7 +98,8 @@ def save_kv(store: BlockStore, namespace: Namespace | KVGroups, token_ids: Seque
             continue
         blocks = _to_blocks(pairs, group.namespace.layout, start, end_block, first_token)
         num_new += store.put(group.namespace, hashes[start:end_block], blocks,
-                             priority=priority, write_policy=write_policy)
+                             priority=priority, write_policy=write_policy,
+                             parent=hashes[start - 1] if start else None)
     return num_new
 
 

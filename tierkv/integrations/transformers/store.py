@@ -21,6 +21,7 @@ from tierkv.client import Client
 from tierkv.config import Priority, WritePolicy
 from tierkv.keys import Namespace, NamespaceId
 from tierkv.store import TieredStore
+from tierkv.types import PutDetail
 
 
 @runtime_checkable
@@ -36,9 +37,11 @@ class BlockStore(Protocol):
         ...
 
     def put(self, namespace: Namespace, hashes: Sequence[bytes], blocks: torch.Tensor, *,
-            priority: Priority = Priority.NORMAL,
-            write_policy: WritePolicy | None = None) -> int:
-        """Store ``blocks`` under ``hashes``; returns how many were newly stored."""
+            priority: Priority = Priority.NORMAL, write_policy: WritePolicy | None = None,
+            parent: bytes | None = None) -> int:
+        """Store ``blocks`` under ``hashes``; returns how many were newly stored. ``parent``:
+        the stored block before the first (a later turn's blocks are then evicted before the
+        history they continue)."""
         ...
 
     def save_session(self, namespace: Namespace, session_id: str,
@@ -67,10 +70,11 @@ class ClientBlocks:
         return self.client.get_into(namespace, hashes, out, timeout_s=self.timeout_s)
 
     def put(self, namespace: Namespace, hashes: Sequence[bytes], blocks: torch.Tensor, *,
-            priority: Priority = Priority.NORMAL,
-            write_policy: WritePolicy | None = None) -> int:
+            priority: Priority = Priority.NORMAL, write_policy: WritePolicy | None = None,
+            parent: bytes | None = None) -> int:
         return self.client.put(namespace, hashes, blocks, priority=priority,
-                               write_policy=write_policy, timeout_s=self.timeout_s)
+                               write_policy=write_policy, timeout_s=self.timeout_s,
+                               detail=_detail(parent))
 
     def save_session(self, namespace: Namespace, session_id: str,
                      token_ids: Sequence[int]) -> int:
@@ -105,10 +109,10 @@ class StoreBlocks:
         return self.store.get_into(self._own(namespace), hashes, out)
 
     def put(self, namespace: Namespace, hashes: Sequence[bytes], blocks: torch.Tensor, *,
-            priority: Priority = Priority.NORMAL,
-            write_policy: WritePolicy | None = None) -> int:
+            priority: Priority = Priority.NORMAL, write_policy: WritePolicy | None = None,
+            parent: bytes | None = None) -> int:
         return self.store.put(self._own(namespace), hashes, blocks, priority=priority,
-                              write_policy=write_policy)
+                              write_policy=write_policy, detail=_detail(parent))
 
     def save_session(self, namespace: Namespace, session_id: str,
                      token_ids: Sequence[int]) -> int:
@@ -128,3 +132,8 @@ def blocks_of(target: Client | TieredStore | BlockStore, tenant: str = "default"
     if isinstance(target, TieredStore):
         return StoreBlocks(target, tenant)
     return target
+
+
+def _detail(parent: bytes | None) -> PutDetail | None:
+    """What a put says of its blocks: the chain's block before them, if any."""
+    return None if parent is None else PutDetail(parent_hash=parent)

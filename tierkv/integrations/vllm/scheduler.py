@@ -471,16 +471,19 @@ class SchedulerSide:
 
     def _save_op(self, request: Any, group: int, ids: list[int], start: int, end: int
                  ) -> BlockOp | None:
-        """``_op``, with what vLLM's own ``BlockStored`` says of each block (its tokens,
-        parent, LoRA and extra keys) when ``event_detail`` is on."""
+        """``_op``, with each block's parent (the sidecar evicts a chain saved in several
+        steps tail first by them), and what vLLM's own ``BlockStored`` says of each block (its
+        tokens, LoRA and extra keys) when ``event_detail`` is on."""
         op = self._op(request, group, ids, start, end)
-        tokens = getattr(request, "all_token_ids", None)
-        if op is None or not self.settings.event_detail or tokens is None:
-            return op
+        if op is None:
+            return None
         positions = [k for k in range(start, end) if ids[k] != NULL_BLOCK_ID]
-        size = self.geometry.groups[group].block_size
         hashes = self._hashes(request, end, max(0, start - 1), group)
         parents = tuple(hashes[k - max(0, start - 1) - 1] if k else None for k in positions)
+        tokens = getattr(request, "all_token_ids", None)
+        if not self.settings.event_detail or tokens is None:
+            return dataclasses.replace(op, detail=PutDetail(parent_hashes=parents))
+        size = self.geometry.groups[group].block_size
         lora = getattr(request, "lora_request", None)
         extra: tuple[tuple[Any, ...] | None, ...] = ()
         if lora is not None or getattr(request, "cache_salt", None) or getattr(

@@ -112,7 +112,7 @@ class _Save:
     namespace: Namespace
     hashes: tuple[bytes, ...]
     block_ids: tuple[int, ...]
-    detail: PutDetail | None = None  # what the KV events say of the blocks (every op's)
+    detail: PutDetail | None = None  # each block's parent, and what the KV events say of it
     req_ids: frozenset[str] = frozenset()  # whose blocks these are (a failure fails each)
     staging: torch.Tensor | None = None  # [n, L, H, N, C], gathered out of vLLM's blocks
     buffer: torch.Tensor | None = None  # what ``staging`` is the head of: given back after

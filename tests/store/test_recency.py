@@ -1,0 +1,124 @@
+"""What a read refreshes and in what order a chain leaves: every read path touches the blocks it
+serves (tail first), and a chain saved in several puts is evicted tail first, never head first
+(docs/design/eviction.md#chains)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+import torch
+
+from tests.support.tiny_blocks import StoreFactory, blocks, keys
+from tierkv import Namespace, TieredStore
+from tierkv.hashing import block_hashes
+from tierkv.types import PutDetail
+
+HOST_BLOCKS = 16
+
+
+def _read_by_get(store: TieredStore, namespace: Namespace, hashes: list[bytes]) -> None:
+    store.get(namespace, hashes)
+
+
+def _read_by_get_into(store: TieredStore, namespace: Namespace, hashes: list[bytes]) -> None:
+    out = torch.empty((len(hashes), *namespace.layout.block_shape),
+                      dtype=namespace.layout.torch_dtype)
+    assert store.get_into(namespace, hashes, out) == len(hashes)
+
+
+def _read_by_lease(store: TieredStore, namespace: Namespace, hashes: list[bytes]) -> None:
+    lease = store.acquire(namespace, hashes, slab_id=store.host_slab_id)
+    assert len(lease.blocks) == len(hashes)
+    store.release(lease.lease_id)
+
+
+READS: dict[str, Callable[[TieredStore, Namespace, list[bytes]], None]] = {
+    "get": _read_by_get, "get_into": _read_by_get_into, "acquire": _read_by_lease,
+}
+
+
+def _store(make_store: StoreFactory, namespace: Namespace, **fields: object) -> TieredStore:
+    store = make_store(**fields)
+    store.register(namespace)
+    return store
+
+
+def _held(store: TieredStore, namespace: Namespace, hashes: list[bytes]) -> list[int]:
+    return [i for i, h in enumerate(hashes) if store.lookup(namespace, [h])]
+
+
+@pytest.mark.parametrize("read", sorted(READS))
+def test_a_block_read_often_outlives_blocks_stored_after_it(
+        make_store: StoreFactory, namespace: Namespace, read: str) -> None:
+    store = _store(make_store, namespace, host_blocks=HOST_BLOCKS)
+    hot = keys(4, salt="hot")
+    store.put(namespace, hot, blocks(4, seed=1))
+    for i in range(6):  # 24 blocks through a 16-block HOST, the hot prefix read each round
+        READS[read](store, namespace, hot)
+        store.put(namespace, keys(4, salt=f"cold-{i}"), blocks(4, seed=10 + i))
+    assert store.lookup(namespace, hot) == 4
+    # The oldest cold chains went instead, each tail first.
+    assert _held(store, namespace, keys(4, salt="cold-0")) == []
+
+
+def test_a_resumed_session_is_refreshed(make_store: StoreFactory, namespace: Namespace) -> None:
+    store = _store(make_store, namespace, host_blocks=HOST_BLOCKS)
+    size = namespace.layout.block_size
+    tokens = list(range(4 * size))
+    history = [bytes(h) for h in block_hashes(tokens, size)]
+    store.put(namespace, history, blocks(4, seed=1))
+    store.save_session(namespace, "chat", tokens)
+    for i in range(6):
+        assert store.resume_session("default", "chat").num_cached_tokens == 4 * size
+        store.put(namespace, keys(4, salt=f"other-{i}"), blocks(4, seed=10 + i))
+    assert store.lookup(namespace, history) == 4
+
+
+@pytest.mark.parametrize("how", ["parent_hash", "parent_hashes"])
+def test_a_chain_saved_in_several_puts_keeps_its_head(
+        make_store: StoreFactory, namespace: Namespace, how: str) -> None:
+    """The issue's case, scaled: a 16-block chain put in 4 puts of 4 into a 32-block HOST, then
+    other chains fill three quarters of it. The chain's head stays reachable, and what is left
+    of it is one prefix (nothing stranded behind a missing head)."""
+    store = _store(make_store, namespace, host_blocks=2 * HOST_BLOCKS)
+    chain = keys(16, salt="long")
+    for start in range(0, 16, 4):
+        parent = chain[start - 1] if start else None
+        detail = (PutDetail(parent_hash=parent) if how == "parent_hash" else
+                  PutDetail(parent_hashes=(parent, *chain[start : start + 3])))
+        store.put(namespace, chain[start : start + 4], blocks(4, seed=start), detail=detail)
+    for i in range(6):
+        store.put(namespace, keys(4, salt=f"other-{i}"), blocks(4, seed=100 + i))
+    held = _held(store, namespace, chain)
+    assert held == list(range(len(held))) and len(held) == 8  # the head half, the tail gone
+    assert store.lookup(namespace, chain) == 8
+
+
+def test_without_parents_a_later_put_of_a_chain_is_newer(
+        make_store: StoreFactory, namespace: Namespace) -> None:
+    """What a writer that names no parent gets (the old order): each put most recently used,
+    so the chain's head goes first. The connector always names parents."""
+    store = _store(make_store, namespace, host_blocks=2 * HOST_BLOCKS)
+    chain = keys(16, salt="long")
+    for start in range(0, 16, 4):
+        store.put(namespace, chain[start : start + 4], blocks(4, seed=start))
+    for i in range(6):
+        store.put(namespace, keys(4, salt=f"other-{i}"), blocks(4, seed=100 + i))
+    assert store.lookup(namespace, chain) == 0
+    assert _held(store, namespace, chain) == list(range(8, 16))
+
+
+def test_a_chain_saved_in_several_puts_leaves_disk_tail_first(
+        make_store: StoreFactory, namespace: Namespace) -> None:
+    """The same order holds in DISK, where write-through records of each put are linked."""
+    store = _store(make_store, namespace, host_blocks=4, disk_blocks=2 * HOST_BLOCKS,
+                   write_policy="write_through")
+    chain = keys(16, salt="long")
+    for start in range(0, 16, 4):
+        store.put(namespace, chain[start : start + 4], blocks(4, seed=start),
+                  detail=PutDetail(parent_hash=chain[start - 1] if start else None))
+    for i in range(6):
+        store.put(namespace, keys(4, salt=f"other-{i}"), blocks(4, seed=100 + i))
+    held = _held(store, namespace, chain)
+    assert held == list(range(len(held))) and len(held) >= 8
