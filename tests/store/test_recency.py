@@ -122,3 +122,27 @@ def test_a_chain_saved_in_several_puts_leaves_disk_tail_first(
         store.put(namespace, keys(4, salt=f"other-{i}"), blocks(4, seed=100 + i))
     held = _held(store, namespace, chain)
     assert held == list(range(len(held))) and len(held) >= 8
+
+
+@pytest.mark.parametrize("read", sorted(READS))
+def test_a_chain_demoted_in_several_batches_leaves_disk_tail_first(
+        make_store: StoreFactory, namespace: Namespace, read: str) -> None:
+    """The replay's pattern with DISK below a small HOST: a prompt's head is demoted, read back
+    (a hit), and its continuation stored and demoted later. On DISK the continuation must sit
+    behind the head it continues, not ahead of it: what is held of the chain stays one
+    prefix however far DISK's own eviction goes."""
+    store = _store(make_store, namespace, host_blocks=HOST_BLOCKS, disk_blocks=3 * HOST_BLOCKS)
+    chain = keys(16, salt="long")
+    for start in range(0, 16, 4):
+        if start:
+            READS[read](store, namespace, chain[:start])
+        store.put(namespace, chain[start : start + 4], blocks(4, seed=start),
+                  detail=PutDetail(parent_hash=chain[start - 1] if start else None))
+        store.put(namespace, keys(16, salt=f"fill-{start}"), blocks(16, seed=50 + start))
+    num_held = []
+    for i in range(8):  # other traffic, until DISK has evicted all of the chain
+        store.put(namespace, keys(8, salt=f"other-{i}"), blocks(8, seed=100 + i))
+        held = _held(store, namespace, chain)
+        assert held == list(range(len(held))), f"after {i + 1} puts: holds {held}"
+        num_held.append(len(held))
+    assert any(0 < n < 16 for n in num_held), num_held  # it went a part at a time

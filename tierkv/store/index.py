@@ -28,12 +28,16 @@ _TIER_SLOTS = ("gpu", "host", "disk")
 class Entry:
     """One stored key and where its copies are."""
 
-    __slots__ = ("block_hash", "disk", "gpu", "host", "ns", "priority", "readers")
+    __slots__ = ("block_hash", "disk", "gpu", "host", "ns", "parent", "priority", "readers")
 
-    def __init__(self, block_hash: bytes, ns: NamespaceState, priority: int) -> None:
+    def __init__(self, block_hash: bytes, ns: NamespaceState, priority: int,
+                 parent: bytes | None = None) -> None:
         self.block_hash = block_hash
         self.ns = ns
         self.priority = priority
+        # The hash of the block before it in its chain, when its writer said (else the put's
+        # previous key): a copy it gets in another tier is linked behind its parent's there.
+        self.parent = parent
         self.readers = 0
         self.gpu: Residency[Entry] | None = None
         self.host: Residency[Entry] | None = None

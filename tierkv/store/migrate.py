@@ -537,9 +537,14 @@ class Mover:
         done: set[Entry] = set()
         complete_set = set(complete)
         with self.core.lock:
-            for entry, location in zip(entries, locations, strict=True):
+            # Heads first, each copy linked just behind its parent's copy in ``tier`` where
+            # that is held: a chain demoted or promoted in several batches is still evicted
+            # tail first there (docs/design/eviction.md#chains).
+            for entry, location in _heads_first(entries, locations):
                 if entry in complete_set and entry.priority != DOOMED and entry.residency(tier) is None:
-                    self.core.link_locked(entry, tier, location, checksums.get(entry))
+                    parent = None if entry.parent is None else entry.ns.blocks.get(entry.parent)
+                    self.core.link_locked(entry, tier, location, checksums.get(entry),
+                                          parent=parent)
                     done.add(entry)
                 else:
                     self.core.release_room_locked(tier, entry, location)
@@ -554,3 +559,22 @@ class Mover:
         if current is None or current.disk is None:
             self.core.queue_deletes_locked([entry.raw_key])
             self.core.submit_deletes_locked()
+
+
+def _heads_first(entries: Sequence[Entry], locations: Sequence[Location]
+                 ) -> list[tuple[Entry, Location]]:
+    """``entries`` with their ``locations``, each after its parent where both are in the batch
+    (a batch of victims comes tail first)."""
+    in_batch = {(id(entry.ns), entry.block_hash): index for index, entry in enumerate(entries)}
+    ordered: list[tuple[Entry, Location]] = []
+    placed = [False] * len(entries)
+    for start in range(len(entries)):
+        path: list[int] = []
+        index: int | None = start
+        while index is not None and not placed[index]:
+            placed[index] = True
+            path.append(index)
+            entry = entries[index]
+            index = None if entry.parent is None else in_batch.get((id(entry.ns), entry.parent))
+        ordered.extend((entries[i], locations[i]) for i in reversed(path))
+    return ordered

@@ -290,7 +290,8 @@ class Writer:
                 if location is not None:
                     if index in new and (entry is None or entry.residency(target) is None):
                         if entry is None:
-                            entry = self._entry_locked(state, keys[index], priority)
+                            entry = self._entry_locked(state, keys[index], priority,
+                                                       _parent_hash(detail, keys, index))
                         core.link_locked(entry, target, location, checksums.get(index),
                                          _block_detail(detail, keys, index), parent)
                         num_stored += 1
@@ -313,11 +314,14 @@ class Writer:
                         core.touch_locked(touched, anchors[index] if anchors else None)
         return num_stored
 
-    def _entry_locked(self, state: NamespaceState, key: bytes, priority: Priority) -> Entry:
+    def _entry_locked(self, state: NamespaceState, key: bytes, priority: Priority,
+                      parent: bytes | None) -> Entry:
         entry = state.blocks.get(key)
         if entry is None:
-            entry = Entry(key, state, priority)
+            entry = Entry(key, state, priority, parent)
             self.core.index_locked(entry)
+        elif entry.parent is None:
+            entry.parent = parent
         return entry
 
     def _publish_disk(
@@ -327,7 +331,8 @@ class Writer:
         core = self.core
         num_linked = 0
         for index in indices:
-            entry = self._entry_locked(state, keys[index], priority)
+            entry = self._entry_locked(state, keys[index], priority,
+                                       _parent_hash(detail, keys, index))
             if entry.disk is None:
                 core.link_locked(entry, Tier.DISK, 0, None, _block_detail(detail, keys, index))
                 num_linked += 1
@@ -366,6 +371,13 @@ def _block_detail(detail: PutDetail | None, keys: list[bytes], index: int) -> Bl
     if detail is None:
         return None
     return detail, index, detail.parent_of(index, keys)
+
+
+def _parent_hash(detail: PutDetail | None, keys: list[bytes], index: int) -> bytes | None:
+    """Block ``index``'s parent: what the writer said, else the put's previous key."""
+    if detail is None:
+        return keys[index - 1] if index else None
+    return detail.parent_of(index, keys)
 
 
 def _anchors(detail: PutDetail | None, keys: list[bytes],
