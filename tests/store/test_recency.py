@@ -9,7 +9,7 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from tests.support.tiny_blocks import StoreFactory, blocks, keys
+from tests.support.tiny_blocks import StoreFactory, blocks, keys, same_bytes
 from tierkv import Namespace, TieredStore
 from tierkv.hashing import block_hashes
 from tierkv.types import PutDetail
@@ -146,3 +146,37 @@ def test_a_chain_demoted_in_several_batches_leaves_disk_tail_first(
         assert held == list(range(len(held))), f"after {i + 1} puts: holds {held}"
         num_held.append(len(held))
     assert any(0 < n < 16 for n in num_held), num_held  # it went a part at a time
+
+
+def test_a_block_demoted_after_its_child_still_leaves_disk_after_it(
+        make_store: StoreFactory, namespace: Namespace) -> None:
+    """A read of a shorter prefix leaves a chain's tail older than its middle, so the tail is
+    demoted first; the middle, demoted later, must not sit behind its (older) head on DISK,
+    ahead of the tail it leads to."""
+    store = _store(make_store, namespace, host_blocks=8, disk_blocks=24)
+    chain = keys(12, salt="long")
+    store.put(namespace, chain[:4], blocks(4, seed=1))
+    store.put(namespace, keys(8, salt="fill-a"), blocks(8, seed=2))  # the head goes to DISK
+    store.get(namespace, chain[:4])  # a hit from DISK
+    store.put(namespace, chain[4:12], blocks(8, seed=3), detail=PutDetail(parent_hash=chain[3]))
+    store.get(namespace, chain[:8])  # a shorter prefix: the tail is now the oldest
+    num_held = []
+    for i in range(8):
+        store.put(namespace, keys(4, salt=f"other-{i}"), blocks(4, seed=100 + i))
+        held = _held(store, namespace, chain)
+        assert held == list(range(len(held))), f"after {i + 1} puts: holds {held}"
+        num_held.append(len(held))
+    assert any(0 < n < 12 for n in num_held), num_held
+
+
+def test_parents_a_writer_made_into_a_cycle_end_the_walk(
+        make_store: StoreFactory, namespace: Namespace) -> None:
+    """Parents are the writer's word: two blocks naming each other still demote and read."""
+    store = _store(make_store, namespace, host_blocks=4, disk_blocks=16)
+    first, second = keys(2, salt="cycle")
+    store.put(namespace, [first], blocks(1, seed=1), detail=PutDetail(parent_hash=second))
+    store.put(namespace, [second], blocks(1, seed=2), detail=PutDetail(parent_hash=first))
+    store.get(namespace, [second])  # the first is older: demoted first
+    store.put(namespace, keys(4, salt="fill"), blocks(4, seed=3))
+    assert same_bytes(store.get(namespace, [first, second])[0], blocks(1, seed=1)[0])
+    assert store.lookup(namespace, [second]) == 1

@@ -28,7 +28,8 @@ _TIER_SLOTS = ("gpu", "host", "disk")
 class Entry:
     """One stored key and where its copies are."""
 
-    __slots__ = ("block_hash", "disk", "gpu", "host", "ns", "parent", "priority", "readers")
+    __slots__ = ("block_hash", "disk", "disk_children", "gpu", "host", "ns", "parent", "priority",
+                 "readers")
 
     def __init__(self, block_hash: bytes, ns: NamespaceState, priority: int,
                  parent: bytes | None = None) -> None:
@@ -38,6 +39,9 @@ class Entry:
         # The hash of the block before it in its chain, when its writer said (else the put's
         # previous key): a copy it gets in another tier is linked behind its parent's there.
         self.parent = parent
+        # How many of its children have a copy on DISK (kept by the store; a parent forgotten and
+        # stored again starts from 0): a copy it gets there must go after theirs.
+        self.disk_children = 0
         self.readers = 0
         self.gpu: Residency[Entry] | None = None
         self.host: Residency[Entry] | None = None
