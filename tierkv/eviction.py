@@ -84,10 +84,19 @@ class PriorityLru(Generic[T]):
 
     def touch(self, node: Residency[T], priority: int) -> None:
         """Make a linked node the most recently used of its class; unlinked nodes stay so."""
-        if node.prev is None:
+        # ``remove`` and ``push_mru`` inlined: this runs for every block read or written.
+        prev, nxt = node.prev, node.next
+        sentinel = self._sentinels[priority]
+        if prev is None or nxt is None or nxt is sentinel:
             return
-        self.remove(node)
-        self.push_mru(node, priority)
+        prev.next = nxt
+        nxt.prev = prev
+        last = sentinel.prev
+        assert last is not None
+        node.prev = last
+        node.next = sentinel
+        last.next = node
+        sentinel.prev = node
 
     def touch_before(self, node: Residency[T], priority: int,
                      anchor: Residency[T] | None) -> None:
