@@ -105,6 +105,12 @@ def register(subparsers: Any) -> None:
     pd.add_argument("--plot", type=Path, nargs="?", const=Path("bench-out/pd.png"),
                     default=None, help="also write a PNG of the bars")
     pd.set_defaults(func=_checked(run_pd))
+    _register_chat(targets)
+    _register_trace(targets)
+
+
+def _register_chat(targets: Any) -> None:
+    """Add ``bench chat``."""
     chat = targets.add_parser(
         "chat", help="time to first token of a chat's next turn (transformers on CPU): KV "
                      "restored through a sidecar vs recompute and an in-process store"
@@ -125,6 +131,38 @@ def register(subparsers: Any) -> None:
     chat.add_argument("--plot", type=Path, nargs="?", const=Path("bench-out/chat.png"),
                       default=None, help="also write a PNG of the curves")
     chat.set_defaults(func=_checked(run_chat))
+
+
+def _register_trace(targets: Any) -> None:
+    """Add ``bench trace``."""
+    trace = targets.add_parser(
+        "trace", help="block hit ratio of a request trace replayed through a sidecar vs "
+                      "simulated LRU, ARC, S3-FIFO, W-TinyLFU and Belady's optimum")
+    trace.add_argument("--trace", type=Path, default=None,
+                       help="a trace in Mooncake's JSONL format (hash_ids, input_length; "
+                            "default: the first requests of ../shared/traces' conversation "
+                            "trace when this checkout has it)")
+    trace.add_argument("--synthetic", choices=("chat", "agent"), default=None,
+                       help="instead of a file: a synthetic trace of chat or agent traffic")
+    trace.add_argument("--start", type=int, default=0, help="the first request replayed")
+    trace.add_argument("--requests", type=int, default=3000, help="requests replayed")
+    trace.add_argument("--host-shares", type=_shares, default=(0.02, 0.05, 0.1, 0.2),
+                       help="HOST sizes as shares of the trace's distinct blocks, "
+                            "comma-separated (default 0.02,0.05,0.1,0.2)")
+    trace.add_argument("--disk-factor", type=float, default=0.0,
+                       help="a DISK tier this many times HOST below it (default 0: none)")
+    trace.add_argument("--put-blocks", type=int, default=4,
+                       help="blocks per put, as a chunked prefill saves them (default 4)")
+    trace.add_argument("--no-simulate", action="store_true",
+                       help="the sidecar only, no simulated policies")
+    trace.add_argument("--quick", action="store_true",
+                       help="300 requests at 10%% HOST (a smoke test)")
+    trace.add_argument("--work-dir", type=Path, default=None,
+                       help="where the sidecars keep their files (default: a temp dir)")
+    trace.add_argument("--json", type=Path, default=Path("bench-out/trace.json"))
+    trace.add_argument("--plot", type=Path, nargs="?", const=Path("bench-out/trace.png"),
+                       default=None, help="also write a PNG of hit ratio against HOST size")
+    trace.set_defaults(func=_checked(run_trace))
 
 
 def _checked(run: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
@@ -156,6 +194,16 @@ def _lengths(text: str) -> tuple[int, ...]:
         raise argparse.ArgumentTypeError(f"not a list of integers: {text!r}") from None
     if not values or min(values) <= 0:
         raise argparse.ArgumentTypeError(f"lengths must be positive: {text!r}")
+    return values
+
+
+def _shares(text: str) -> tuple[float, ...]:
+    try:
+        values = tuple(float(part) for part in text.split(",") if part.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a list of numbers: {text!r}") from None
+    if not values or not all(0 < value <= 1 for value in values):
+        raise argparse.ArgumentTypeError(f"shares must lie in (0, 1]: {text!r}")
     return values
 
 
@@ -466,3 +514,59 @@ def run_chat(args: argparse.Namespace) -> int:
         print("bench chat: a restore was not correct (restored logits off, or the history not "
               "fully restored): see the table", file=sys.stderr)
     return status
+
+
+def run_trace(args: argparse.Namespace) -> int:
+    """Run ``bench trace`` (a ``tierkv serve`` of its own per HOST size)."""
+    from tierkv.bench.report import save_json
+    from tierkv.bench.trace_bench import (
+        TraceBenchConfig,
+        format_results,
+        rows_of,
+        run_trace_bench,
+        save_plot,
+    )
+    from tierkv.bench.traces import load_mooncake, synthetic
+    from tierkv.errors import ConfigError
+
+    if args.requests < 1 or args.start < 0 or args.put_blocks < 1 or args.disk_factor < 0:
+        raise ConfigError("bench trace: --requests and --put-blocks must be at least 1, "
+                          "--start and --disk-factor at least 0")
+    num_requests, shares = (300, (0.1,)) if args.quick else (args.requests, args.host_shares)
+    if args.synthetic is not None:
+        if args.trace is not None:
+            raise ConfigError("bench trace: --trace or --synthetic, not both")
+        requests = synthetic(args.synthetic, num_requests)
+        source = f"synthetic {args.synthetic}"
+    else:
+        path = args.trace or _default_trace()
+        requests = load_mooncake(path, args.start, num_requests)
+        source = f"{path.name} from request {args.start}"
+    with tempfile.TemporaryDirectory(prefix="tierkv-bench-", dir=args.work_dir) as work:
+        cfg = TraceBenchConfig(Path(work), shares, args.disk_factor, args.put_blocks,
+                               simulate=not args.no_simulate)
+        with _progress(len(shares) * (1 + 7 + len(requests) // 500), "bench trace") as progress:
+            results = run_trace_bench(requests, cfg, progress)
+    print(f"{source}: {len(requests)} requests")
+    print(format_results(results))
+    rows = rows_of(results)
+    save_json(rows, args.json, {"source": source, "num_requests": len(requests),
+                                "host_shares": shares, "disk_factor": args.disk_factor,
+                                "put_blocks": args.put_blocks})
+    print(f"wrote {args.json}")
+    if args.plot is not None:
+        save_plot(results, args.plot, f"block hit ratio: {source}, {len(requests)} requests")
+        print(f"wrote {args.plot}")
+    return 0
+
+
+def _default_trace() -> Path:
+    """The conversation trace beside this checkout (../shared/traces), if it is there."""
+    from tierkv.errors import ConfigError
+
+    for parent in Path.cwd().resolve().parents:
+        candidate = parent / "shared" / "traces" / "mooncake_conversation_first6000.jsonl"
+        if candidate.is_file():
+            return candidate
+    raise ConfigError("bench trace: no --trace given and no ../shared/traces here; pass "
+                      "--trace FILE (Mooncake's JSONL) or --synthetic chat|agent")
