@@ -184,7 +184,7 @@ def save_plot(results: Sequence[SizeResult], path: Path, title: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(8, 5))
+    fig, ax = plt.subplots(figsize=(11, 5))
     series: dict[str, list[tuple[float, float]]] = {}
     for result in results:
         for replay in [result.sidecar.replay, *result.simulated]:
@@ -196,7 +196,7 @@ def save_plot(results: Sequence[SizeResult], path: Path, title: str) -> None:
     ax.set_ylabel("block hit ratio")
     ax.set_title(title)
     ax.grid(True, alpha=0.3)
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1))  # beside: the curves fill the axes
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
