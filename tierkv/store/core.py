@@ -508,14 +508,8 @@ class StoreCore:
     def touch_run_locked(self, run: Sequence[Entry]) -> None:
         """Touch a chain's leading blocks tail first, as every read does: the head ends most
         recently used, and the run's tail is evicted before its head."""
-        for entry in reversed(run):  # ``touch_locked`` inlined: a read runs it for every block
-            shares, priority = entry.ns.shares, entry.priority
-            if entry.gpu is not None:
-                shares[Tier.GPU].lru.touch(entry.gpu, priority)  # type: ignore[union-attr]
-            if entry.host is not None:
-                shares[Tier.HOST].lru.touch(entry.host, priority)  # type: ignore[union-attr]
-            if entry.disk is not None:
-                shares[Tier.DISK].lru.touch(entry.disk, priority)  # type: ignore[union-attr]
+        for entry in reversed(run):
+            self.touch_locked(entry)
 
     def relink_locked(self, entry: Entry) -> None:
         """Link an entry's copies back into their LRU lists (after its pins went)."""
