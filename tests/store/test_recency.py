@@ -183,12 +183,8 @@ def test_parents_a_writer_made_into_a_cycle_end_the_walk(
     assert store.lookup(namespace, [second]) == 1
 
 
-# Known gaps (issue 43 stays open for them; found by review): copies placed by demotion are
-# ordered by where their parent's copy sits in the tier below, or by their children's count
-# there, and three orders of arrival defeat that. Planned fix (docs/design/eviction.md#chains):
-# count each block's held children by its hash, and make a block's last copy pass over while
-# its children are held, falling back to LRU order when nothing else can go.
-_KNOWN_GAP = "a block may still leave its last tier before its children (docs/design/eviction.md)"
+# Orders of arrival a review found that placement alone got wrong: a block's last copy now
+# passes over while its children are held (docs/design/eviction.md#chains).
 
 
 def _assert_prefix_while_evicting(store: TieredStore, namespace: Namespace, chain: list[bytes],
@@ -200,7 +196,6 @@ def _assert_prefix_while_evicting(store: TieredStore, namespace: Namespace, chai
     assert all(held == list(range(len(held))) for held in history), history
 
 
-@pytest.mark.xfail(strict=True, reason=_KNOWN_GAP)
 def test_a_continuation_demoted_before_the_block_it_continues(
         make_store: StoreFactory, namespace: Namespace) -> None:
     """chain[5:8] reaches DISK while chain[4] is in HOST only: the head already on DISK is not
@@ -217,7 +212,6 @@ def test_a_continuation_demoted_before_the_block_it_continues(
     _assert_prefix_while_evicting(store, namespace, chain, 4)
 
 
-@pytest.mark.xfail(strict=True, reason=_KNOWN_GAP)
 def test_a_parent_demoted_from_gpu_after_its_children(
         make_store: StoreFactory, namespace: Namespace) -> None:
     """The "after its children" rule is DISK's only: on HOST (no DISK below) a parent demoted
@@ -234,10 +228,9 @@ def test_a_parent_demoted_from_gpu_after_its_children(
     _assert_prefix_while_evicting(store, namespace, chain, 8, tier=Tier.HOST)
 
 
-@pytest.mark.xfail(strict=True, reason=_KNOWN_GAP)
 def test_a_parent_deleted_and_stored_again_while_its_child_is_on_disk(
         make_store: StoreFactory, namespace: Namespace) -> None:
-    """A new entry of the parent starts with no children counted on DISK."""
+    """A parent stored again finds its children's count, kept by its hash while it was gone."""
     store = _store(make_store, namespace, host_blocks=4, disk_blocks=10, promote_on_read=False)
     chain = keys(3, salt="chain")
     store.put(namespace, chain[:1], blocks(1, seed=1))
@@ -250,3 +243,15 @@ def test_a_parent_deleted_and_stored_again_while_its_child_is_on_disk(
     store.put(namespace, chain[1:2], blocks(2, seed=3)[:1], detail=PutDetail(parent_hash=chain[0]))
     store.put(namespace, keys(4, salt="f2"), blocks(4, seed=5))  # p goes to DISK
     _assert_prefix_while_evicting(store, namespace, chain, 6)
+
+
+def test_a_block_whose_children_are_held_still_goes_when_nothing_else_can(
+        make_store: StoreFactory, namespace: Namespace) -> None:
+    """The rule yields to room: with the chain's leaf pinned, every other block of HOST leads
+    on to it, and a put still gets its room (the chain's tail end first)."""
+    store = _store(make_store, namespace, host_blocks=4)
+    chain = keys(4, salt="pinned-leaf")
+    store.put(namespace, chain, blocks(4, seed=1))
+    assert store.pin(namespace, chain[3:]) == 1
+    assert store.put(namespace, keys(2, salt="new"), blocks(2, seed=2)) == 2
+    assert _held(store, namespace, chain) == [0, 3]

@@ -320,6 +320,22 @@ class StoreCore:
         if entry.top_tier() is None:
             self.forget_locked(entry)
 
+    def _count_child_locked(self, entry: Entry, change: int) -> None:
+        """Count ``entry`` (indexed: +1, forgotten: -1) as a held child of its parent."""
+        parent_hash = entry.parent
+        if parent_hash is None or parent_hash == entry.block_hash:
+            return
+        ns = entry.ns
+        parent = ns.blocks.get(parent_hash)
+        if parent is not None:
+            parent.num_children = max(0, parent.num_children + change)
+            return
+        num = ns.orphan_children.get(parent_hash, 0) + change
+        if num > 0:
+            ns.orphan_children[parent_hash] = num
+        else:
+            ns.orphan_children.pop(parent_hash, None)
+
     def _count_disk_child_locked(self, entry: Entry, change: int) -> None:
         parent = None if entry.parent is None else entry.ns.blocks.get(entry.parent)
         if parent is not None:
@@ -342,7 +358,10 @@ class StoreCore:
 
     def index_locked(self, entry: Entry) -> None:
         """Put a new entry into its namespace's index (and the shared presence table)."""
-        entry.ns.blocks[entry.block_hash] = entry
+        ns = entry.ns
+        ns.blocks[entry.block_hash] = entry
+        entry.num_children = ns.orphan_children.pop(entry.block_hash, 0)
+        self._count_child_locked(entry, 1)
         presence = self.presence
         if presence is not None and presence.enabled and not presence.add(self.presence_value(entry)):
             log.warning("the presence table is full and now off: same-host clients look up "
@@ -353,6 +372,10 @@ class StoreCore:
         blocks = entry.ns.blocks
         if blocks.get(entry.block_hash) is entry:
             del blocks[entry.block_hash]
+            if entry.num_children:
+                orphans = entry.ns.orphan_children
+                orphans[entry.block_hash] = orphans.get(entry.block_hash, 0) + entry.num_children
+            self._count_child_locked(entry, -1)
             if self.presence is not None:
                 self.presence.remove(self.presence_value(entry))
         self.pins.forget(entry)
@@ -584,6 +607,36 @@ class StoreCore:
     # --- reserving room -------------------------------------------------------------------
 
     def pick_victims_locked(
+        self, ledger: Ledger, share: TenantShare, needed: int, size_of: SizeOf,
+        excluded: Callable[[Entry], bool],
+    ) -> tuple[Victims[Entry], int]:
+        """``_pick_victims_locked``; in the lowest tier, where a victim's copy is its last, first
+        without the blocks whose children are held (a block is not evicted before its
+        descendants: docs/design/eviction.md#chains), then, were that not enough, with them."""
+        if self.tier_below(ledger.tier) is not None:
+            return self._pick_victims_locked(ledger, share, needed, size_of, excluded)
+        tier = ledger.tier
+        # Children taken by this pick, by their parent's hash: the walk meets a chain's tail
+        # before its parent (tail first), so the parent goes next, as with no children. A block
+        # neither excluded nor busy is taken at once (``EvictionPolicy.pick_victims``' order; a
+        # policy that orders otherwise only makes this rule spare less).
+        taken: dict[bytes, int] = {}
+
+        def spared(entry: Entry) -> bool:
+            if excluded(entry):
+                return True
+            if entry.num_children > taken.get(entry.block_hash, 0) and entry.top_tier() is tier:
+                return True  # it leads on to held blocks
+            if entry.parent is not None and not is_busy(entry):  # the picker takes it now
+                taken[entry.parent] = taken.get(entry.parent, 0) + 1
+            return False
+
+        picked, missing = self._pick_victims_locked(ledger, share, needed, size_of, spared)
+        if missing:
+            picked, missing = self._pick_victims_locked(ledger, share, needed, size_of, excluded)
+        return picked, missing
+
+    def _pick_victims_locked(
         self, ledger: Ledger, share: TenantShare, needed: int, size_of: SizeOf,
         excluded: Callable[[Entry], bool],
     ) -> tuple[Victims[Entry], int]:

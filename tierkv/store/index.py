@@ -28,8 +28,8 @@ _TIER_SLOTS = ("gpu", "host", "disk")
 class Entry:
     """One stored key and where its copies are."""
 
-    __slots__ = ("block_hash", "disk", "disk_children", "gpu", "host", "ns", "parent", "priority",
-                 "readers")
+    __slots__ = ("block_hash", "disk", "disk_children", "gpu", "host", "ns", "num_children",
+                 "parent", "priority", "readers")
 
     def __init__(self, block_hash: bytes, ns: NamespaceState, priority: int,
                  parent: bytes | None = None) -> None:
@@ -42,6 +42,9 @@ class Entry:
         # How many of its children have a copy on DISK (kept by the store; a parent forgotten and
         # stored again starts from 0): a copy it gets there must go after theirs.
         self.disk_children = 0
+        # How many entries held now name it as their parent (kept by the store): its last copy
+        # is not evicted while it has any, unless nothing else can go.
+        self.num_children = 0
         self.readers = 0
         self.gpu: Residency[Entry] | None = None
         self.host: Residency[Entry] | None = None
@@ -79,6 +82,9 @@ class NamespaceState:
     namespace: Namespace
     record_bytes: int
     blocks: dict[bytes, Entry] = field(default_factory=dict)
+    # Held children of parents not indexed now, by the parent's hash (a parent stored again
+    # takes its count from here).
+    orphan_children: dict[bytes, int] = field(default_factory=dict)
     # Its tenant's share of each tier, by ``Tier`` (set by the store on first use).
     shares: list[TenantShare | None] = field(default_factory=lambda: [None] * len(Tier))
     # This namespace's presence-table fingerprints (set by the store on first use).

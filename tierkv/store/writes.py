@@ -320,8 +320,6 @@ class Writer:
         if entry is None:
             entry = Entry(key, state, priority, parent)
             self.core.index_locked(entry)
-        elif entry.parent is None:
-            entry.parent = parent
         return entry
 
     def _publish_disk(
