@@ -152,8 +152,8 @@ def test_a_chain_demoted_in_several_batches_leaves_disk_tail_first(
 def test_a_block_demoted_after_its_child_still_leaves_disk_after_it(
         make_store: StoreFactory, namespace: Namespace) -> None:
     """A read of a shorter prefix leaves a chain's tail older than its middle, so the tail is
-    demoted first; the middle, demoted later, must not sit behind its (older) head on DISK,
-    ahead of the tail it leads to."""
+    demoted first; the middle, demoted later, sits behind its (older) head on DISK, ahead of
+    the tail it leads to, and must still leave DISK after that tail."""
     store = _store(make_store, namespace, host_blocks=8, disk_blocks=24)
     chain = keys(12, salt="long")
     store.put(namespace, chain[:4], blocks(4, seed=1))
@@ -170,7 +170,7 @@ def test_a_block_demoted_after_its_child_still_leaves_disk_after_it(
     assert any(0 < n < 12 for n in num_held), num_held
 
 
-def test_parents_a_writer_made_into_a_cycle_end_the_walk(
+def test_parents_a_writer_made_into_a_cycle_still_demote_and_read(
         make_store: StoreFactory, namespace: Namespace) -> None:
     """Parents are the writer's word: two blocks naming each other still demote and read."""
     store = _store(make_store, namespace, host_blocks=4, disk_blocks=16)

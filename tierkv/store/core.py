@@ -33,9 +33,6 @@ from tierkv.types import RemoteStats
 
 log = logging.getLogger(__name__)
 
-MAX_ANCESTORS_REFRESHED = 4096
-"""The longest walk up a chain ``refresh_ancestors_locked`` makes (64K tokens at 16 a block)."""
-
 
 SizeOf = Callable[[Residency[Entry]], int]
 """A copy's size in its tier's units (pages, or record bytes)."""
@@ -275,7 +272,6 @@ class StoreCore:
         elif tier is Tier.DISK:
             entry.disk = node
             self.undemotable.pop(entry, None)  # it has its copy below now
-            self._count_disk_child_locked(entry, 1)
         else:
             entry.gpu = node
         ledger = self.ledgers[tier]
@@ -316,7 +312,6 @@ class StoreCore:
             assert isinstance(ledger, DiskLedger)
             ledger.release_bytes(entry.ns.record_bytes, share)
             self._pending_deletes.append(entry.raw_key)
-            self._count_disk_child_locked(entry, -1)
         if entry.top_tier() is None:
             self.forget_locked(entry)
 
@@ -335,26 +330,6 @@ class StoreCore:
             ns.orphan_children[parent_hash] = num
         else:
             ns.orphan_children.pop(parent_hash, None)
-
-    def _count_disk_child_locked(self, entry: Entry, change: int) -> None:
-        parent = None if entry.parent is None else entry.ns.blocks.get(entry.parent)
-        if parent is not None:
-            parent.disk_children = max(0, parent.disk_children + change)
-
-    def refresh_ancestors_locked(self, entry: Entry, tier: Tier) -> None:
-        """Touch ``entry``'s ancestors linked in ``tier``, parent first (each most recently used,
-        so the head ends newest), up to the first one that is not: a copy just made most
-        recently used there is then still evicted before its chain's head. At most
-        ``MAX_ANCESTORS_REFRESHED`` (a cycle of parents a writer made up ends there)."""
-        parent_hash, shares = entry.parent, entry.ns.shares
-        for _ in range(MAX_ANCESTORS_REFRESHED):
-            parent = None if parent_hash is None else entry.ns.blocks.get(parent_hash)
-            node = None if parent is None else parent.residency(tier)
-            if node is None or not node.linked:
-                return
-            assert parent is not None
-            shares[tier].lru.touch(node, parent.priority)  # type: ignore[union-attr]
-            parent_hash = parent.parent
 
     def index_locked(self, entry: Entry) -> None:
         """Put a new entry into its namespace's index (and the shared presence table)."""

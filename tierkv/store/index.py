@@ -28,8 +28,8 @@ _TIER_SLOTS = ("gpu", "host", "disk")
 class Entry:
     """One stored key and where its copies are."""
 
-    __slots__ = ("block_hash", "disk", "disk_children", "gpu", "host", "ns", "num_children",
-                 "parent", "priority", "readers")
+    __slots__ = ("block_hash", "disk", "gpu", "host", "ns", "num_children", "parent",
+                 "priority", "readers")
 
     def __init__(self, block_hash: bytes, ns: NamespaceState, priority: int,
                  parent: bytes | None = None) -> None:
@@ -39,9 +39,6 @@ class Entry:
         # The hash of the block before it in its chain, when its writer said (else the put's
         # previous key): a copy it gets in another tier is linked behind its parent's there.
         self.parent = parent
-        # How many of its children have a copy on DISK (kept by the store; a parent forgotten and
-        # stored again starts from 0): a copy it gets there must go after theirs.
-        self.disk_children = 0
         # How many entries held now name it as their parent (kept by the store): its last copy
         # is not evicted while it has any, unless nothing else can go.
         self.num_children = 0

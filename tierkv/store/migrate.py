@@ -538,17 +538,13 @@ class Mover:
         complete_set = set(complete)
         with self.core.lock:
             # Heads first, each copy linked just behind its parent's copy in ``tier`` where
-            # that is held; one whose children went to DISK before it goes most recently used,
-            # its ancestors there refreshed: a chain demoted or promoted in several batches is
-            # still evicted tail first there (docs/design/eviction.md#chains).
+            # that is held: a chain demoted or promoted in several batches is still evicted
+            # tail first there (docs/design/eviction.md#chains).
             for entry, location in _heads_first(entries, locations):
                 if entry in complete_set and entry.priority != DOOMED and entry.residency(tier) is None:
                     parent = None if entry.parent is None else entry.ns.blocks.get(entry.parent)
-                    after_children = tier is Tier.DISK and entry.disk_children > 0
                     self.core.link_locked(entry, tier, location, checksums.get(entry),
-                                          parent=None if after_children else parent)
-                    if after_children:
-                        self.core.refresh_ancestors_locked(entry, tier)
+                                          parent=parent)
                     done.add(entry)
                 else:
                     self.core.release_room_locked(tier, entry, location)

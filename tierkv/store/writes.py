@@ -373,9 +373,10 @@ def _block_detail(detail: PutDetail | None, keys: list[bytes], index: int) -> Bl
 
 def _parent_hash(detail: PutDetail | None, keys: list[bytes], index: int) -> bytes | None:
     """Block ``index``'s parent: what the writer said, else the put's previous key."""
-    if detail is None:
-        return keys[index - 1] if index else None
-    return detail.parent_of(index, keys)
+    return (detail or _NO_DETAIL).parent_of(index, keys)
+
+
+_NO_DETAIL = PutDetail()
 
 
 def _anchors(detail: PutDetail | None, keys: list[bytes],
