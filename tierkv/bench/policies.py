@@ -11,6 +11,7 @@ Belady (O(log n))."""
 
 from __future__ import annotations
 
+import abc
 import heapq
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Sequence
@@ -21,26 +22,32 @@ from tierkv.bench.traces import MOONCAKE_BLOCK_TOKENS, Request
 NEVER = 1 << 62
 
 
-class SimulatedCache:
-    """A cache of block ids. ``now`` is the request's index in the trace."""
+class SimulatedCache(abc.ABC):
+    """A cache of block ids, as ``simulate`` drives it. ``now`` is the request's index in the
+    trace."""
 
     name = ""
 
+    @abc.abstractmethod
     def holds(self, block: int) -> bool:
-        raise NotImplementedError
+        """Whether ``block`` is held now."""
 
+    @abc.abstractmethod
     def read(self, blocks: Sequence[int], now: int) -> None:
         """The hit blocks of a request, head first."""
 
+    @abc.abstractmethod
     def put(self, blocks: Sequence[int], parent: int | None, now: int) -> None:
         """Blocks of one put, head first; ``parent``: the block before the first, if any."""
-        raise NotImplementedError
+
+    @abc.abstractmethod
+    def held(self) -> list[int]:
+        """Every block held now."""
 
     def begin(self, blocks: Sequence[int], now: int) -> None:
-        """A request's blocks, before its lookup (a policy that learns from whole requests)."""
-
-    def held(self) -> list[int]:
-        raise NotImplementedError
+        """A request's blocks, before its lookup (for a policy that learns from whole requests;
+        the others ignore it)."""
+        del blocks, now
 
 
 class _Lru:

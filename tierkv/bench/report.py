@@ -198,13 +198,18 @@ def draw_bar_groups(ax: Any, rows: list[dict[str, Any]], series: list[tuple[str,
     ax.set_xticks(range(len(rows)), [f"{r['length']} tokens" for r in rows])
 
 
-def save_figure(fig: Any, ax: Any, path: Path, title: str, ylabel: str) -> None:
-    """Label matplotlib's ``ax`` (its legend too), and write ``fig`` to ``path`` as a PNG."""
+def save_figure(fig: Any, ax: Any, path: Path, title: str, ylabel: str, *,
+                legend_beside: bool = False) -> None:
+    """Label matplotlib's ``ax`` (its legend too: ``legend_beside``, right of the axes, where
+    curves would fill them), and write ``fig`` to ``path`` as a PNG."""
     import matplotlib.pyplot as plt
 
     ax.set_ylabel(ylabel)
     ax.set_title(title)
-    ax.legend(fontsize=8)
+    if legend_beside:
+        ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1))
+    else:
+        ax.legend(fontsize=8)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)

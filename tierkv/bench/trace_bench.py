@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from tierkv.bench.policies import Replay, TraceFacts, simulate, simulated_policies
-from tierkv.bench.report import Row
+from tierkv.bench.report import Row, save_figure
 from tierkv.bench.servers import tierkv_server
 from tierkv.bench.traces import MOONCAKE_BLOCK_TOKENS, Request
 from tierkv.client import Client
@@ -193,11 +193,5 @@ def save_plot(results: Sequence[SizeResult], path: Path, title: str) -> None:
         ax.plot([x for x, _ in points], [y for _, y in points], marker="o", label=name,
                 linewidth=2.5 if name == "tierkv" else 1.2)
     ax.set_xlabel("HOST size, % of the trace's distinct blocks")
-    ax.set_ylabel("block hit ratio")
-    ax.set_title(title)
     ax.grid(True, alpha=0.3)
-    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1))  # beside: the curves fill the axes
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, ax, path, title, "block hit ratio", legend_beside=True)

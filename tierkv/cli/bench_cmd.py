@@ -11,12 +11,14 @@ import tempfile
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from tqdm import tqdm
 
 from tierkv.bench.report import Row, format_table, save_json, save_plot
 from tierkv.errors import ConfigError
+
+N = TypeVar("N", int, float)
 
 
 def register(subparsers: Any) -> None:
@@ -188,22 +190,22 @@ def _installed(module: str) -> bool:
 
 
 def _lengths(text: str) -> tuple[int, ...]:
-    try:
-        values = tuple(int(part) for part in text.split(",") if part.strip())
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a list of integers: {text!r}") from None
-    if not values or min(values) <= 0:
-        raise argparse.ArgumentTypeError(f"lengths must be positive: {text!r}")
-    return values
+    return _numbers(text, int, lambda value: value > 0, "lengths must be positive")
 
 
 def _shares(text: str) -> tuple[float, ...]:
+    return _numbers(text, float, lambda value: 0 < value <= 1, "shares must lie in (0, 1]")
+
+
+def _numbers(text: str, parse: Callable[[str], N], ok: Callable[[N], bool], rule: str
+             ) -> tuple[N, ...]:
+    """A comma-separated list of numbers for argparse, each ``ok`` (else ``rule`` says why)."""
     try:
-        values = tuple(float(part) for part in text.split(",") if part.strip())
+        values = tuple(parse(part) for part in text.split(",") if part.strip())
     except ValueError:
         raise argparse.ArgumentTypeError(f"not a list of numbers: {text!r}") from None
-    if not values or not all(0 < value <= 1 for value in values):
-        raise argparse.ArgumentTypeError(f"shares must lie in (0, 1]: {text!r}")
+    if not values or not all(ok(value) for value in values):
+        raise argparse.ArgumentTypeError(f"{rule}: {text!r}")
     return values
 
 
