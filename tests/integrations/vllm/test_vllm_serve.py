@@ -19,12 +19,14 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.support.harness import SidecarFactory
+from tests.support.harness import Sidecar, SidecarFactory
 from tests.support.service_fixtures import flip_every_page
-from tests.support.vllm_engines import BLOCK_SIZE, TOKENS
+from tests.support.vllm_engines import ALPHA, BLOCK_SIZE, TOKENS
 from tests.support.vllm_servers import cached_tokens, chat, serve
 from tierkv.bench.models import build_family, save_word_tokenizer
 from tierkv.bench.servers import _stop as stop  # SIGTERM (saves are flushed), then SIGKILL
+from tierkv.client import Client
+from tierkv.config import Tier
 
 pytestmark = pytest.mark.slow
 
@@ -35,6 +37,18 @@ def loads_failed(url: str) -> float:
         text = response.read().decode()
     return sum(sample.value for family in text_string_to_metric_families(text)
                for sample in family.samples if sample.name == "vllm:tierkv_loads_failed_total")
+
+
+def saves_settled(sidecar: Sidecar, min_blocks: int, timeout_s: float = 60.0) -> None:
+    """Wait until the sidecar holds ``min_blocks`` blocks and no write lease is open."""
+    deadline = time.monotonic() + timeout_s
+    with Client(sidecar.unix_target, token=ALPHA) as client:
+        while True:
+            stats = client.stats()
+            if stats.num_leases == 0 and stats.tiers[Tier.HOST].num_blocks >= min_blocks:
+                return
+            assert time.monotonic() < deadline, f"saves did not settle: {stats}"
+            time.sleep(0.05)
 
 
 def test_a_new_server_process_hits_what_the_first_one_stored_and_survives_a_failed_load(
@@ -52,9 +66,15 @@ def test_a_new_server_process_hits_what_the_first_one_stored_and_survives_a_fail
     (tmp_path / "tokens").write_text(TOKENS)
     sidecar = sidecar_factory("--host-bytes", "256MiB", "--tokens-file",
                               str(tmp_path / "tokens"))
-    first, url = serve(model, sidecar.unix_target, tmp_path / "first.log")
+    # Saves are asynchronous and a lookup that takes longer than its timeout answers 0: on a
+    # loaded machine (CI runs this beside other engines) the second request could miss through
+    # either. The test is about the hit, so it waits for the first request's saves and gives the
+    # lookup time.
+    first, url = serve(model, sidecar.unix_target, tmp_path / "first.log", lookup_timeout_s=10.0)
     try:
-        replies = [chat(url, model, messages) for messages in conversations]
+        replies = [chat(url, model, conversations[0])]
+        saves_settled(sidecar, min_blocks=9)
+        replies.append(chat(url, model, conversations[1]))
     finally:
         stop(first)  # saves are flushed at shutdown
     # vLLM's prefix cache is off: the first server's second request shared the system prompt
