@@ -10,7 +10,17 @@ import pytest
 from tests.support.tiny_blocks import BLOCK_BYTES, PAGE_BYTES, block_for, key, same_bytes
 from tierkv import Namespace, TieredStore
 from tierkv.config import HostTierConfig, Priority, StoreConfig
-from tierkv.eviction import EvictionPolicy, PriorityLru, Residency, Victims
+from tierkv.admission import Admission
+from tierkv.eviction import (
+    MAIN,
+    WINDOW,
+    EvictionPolicy,
+    PriorityLru,
+    Residency,
+    TinyLfuEviction,
+    Victims,
+)
+from tierkv.frequency import FrequencySketch
 
 T = TypeVar("T")
 
@@ -125,3 +135,91 @@ def test_the_store_evicts_with_the_policy_it_is_given(
         # LRU drops the oldest (0); the replacement drops the newest before the put (3).
         assert held == ([1, 2, 3, 4] if policy is None else [0, 1, 2, 4])
         assert same_bytes(store.get(namespace, [key(4)]), block_for(4)[None])
+
+
+def _windowed(on: bool, frequency: dict[str, int]) -> PriorityLru[str]:
+    """A windowed list whose filter is ``on`` and whose owners were used ``frequency`` times."""
+    sketch = FrequencySketch(1024)
+    admission: Admission[str] = Admission(sketch, lambda owner: hash(owner), lambda: 100)
+    admission.on = on
+    for owner, uses in frequency.items():
+        for _ in range(uses):
+            sketch.increment(hash(owner))
+    return PriorityLru(admission)
+
+
+def segments(lru: PriorityLru[str]) -> tuple[list[str], list[str]]:
+    return ([n.owner for n in lru.iter_segment(WINDOW, Priority.NORMAL)],
+            [n.owner for n in lru.iter_segment(MAIN, Priority.NORMAL)])
+
+
+def test_a_windowed_list_takes_new_copies_in_its_window_and_admits_them_to_main() -> None:
+    lru = _windowed(True, {})
+    nodes = {name: Residency(name, 0) for name in "abcxy"}
+    for name in "abc":
+        lru.push_mru(nodes[name], Priority.NORMAL)
+    assert segments(lru) == (["a", "b", "c"], []) and lru.num_window == 3
+    lru.admit(nodes["a"])
+    lru.admit(nodes["b"])
+    assert segments(lru) == (["c"], ["a", "b"]) and (lru.num_window, lru.num_linked) == (1, 3)
+    lru.touch(nodes["a"], Priority.NORMAL)  # within its own segment
+    assert segments(lru) == (["c"], ["b", "a"])
+    lru.push_before(nodes["x"], nodes["c"])  # behind a window anchor: in the window
+    lru.push_before(nodes["y"], nodes["a"])  # behind a main anchor: the window's newest
+    assert segments(lru) == (["x", "c", "y"], ["b", "a"]) and lru.num_window == 3
+    lru.touch_before(nodes["b"], Priority.NORMAL, nodes["c"])  # other segment: plain touch
+    assert segments(lru) == (["x", "c", "y"], ["a", "b"])
+    assert order(lru) == ["x", "c", "y", "a", "b"]
+    lru.remove(nodes["c"])
+    assert lru.num_window == 2 and lru.num_linked == 4
+
+
+def test_the_adaptive_policy_lets_the_more_frequent_of_candidate_and_victim_stay() -> None:
+    lru = _windowed(True, {"hot": 5, "old": 2})
+    nodes = {name: Residency(name, 0) for name in ("old", "cold", "hot", "new")}
+    for name in nodes:
+        lru.push_mru(nodes[name], Priority.NORMAL)
+    lru.admit(nodes["old"])  # main: [old]; window: [cold, hot, new], over its target of 1
+    policy = TinyLfuEviction()
+    picked = policy.pick_victims(lru, 2, lambda node: 1, lambda o: False, lambda o: False)
+    # cold (used 0 times) loses to old (2); hot (5) beats old: old leaves, hot is admitted.
+    assert picked.owners == ["cold", "old"]
+    assert [node.owner for node in picked.admitted] == ["hot"]
+    # The filter off: every candidate enters main, and main's oldest leaves.
+    assert lru.admission is not None
+    lru.admission.on = False
+    picked = policy.pick_victims(lru, 1, lambda node: 1, lambda o: False, lambda o: False)
+    assert picked.owners == ["old"] and [n.owner for n in picked.admitted] == ["cold"]
+
+
+def test_the_adaptive_policy_passes_over_busy_and_excluded_copies_and_asks_only_takers() -> None:
+    lru = _windowed(True, {"w2": 9})
+    nodes = {name: Residency(name, 0) for name in ("m1", "m2", "m3", "w1", "w2", "w3")}
+    for name in nodes:
+        lru.push_mru(nodes[name], Priority.NORMAL)
+    for name in ("m1", "m2", "m3"):
+        lru.admit(nodes[name])
+    asked: list[str] = []
+
+    def excluded(owner: str) -> bool:
+        asked.append(owner)
+        return owner == "m2"
+
+    picked = TinyLfuEviction().pick_victims(lru, 3, lambda node: 1, excluded,
+                                            lambda o: o == "w1")
+    # w1 is busy; w2 (9 uses) beats m1: m1 leaves, w2 is admitted; w3 (never used) does not
+    # beat m2 and leaves; the window is at its target then, so main's oldest go: m2 is
+    # excluded, m3 leaves. Only the copies about to be taken were asked about.
+    assert picked.owners == ["m1", "w3", "m3"]
+    assert [node.owner for node in picked.admitted] == ["w2"]
+    assert asked == ["m1", "w3", "m2", "m3"]
+    assert picked.busy_size == 1
+
+
+def test_a_list_without_a_window_is_picked_as_lru() -> None:
+    lru: PriorityLru[str] = PriorityLru()
+    for name in "abc":
+        lru.push_mru(Residency(name, 0), Priority.NORMAL)
+    picked = TinyLfuEviction().pick_victims(lru, 2, lambda node: 1, lambda o: False,
+                                            lambda o: False)
+    assert picked.owners == ["a", "b"] and picked.admitted == []

@@ -44,6 +44,20 @@ class WritePolicy(enum.Enum):
     WRITE_THROUGH = "write_through"
 
 
+class Eviction(enum.Enum):
+    """Which blocks leave a tier for room (docs/design/eviction.md).
+
+    ``LRU``: the least recently used of the lowest priority class, chains tail first (default).
+    ``ADAPTIVE``: W-TinyLFU with its frequency filter switched on or off by miniature
+    simulations of the tier (``tierkv.eviction.TinyLfuEviction``): new blocks enter a small
+    window, and leave it for the main lists only if used more often than main's next victim,
+    while the filter is on.
+    """
+
+    LRU = "lru"
+    ADAPTIVE = "adaptive"
+
+
 class Priority(enum.IntEnum):
     """Eviction classes: every evictable block of a lower class goes before any of a higher one."""
 
@@ -285,6 +299,7 @@ class StoreConfig:
     checksums as they are, and a page that differs is a miss on every later read (every read
     and every copy checks them). Write-through records are checked at the commit either way.
     ``tenants``: each tenant's guaranteed share and cap of every tier (``TenantShares``).
+    ``eviction``: the policy choosing what leaves every tier (``Eviction``).
     """
 
     host: HostTierConfig
@@ -292,6 +307,7 @@ class StoreConfig:
     disk: DiskTierConfig | None = None
     remote: RemoteTierConfig | None = None
     write_policy: WritePolicy = WritePolicy.WRITE_BACK
+    eviction: Eviction = Eviction.LRU
     promote_on_read: bool = True
     num_workers: int = 4
     presence_slots: int = 1 << 21
@@ -306,6 +322,8 @@ class StoreConfig:
             )
         if not isinstance(self.write_policy, WritePolicy):
             object.__setattr__(self, "write_policy", WritePolicy(self.write_policy))
+        if not isinstance(self.eviction, Eviction):
+            object.__setattr__(self, "eviction", Eviction(self.eviction))
 
 
 def default_disk_path() -> Path:

@@ -1,9 +1,13 @@
-"""The eviction policy and the LRU it reads: O(1) lists with priority classes, one per tier.
+"""The eviction policies and the lists they read: O(1) lists with priority classes, one set per
+tenant in each tier.
 
 One ``Residency`` node per block resident in a tier, linked into an intrusive list per priority
 class; insert, remove and touch are O(1). ``EvictionPolicy.pick_victims`` chooses victims from
 them (the LRU end of the lowest class first); the store marks, demotes and frees what it returns.
-Not thread-safe: the store's lock guards it. Design: docs/design/eviction.md#the-lru
+``TinyLfuEviction`` (``--eviction adaptive``) reads two segments of the lists, a small window
+for new copies and the main lists, and lets a copy from the window into main by frequency
+(``tierkv.admission``). Not thread-safe: the store's lock guards them.
+Design: docs/design/eviction.md#the-lru, #the-adaptive-policy
 """
 
 from __future__ import annotations
@@ -12,9 +16,13 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
+from tierkv.admission import Admission, window_room
 from tierkv.config import Priority
 
 T = TypeVar("T")
+
+MAIN, WINDOW = 0, 1
+"""The segments of a ``PriorityLru``: every copy is in main unless the list is windowed."""
 
 
 class Residency(Generic[T]):
@@ -22,16 +30,19 @@ class Residency(Generic[T]):
 
     ``owner`` is the block's entry in the store's books (None for a list's sentinel); ``location`` is
     tier-specific (pages for paged tiers, record size for DISK). ``prev`` and ``next`` are None while
-    the node is unlinked.
+    the node is unlinked; ``segment`` and ``priority`` name the segment (``MAIN`` or
+    ``WINDOW``) and the class it was last linked in.
     """
 
-    __slots__ = ("location", "next", "owner", "prev")
+    __slots__ = ("location", "next", "owner", "prev", "priority", "segment")
 
     def __init__(self, owner: T, location: int | tuple[int, ...]) -> None:
         self.owner = owner
         self.location = location
         self.prev: Residency[T] | None = None
         self.next: Residency[T] | None = None
+        self.segment = MAIN
+        self.priority = 0
 
     @property
     def linked(self) -> bool:
@@ -40,37 +51,63 @@ class Residency(Generic[T]):
 
 
 class PriorityLru(Generic[T]):
-    """Per-tier LRU lists, one per ``Priority`` class."""
+    """One tenant's LRU lists in one tier, one per ``Priority`` class; with an ``admission``
+    (the adaptive policy), two segments of them: new copies enter the window, and only the
+    policy moves them to main (``admit``). A node is touched within its own segment."""
 
-    def __init__(self) -> None:
-        self._sentinels: list[Residency[T]] = []
-        for _ in Priority:
-            sentinel: Residency[T] = Residency(None, 0)  # type: ignore[arg-type]
-            sentinel.prev = sentinel.next = sentinel
-            self._sentinels.append(sentinel)
+    def __init__(self, admission: Admission[T] | None = None) -> None:
+        self._sentinels: tuple[list[Residency[T]], list[Residency[T]]] = ([], [])
+        for segment in (MAIN, WINDOW):
+            for _ in Priority:
+                sentinel: Residency[T] = Residency(None, 0)  # type: ignore[arg-type]
+                sentinel.prev = sentinel.next = sentinel
+                self._sentinels[segment].append(sentinel)
+        self.admission = admission
+        self._new = MAIN if admission is None else WINDOW  # where new copies go
         self.num_linked = 0
+        self.num_window = 0
+
+    @property
+    def window_target(self) -> int:
+        """How many nodes the window holds before its oldest must leave it (1 % of the linked
+        nodes, at least one)."""
+        return window_room(self.num_linked)
 
     def push_mru(self, node: Residency[T], priority: int) -> None:
-        """Link ``node`` as the most recently used of its class. It must be unlinked."""
-        sentinel = self._sentinels[priority]
+        """Link ``node`` as the most recently used of its class (in the window, if the list has
+        one). It must be unlinked."""
+        segment = self._new
+        sentinel = self._sentinels[segment][priority]
         last = sentinel.prev
         assert last is not None and node.prev is None
+        node.segment = segment
+        node.priority = priority
         node.prev = last
         node.next = sentinel
         last.next = node
         sentinel.prev = node
         self.num_linked += 1
+        self.num_window += segment
 
     def push_before(self, node: Residency[T], anchor: Residency[T]) -> None:
         """Link ``node`` just less recently used than ``anchor``, a linked node of the same
-        class (a block's descendants go there: evicted before it). ``node`` must be unlinked."""
+        class (a block's descendants go there: evicted before it); with a window, only if
+        ``anchor`` is in it (else ``push_mru``: nothing enters main but by the policy).
+        ``node`` must be unlinked."""
+        segment = anchor.segment
+        if segment != self._new:
+            self.push_mru(node, anchor.priority)
+            return
         prev = anchor.prev
         assert prev is not None and node.prev is None
+        node.segment = segment
+        node.priority = anchor.priority
         node.prev = prev
         node.next = anchor
         prev.next = node
         anchor.prev = node
         self.num_linked += 1
+        self.num_window += segment
 
     def remove(self, node: Residency[T]) -> None:
         """Unlink ``node`` if it is linked."""
@@ -81,18 +118,21 @@ class PriorityLru(Generic[T]):
         nxt.prev = prev
         node.prev = node.next = None
         self.num_linked -= 1
+        self.num_window -= node.segment
 
     def touch(self, node: Residency[T], priority: int) -> None:
-        """Make a linked node the most recently used of its class; unlinked nodes stay so."""
+        """Make a linked node the most recently used of its class in its segment; unlinked
+        nodes stay so."""
         # ``remove`` and ``push_mru`` inlined: this runs for every block read or written.
         prev, nxt = node.prev, node.next
-        sentinel = self._sentinels[priority]
+        sentinel = self._sentinels[node.segment][priority]
         if prev is None or nxt is None or nxt is sentinel:
             return
         prev.next = nxt
         nxt.prev = prev
         last = sentinel.prev
         assert last is not None
+        node.priority = priority
         node.prev = last
         node.next = sentinel
         last.next = node
@@ -101,27 +141,57 @@ class PriorityLru(Generic[T]):
     def touch_before(self, node: Residency[T], priority: int,
                      anchor: Residency[T] | None) -> None:
         """``touch``, but just less recently used than ``anchor`` when it is a linked node of
-        the same class (None, unlinked or the node itself: most recently used)."""
+        the same class and segment (None, unlinked or the node itself: most recently used)."""
         if node.prev is None or node is anchor:
             return
+        if anchor is None or anchor.prev is None or anchor.segment != node.segment:
+            self.touch(node, priority)
+            return
         self.remove(node)
-        if anchor is None or anchor.prev is None:
-            self.push_mru(node, priority)
-        else:
-            self.push_before(node, anchor)
+        prev = anchor.prev
+        assert prev is not None
+        node.priority = anchor.priority
+        node.prev = prev
+        node.next = anchor
+        prev.next = node
+        anchor.prev = node
+        self.num_linked += 1
+        self.num_window += node.segment
+
+    def admit(self, node: Residency[T]) -> None:
+        """Move a linked window node to main, as the most recently used of its class there."""
+        if node.prev is None or node.segment != WINDOW:
+            return
+        self.remove(node)
+        sentinel = self._sentinels[MAIN][node.priority]
+        last = sentinel.prev
+        assert last is not None
+        node.segment = MAIN
+        node.prev = last
+        node.next = sentinel
+        last.next = node
+        sentinel.prev = node
+        self.num_linked += 1
 
     def iter_lru(self) -> Iterator[Residency[T]]:
-        """Nodes from least to most recently used, lowest priority class first.
+        """Nodes from least to most recently used, lowest priority class first (in each class,
+        the window's before main's).
 
         The caller may unlink the node it was just given, but no other.
         """
-        for sentinel in self._sentinels:
-            node = sentinel.next
-            while node is not sentinel:
-                assert node is not None
-                following = node.next
-                yield node
-                node = following
+        for priority in Priority:
+            yield from self.iter_segment(WINDOW, priority)
+            yield from self.iter_segment(MAIN, priority)
+
+    def iter_segment(self, segment: int, priority: int) -> Iterator[Residency[T]]:
+        """One class of one segment, least recently used first (``iter_lru``'s contract)."""
+        sentinel = self._sentinels[segment][priority]
+        node = sentinel.next
+        while node is not sentinel:
+            assert node is not None
+            following = node.next
+            yield node
+            node = following
 
 
 @dataclass(slots=True)
@@ -129,12 +199,15 @@ class Victims(Generic[T]):
     """What ``EvictionPolicy.pick_victims`` chose: ``owners`` freeing ``size`` (enough when
     ``size >= needed``), and of the nodes it walked past, the size held by readers now
     (``busy_size``: evictable once they finish) and the size of every node walked
-    (``walked_size``: all linked nodes when it did not find enough)."""
+    (``walked_size``: all linked nodes when it did not find enough). ``admitted``: window nodes
+    the adaptive policy lets into main (the store moves them, ``PriorityLru.admit``, once the
+    pick is done)."""
 
     owners: list[T] = field(default_factory=list)
     size: int = 0
     busy_size: int = 0
     walked_size: int = 0
+    admitted: list[Residency[T]] = field(default_factory=list)
 
 
 class EvictionPolicy:
@@ -167,6 +240,76 @@ class EvictionPolicy:
                 continue
             victims.owners.append(owner)
             victims.size += num
+            if victims.size >= needed:
+                break
+        return victims
+
+
+class TinyLfuEviction(EvictionPolicy):
+    """W-TinyLFU (Einziger et al., 2017) over a windowed ``PriorityLru``, class by class, lowest
+    first: while the window holds more than its target, its oldest copy (the candidate) meets
+    main's oldest (the victim), and the one used less often lately leaves (the candidate also
+    when the tier's filter is off: then it enters main and the victim leaves, an LRU in two
+    segments); otherwise main's oldest leaves, or the window's when main has none. A list
+    without an admission is picked as ``EvictionPolicy`` does. ``excluded`` is asked only of a
+    copy about to be taken, which is taken unless excluded (the store's held-children rule
+    counts on it); busy copies are passed over."""
+
+    def pick_victims(
+        self,
+        lru: PriorityLru[T],
+        needed: int,
+        size_of: Callable[[Residency[T]], int],
+        excluded: Callable[[T], bool],
+        busy: Callable[[T], bool],
+    ) -> Victims[T]:
+        admission = lru.admission
+        if admission is None:
+            return super().pick_victims(lru, needed, size_of, excluded, busy)
+        victims: Victims[T] = Victims()
+        over = lru.num_window - lru.window_target  # window copies beyond its target
+
+        def idle(nodes: Iterator[Residency[T]]) -> Residency[T] | None:
+            for node in nodes:
+                num = size_of(node)
+                victims.walked_size += num
+                if busy(node.owner):
+                    victims.busy_size += num
+                    continue
+                return node
+            return None
+
+        def take(node: Residency[T]) -> bool:
+            if excluded(node.owner):
+                return False
+            victims.owners.append(node.owner)
+            victims.size += size_of(node)
+            return True
+
+        for priority in Priority:
+            window = lru.iter_segment(WINDOW, priority)
+            main = lru.iter_segment(MAIN, priority)
+            candidate, victim = idle(window), idle(main)
+            while victims.size < needed and (candidate is not None or victim is not None):
+                if candidate is not None and (victim is None or over > 0):
+                    if victim is not None and (
+                            not admission.on
+                            or admission.estimate(candidate.owner)
+                            > admission.estimate(victim.owner)):
+                        # The candidate enters main; main's victim leaves (if it may).
+                        if take(victim):
+                            victims.admitted.append(candidate)
+                            over -= 1
+                            candidate = idle(window)
+                        victim = idle(main)
+                        continue
+                    take(candidate)  # it leaves (or, excluded, stays in the window)
+                    over -= 1
+                    candidate = idle(window)
+                    continue
+                assert victim is not None
+                take(victim)
+                victim = idle(main)
             if victims.size >= needed:
                 break
         return victims

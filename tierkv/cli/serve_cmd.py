@@ -47,6 +47,7 @@ from tierkv.cli.settings import (
 from tierkv.config import (
     DiskCorruptAction,
     DiskTierConfig,
+    Eviction,
     GpuTierConfig,
     HostTierConfig,
     RemoteTierConfig,
@@ -103,6 +104,7 @@ def build_config(args: argparse.Namespace | Resolved) -> StoreConfig:
                                   on_corrupt=DiskCorruptAction(settings["disk_on_corrupt"]))
         return StoreConfig(host=host, gpu=gpu, disk=disk, remote=_remote_config(settings),
                            write_policy=WritePolicy(settings["write_policy"]),
+                           eviction=Eviction(settings["eviction"]),
                            verify_commit=settings["verify_commit"],
                            tenants=tenant_shares(settings))
 

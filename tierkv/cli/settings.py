@@ -29,7 +29,7 @@ from tierkv.cli.setting_values import (
     toml_string,
     toml_value,
 )
-from tierkv.config import DEFAULT_PAGE_BYTES, DiskCorruptAction, GiB, WritePolicy
+from tierkv.config import DEFAULT_PAGE_BYTES, DiskCorruptAction, Eviction, GiB, WritePolicy
 from tierkv.errors import ConfigError
 from tierkv.hashing import DEFAULT_ALGORITHM, HASH_ALGORITHMS, VLLM_DEFAULT_SEED
 from tierkv.logs import LOG_FORMATS, LOG_LEVELS
@@ -75,6 +75,11 @@ SETTINGS: tuple[Setting, ...] = (
              "default write policy of puts: to disk when evicted from HOST (write_back), or "
              "before the put is acknowledged (write_through)",
              choices=tuple(policy.value for policy in WritePolicy)),
+    _setting("eviction", Kind.CHOICE, Eviction.LRU.value,
+             "what leaves a tier for room: the least recently used, chains tail first (lru), "
+             "or W-TinyLFU whose frequency filter miniature simulations of each tier switch "
+             "on when it gets more hits (adaptive); fixed at start",
+             choices=tuple(eviction.value for eviction in Eviction)),
     _setting("verify_commit", Kind.BOOL, False,
              "hash a same-host client's pages again at its commit and refuse the commit if "
              "they differ from its checksums (off: the checksums are recorded as sent, and a "

@@ -6,6 +6,7 @@ Design: docs/design/eviction.md, docs/design/data-path.md#the-write-path
 """
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
@@ -14,11 +15,13 @@ from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
+from tierkv.admission import Admission, sampled
 from tierkv.buffers import BufferPool
-from tierkv.config import StoreConfig, TenantShares, Tier
+from tierkv.config import Eviction, StoreConfig, TenantShares, Tier
 from tierkv.copy_engine import CopyEngine
 from tierkv.errors import CapacityError, TierKVError
-from tierkv.eviction import EvictionPolicy, Residency, Victims
+from tierkv.eviction import EvictionPolicy, Residency, TinyLfuEviction, Victims
+from tierkv.frequency import FrequencySketch
 from tierkv.paging import Location, location_num_pages
 from tierkv.shm.presence import Fingerprinter, PresenceTable
 from tierkv.store.events import BlockDetail, EventLog, Snapshot
@@ -149,7 +152,8 @@ class StoreCore:
     ) -> None:
         self.config = config
         self.tenants = config.tenants  # the shares in force (a reload replaces them)
-        self.eviction = eviction or EvictionPolicy()
+        adaptive = config.eviction is Eviction.ADAPTIVE
+        self.eviction = eviction or (TinyLfuEviction() if adaptive else EvictionPolicy())
         self.lock = threading.Lock()
         # Notified whenever room may have been freed (a reader finished, pages were released).
         self.changed = threading.Condition(self.lock)
@@ -161,6 +165,18 @@ class StoreCore:
         self.ledgers: dict[Tier, Ledger] = dict(paged)
         if self.disk_ledger is not None:
             self.ledgers[Tier.DISK] = self.disk_ledger
+        # The adaptive policy's books: how often blocks were used lately (one sketch: a use is
+        # a block's, wherever it was served) and each tier's filter (``use_locked`` feeds them).
+        self.sketch: FrequencySketch | None = None
+        self.admissions: list[Admission[Entry]] = []
+        if adaptive:
+            self.sketch = FrequencySketch(min(1 << 22, max(
+                _room_in_blocks(ledger) for ledger in self.ledgers.values())))
+            for ledger in self.ledgers.values():
+                admission: Admission[Entry] = Admission(
+                    self.sketch, _key_of, functools.partial(_room_in_blocks, ledger))
+                ledger.shares.use_admission(admission)
+                self.admissions.append(admission)
         self.pins = PinTable(clock)
         self.presence = presence
         self.engine = CopyEngine()
@@ -505,9 +521,26 @@ class StoreCore:
 
     def touch_run_locked(self, run: Sequence[Entry]) -> None:
         """Touch a chain's leading blocks tail first, as every read does: the head ends most
-        recently used, and the run's tail is evicted before its head."""
+        recently used, and the run's tail is evicted before its head. A use of each."""
         for entry in reversed(run):
             self.touch_locked(entry)
+        if self.sketch is not None:
+            self.use_locked(run)
+
+    def use_locked(self, entries: Sequence[Entry]) -> None:
+        """Count a use of each of ``entries`` (read, or written by a put) for the adaptive
+        policy's frequencies and its tiers' miniatures; nothing under the LRU."""
+        sketch = self.sketch
+        if sketch is None:
+            return
+        admissions = self.admissions
+        sample = admissions[0].sample
+        for entry in entries:
+            key = hash(entry.block_hash)
+            sketch.increment(key)
+            if sampled(key, sample):
+                for admission in admissions:
+                    admission.observe(key)
 
     def relink_locked(self, entry: Entry) -> None:
         """Link an entry's copies back into their LRU lists (after its pins went)."""
@@ -645,6 +678,8 @@ class StoreCore:
                 return 0
             got = self.eviction.pick_victims(owner.lru, min(units, limit), size_of,
                                              passed_over, is_busy)
+            for admitted in got.admitted:  # the adaptive policy's window copies let into main
+                owner.lru.admit(admitted)
             size = 0
             for entry in got.owners:
                 node = entry.residency(ledger.tier)
@@ -749,6 +784,19 @@ class StoreCore:
         assert self.disk_ledger is not None
         self.disk_ledger.release_bytes(num_records * state.record_bytes,
                                        self.share_of_locked(state, Tier.DISK))
+
+
+def _key_of(entry: Entry) -> int:
+    """An entry's key in the frequency sketch (its hash's, cached by Python)."""
+    return hash(entry.block_hash)
+
+
+def _room_in_blocks(ledger: Ledger) -> int:
+    """About how many blocks ``ledger``'s tier holds when full: its capacity over the bytes a
+    block takes there now (before any: 16 KiB or a page a block, at most 2**22 of them)."""
+    if ledger.num_blocks and ledger.used_bytes:
+        return max(1, ledger.capacity_bytes * ledger.num_blocks // ledger.used_bytes)
+    return max(1, min(1 << 22, ledger.capacity_bytes // max(ledger.shares.unit_bytes, 16384)))
 
 
 def _anchor(parent: Entry | None, tier: Tier, priority: int) -> Residency[Entry] | None:

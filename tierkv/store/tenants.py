@@ -8,6 +8,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
+from tierkv.admission import Admission
 from tierkv.config import TenantShares, Tier
 from tierkv.eviction import PriorityLru
 
@@ -37,7 +38,7 @@ class TenantShare:
         # Of ``used_bytes``, what victims picked and not dropped yet hold (a paged tier's
         # eviction lets go of the lock while it demotes them): no other pick counts them again.
         self.leaving_bytes = 0
-        self.lru: PriorityLru[Entry] = PriorityLru()
+        self.lru: PriorityLru[Entry] = PriorityLru(book.admission)
         # Of ``used_bytes`` (HOST only): what its live read leases hold, which cannot be
         # evicted; kept by the lease table, bounded with its pins by its share.
         self.read_bytes = 0
@@ -93,6 +94,14 @@ class ShareBook:
         self.shares: dict[str, TenantShare] = {}
         self.over: dict[str, TenantShare] = {}
         self._plan = plan
+        # The tier's frequency filter, under the adaptive policy: every tenant's lists then
+        # have a window (``use_admission``, before any share is made).
+        self.admission: Admission[Entry] | None = None
+
+    def use_admission(self, admission: Admission[Entry]) -> None:
+        """Give every tenant's lists in this tier a window, filtered by ``admission``."""
+        assert not self.shares, "the policy is chosen before any block is stored"
+        self.admission = admission
 
     def of(self, tenant: str) -> TenantShare:
         """``tenant``'s share (made on first use, from the plan)."""

@@ -312,6 +312,9 @@ class Writer:
                     touched = blocks.get(keys[index])
                     if touched is not None:
                         core.touch_locked(touched, anchors[index] if anchors else None)
+            if core.sketch is not None:  # the adaptive policy counts a put as a use
+                core.use_locked([entry for key in keys
+                                 if (entry := blocks.get(key)) is not None])
         return num_stored
 
     def _entry_locked(self, state: NamespaceState, key: bytes, priority: Priority,

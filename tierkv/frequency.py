@@ -1,0 +1,77 @@
+"""How often each block was used lately, approximately, in bounded memory: a count-min sketch.
+
+Four rows of ``width`` saturating counters (0-15, as TinyLFU's 4-bit counters), one byte each;
+a use adds one to the key's counter in every row (those at 15 stay), the estimate is the
+smallest of the four. Every ``reset_uses`` uses, every counter is halved (TinyLFU's reset: old
+popularity fades). Keys are 64-bit hashes (a block's ``hash(block_hash)``); an estimate is never
+below the true count since the last reset, halved as it was. Not thread-safe: the store's lock
+guards it. Design: docs/design/eviction.md#the-adaptive-policy
+"""
+
+from __future__ import annotations
+
+MAX_COUNT = 15
+NUM_ROWS = 4
+_HALF = bytes(value >> 1 for value in range(256))  # bytes.translate table: every counter / 2
+_MIX = 0x9E3779B97F4A7C15  # Fibonacci hashing: spreads the key's bits over the fourth index
+_MASK64 = (1 << 64) - 1
+
+
+class FrequencySketch:
+    """A count-min sketch of at least ``num_counters`` counters a row, halved every
+    ``reset_uses`` uses (default: ten times ``num_counters``)."""
+
+    __slots__ = ("_mask", "_rows", "_width", "num_uses", "reset_uses")
+
+    def __init__(self, num_counters: int, reset_uses: int | None = None) -> None:
+        width = 64
+        while width < num_counters:
+            width <<= 1
+        self._width = width
+        self._mask = width - 1
+        self._rows = bytearray(NUM_ROWS * width)
+        self.reset_uses = reset_uses if reset_uses is not None else 10 * width
+        self.num_uses = 0
+
+    @property
+    def width(self) -> int:
+        """Counters a row (a power of two)."""
+        return self._width
+
+    def _indices(self, key: int) -> tuple[int, int, int, int]:
+        key &= _MASK64
+        mask, width = self._mask, self._width
+        return (key & mask, width + ((key >> 21) & mask), 2 * width + ((key >> 42) & mask),
+                3 * width + ((((key * _MIX) & _MASK64) >> 40) & mask))
+
+    def increment(self, key: int) -> None:
+        """Count one use of ``key``."""
+        # ``_indices`` inlined: this runs for every block used under the adaptive policy.
+        key &= _MASK64
+        mask, width, rows = self._mask, self._width, self._rows
+        index = key & mask
+        if rows[index] < MAX_COUNT:
+            rows[index] += 1
+        index = width + ((key >> 21) & mask)
+        if rows[index] < MAX_COUNT:
+            rows[index] += 1
+        index = 2 * width + ((key >> 42) & mask)
+        if rows[index] < MAX_COUNT:
+            rows[index] += 1
+        index = 3 * width + ((((key * _MIX) & _MASK64) >> 40) & mask)
+        if rows[index] < MAX_COUNT:
+            rows[index] += 1
+        self.num_uses += 1
+        if self.num_uses >= self.reset_uses:
+            self.halve()
+
+    def estimate(self, key: int) -> int:
+        """Uses of ``key`` since the last reset (halved at each), or more (other keys share its
+        counters), at most ``MAX_COUNT``."""
+        rows = self._rows
+        return min(rows[index] for index in self._indices(key))
+
+    def halve(self) -> None:
+        """Halve every counter (one C-level pass) and start counting uses again."""
+        self._rows[:] = self._rows.translate(_HALF)
+        self.num_uses = 0
