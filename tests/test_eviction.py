@@ -9,8 +9,8 @@ import pytest
 
 from tests.support.tiny_blocks import BLOCK_BYTES, PAGE_BYTES, block_for, key, same_bytes
 from tierkv import Namespace, TieredStore
-from tierkv.config import HostTierConfig, Priority, StoreConfig
 from tierkv.admission import Admission
+from tierkv.config import HostTierConfig, Priority, StoreConfig
 from tierkv.eviction import (
     MAIN,
     WINDOW,
@@ -140,7 +140,7 @@ def test_the_store_evicts_with_the_policy_it_is_given(
 def _windowed(on: bool, frequency: dict[str, int]) -> PriorityLru[str]:
     """A windowed list whose filter is ``on`` and whose owners were used ``frequency`` times."""
     sketch = FrequencySketch(1024)
-    admission: Admission[str] = Admission(sketch, lambda owner: hash(owner), lambda: 100)
+    admission: Admission[str] = Admission(sketch, hash, lambda: 100)
     admission.on = on
     for owner, uses in frequency.items():
         for _ in range(uses):
@@ -177,8 +177,8 @@ def test_a_windowed_list_takes_new_copies_in_its_window_and_admits_them_to_main(
 def test_the_adaptive_policy_lets_the_more_frequent_of_candidate_and_victim_stay() -> None:
     lru = _windowed(True, {"hot": 5, "old": 2})
     nodes = {name: Residency(name, 0) for name in ("old", "cold", "hot", "new")}
-    for name in nodes:
-        lru.push_mru(nodes[name], Priority.NORMAL)
+    for node in nodes.values():
+        lru.push_mru(node, Priority.NORMAL)
     lru.admit(nodes["old"])  # main: [old]; window: [cold, hot, new], over its target of 1
     policy = TinyLfuEviction()
     picked = policy.pick_victims(lru, 2, lambda node: 1, lambda o: False, lambda o: False)
@@ -195,8 +195,8 @@ def test_the_adaptive_policy_lets_the_more_frequent_of_candidate_and_victim_stay
 def test_the_adaptive_policy_passes_over_busy_and_excluded_copies_and_asks_only_takers() -> None:
     lru = _windowed(True, {"w2": 9})
     nodes = {name: Residency(name, 0) for name in ("m1", "m2", "m3", "w1", "w2", "w3")}
-    for name in nodes:
-        lru.push_mru(nodes[name], Priority.NORMAL)
+    for node in nodes.values():
+        lru.push_mru(node, Priority.NORMAL)
     for name in ("m1", "m2", "m3"):
         lru.admit(nodes[name])
     asked: list[str] = []

@@ -173,6 +173,15 @@ class PriorityLru(Generic[T]):
         sentinel.prev = node
         self.num_linked += 1
 
+    def admit_oldest(self) -> None:
+        """``admit`` the window's least recently used node (of the lowest class that has one):
+        what leaves a window while the tier still has room (main has room then)."""
+        for window in self._sentinels[WINDOW]:
+            if window.next is not window:
+                assert window.next is not None
+                self.admit(window.next)
+                return
+
     def iter_lru(self) -> Iterator[Residency[T]]:
         """Nodes from least to most recently used, lowest priority class first (in each class,
         the window's before main's).
@@ -248,12 +257,14 @@ class EvictionPolicy:
 class TinyLfuEviction(EvictionPolicy):
     """W-TinyLFU (Einziger et al., 2017) over a windowed ``PriorityLru``, class by class, lowest
     first: while the window holds more than its target, its oldest copy (the candidate) meets
-    main's oldest (the victim), and the one used less often lately leaves (the candidate also
-    when the tier's filter is off: then it enters main and the victim leaves, an LRU in two
-    segments); otherwise main's oldest leaves, or the window's when main has none. A list
-    without an admission is picked as ``EvictionPolicy`` does. ``excluded`` is asked only of a
-    copy about to be taken, which is taken unless excluded (the store's held-children rule
-    counts on it); busy copies are passed over."""
+    main's oldest (the victim), and the one used less often lately leaves; with the filter off
+    (the tier's miniatures found it worse), the candidate always enters main and the victim
+    leaves: an LRU in two segments. A candidate with no victim to meet enters main. Then, room
+    still wanted, main's oldest leave (admitted candidates last), or the window's when main has
+    none. A list without an admission is picked as ``EvictionPolicy`` does. ``excluded`` is
+    asked only of a copy about to be taken, which is taken unless excluded (the store's
+    held-children rule counts on it); busy copies are passed over. O(victims + nodes passed
+    over + candidates admitted)."""
 
     def pick_victims(
         self,
@@ -288,28 +299,52 @@ class TinyLfuEviction(EvictionPolicy):
 
         for priority in Priority:
             window = lru.iter_segment(WINDOW, priority)
-            main = lru.iter_segment(MAIN, priority)
+            admitted: list[Residency[T]] = []  # this class's, main's newest once moved
+            main = _MainOrder(lru.iter_segment(MAIN, priority), admitted)
             candidate, victim = idle(window), idle(main)
-            while victims.size < needed and (candidate is not None or victim is not None):
-                if candidate is not None and (victim is None or over > 0):
-                    if victim is not None and (
-                            not admission.on
-                            or admission.estimate(candidate.owner)
-                            > admission.estimate(victim.owner)):
-                        # The candidate enters main; main's victim leaves (if it may).
-                        if take(victim):
-                            victims.admitted.append(candidate)
-                            over -= 1
-                            candidate = idle(window)
+            while victims.size < needed and over > 0 and candidate is not None:
+                if victim is None or not admission.on or (
+                        admission.estimate(candidate.owner) > admission.estimate(victim.owner)):
+                    admitted.append(candidate)  # it enters main
+                    if victim is not None and take(victim):
+                        victim = None
+                    if victim is None:
                         victim = idle(main)
-                        continue
-                    take(candidate)  # it leaves (or, excluded, stays in the window)
-                    over -= 1
+                elif not take(candidate):  # it leaves (or, excluded, stays in the window)
+                    pass
+                over -= 1
+                candidate = idle(window)
+            while victims.size < needed and (victim is not None or candidate is not None):
+                if victim is not None:
+                    take(victim)
+                    victim = idle(main)
+                else:
+                    assert candidate is not None
+                    take(candidate)
                     candidate = idle(window)
-                    continue
-                assert victim is not None
-                take(victim)
-                victim = idle(main)
+            victims.admitted += admitted
             if victims.size >= needed:
                 break
         return victims
+
+
+class _MainOrder(Iterator[Residency[T]]):
+    """Main's nodes in eviction order as a pick sees them: the linked ones, least recently used
+    first, then the candidates the pick admitted, in order (they will be main's newest). Never
+    exhausted for good: a candidate admitted later is met next."""
+
+    def __init__(self, linked: Iterator[Residency[T]], admitted: list[Residency[T]]) -> None:
+        self._linked: Iterator[Residency[T]] | None = linked
+        self._admitted = admitted
+        self._next_admitted = 0
+
+    def __next__(self) -> Residency[T]:
+        if self._linked is not None:
+            node = next(self._linked, None)
+            if node is not None:
+                return node
+            self._linked = None
+        if self._next_admitted < len(self._admitted):
+            self._next_admitted += 1
+            return self._admitted[self._next_admitted - 1]
+        raise StopIteration

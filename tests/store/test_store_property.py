@@ -60,6 +60,7 @@ from tierkv import (
     TieredStore,
     WritePolicy,
 )
+from tierkv.config import Eviction
 
 NUM_KEYS = 10
 KEYS = [key(i, "property") for i in range(NUM_KEYS)]
@@ -87,6 +88,7 @@ def open_store(
     write_policy: WritePolicy = WritePolicy.WRITE_BACK,
     promote_on_read: bool = True,
     clock: FakeClock | None = None,
+    eviction: Eviction = Eviction.LRU,
 ) -> TieredStore:
     """A store with tiny tiers and ONE worker thread (so a worker task is a barrier)."""
     disk = None
@@ -100,6 +102,7 @@ def open_store(
         write_policy=write_policy,
         promote_on_read=promote_on_read,
         num_workers=1,
+        eviction=eviction,
     )
     return TieredStore(config, clock=clock) if clock is not None else TieredStore(config)
 
@@ -155,10 +158,11 @@ class StoreMachine(RuleBasedStateMachine):
         disk_blocks=st.sampled_from([0, 3, 4, 5, 6, 7, 8, 9, 10]),
         write_through=st.booleans(),
         promote_on_read=st.booleans(),
+        eviction=st.sampled_from(list(Eviction)),
     )
     def open(
         self, gpu_blocks: int, host_blocks: int, disk_blocks: int, write_through: bool,
-        promote_on_read: bool,
+        promote_on_read: bool, eviction: Eviction,
     ) -> None:
         self.tmp = tempfile.TemporaryDirectory(prefix="tierkv-prop-", ignore_cleanup_errors=True)
         self.clock = FakeClock()
@@ -170,7 +174,7 @@ class StoreMachine(RuleBasedStateMachine):
         self.store = open_store(
             gpu_blocks=gpu_blocks, host_blocks=host_blocks, disk_blocks=disk_blocks,
             disk_path=Path(self.tmp.name) / "disk", write_policy=self.default_policy,
-            promote_on_read=promote_on_read, clock=self.clock,
+            promote_on_read=promote_on_read, clock=self.clock, eviction=eviction,
         )
         self.ns = Namespace("property-model", TINY_LAYOUT)
         self.store.register(self.ns)

@@ -3,7 +3,8 @@
 A hypothesis state machine drives a store shared by three tenants (A weighted 2, B weighted 1,
 C guaranteed nothing and capped) with puts, gets, pins, unpins, deletes, read leases held across
 steps, write leases reserved and aborted, chat sessions saved (their blocks written through)
-and resumed, and reloads of the shares, and checks after every step:
+and resumed, and reloads of the shares, under either eviction policy, and checks after every
+step:
 
 - no tier holds more than its capacity;
 - every byte a tier holds is charged to exactly one tenant (the tenants' ``used_bytes`` sum to
@@ -53,6 +54,7 @@ from tierkv import (
     WriteLease,
     WritePolicy,
 )
+from tierkv.config import Eviction
 from tierkv.hashing import block_hashes
 
 TENANTS = ("alice", "bob", "carol")
@@ -99,14 +101,14 @@ class TenantMachine(RuleBasedStateMachine):
         self.tmp: tempfile.TemporaryDirectory[str] | None = None
 
     @initialize(host_blocks=st.integers(3, 12), disk_blocks=st.sampled_from([0, 4, 8, 12]),
-                plan=st.integers(0, len(PLANS) - 1))
-    def open(self, host_blocks: int, disk_blocks: int, plan: int) -> None:
+                plan=st.integers(0, len(PLANS) - 1), eviction=st.sampled_from(list(Eviction)))
+    def open(self, host_blocks: int, disk_blocks: int, plan: int, eviction: Eviction) -> None:
         self.tmp = tempfile.TemporaryDirectory(prefix="tierkv-tenants-", ignore_cleanup_errors=True)
         disk = (DiskTierConfig(Path(self.tmp.name) / "disk", disk_blocks * RECORD_BYTES)
                 if disk_blocks else None)
         self.store = TieredStore(StoreConfig(
             host=HostTierConfig(host_blocks * BLOCK_BYTES, PAGE_BYTES), disk=disk,
-            promote_on_read=False, num_workers=1, tenants=PLANS[plan]))
+            promote_on_read=False, num_workers=1, tenants=PLANS[plan], eviction=eviction))
         self.namespaces = {t: Namespace("tenant-model", TINY_LAYOUT, tenant=t) for t in TENANTS}
         for namespace in self.namespaces.values():
             self.store.register(namespace)

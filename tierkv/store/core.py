@@ -170,8 +170,11 @@ class StoreCore:
         self.sketch: FrequencySketch | None = None
         self.admissions: list[Admission[Entry]] = []
         if adaptive:
+            # Wide enough for the most blocks a tier could hold (a page each; 16 KiB records on
+            # DISK); halved every ten times what memory holds (``use_locked`` keeps it so).
             self.sketch = FrequencySketch(min(1 << 22, max(
-                _room_in_blocks(ledger) for ledger in self.ledgers.values())))
+                4096, *(_room_in_blocks(ledger) for ledger in self.ledgers.values()))))
+            self.sketch.reset_uses = self._reset_uses_locked()
             for ledger in self.ledgers.values():
                 admission: Admission[Entry] = Admission(
                     self.sketch, _key_of, functools.partial(_room_in_blocks, ledger))
@@ -297,11 +300,18 @@ class StoreCore:
         share.num_blocks += 1
         share.stored_bytes += entry.ns.block_bytes
         if entry not in self.pins:
+            lru = share.lru
             anchor = _anchor(parent, tier, entry.priority)
             if anchor is None:
-                share.lru.push_mru(node, entry.priority)
+                lru.push_mru(node, entry.priority)
             else:
-                share.lru.push_before(node, anchor)
+                lru.push_before(node, anchor)
+            # The adaptive policy: while the tier has room for another block, what leaves the
+            # window enters main unfiltered (W-TinyLFU's main has room then); once full, only
+            # a pick lets it in (``TinyLfuEviction``).
+            if (lru.admission is not None and lru.num_window > lru.window_target
+                    and ledger.capacity_bytes - ledger.used_bytes >= entry.ns.block_bytes):
+                lru.admit_oldest()
         if self.events is not None:
             self.events.stored(entry.ns, tier, entry.block_hash, detail)
 
@@ -536,11 +546,17 @@ class StoreCore:
         admissions = self.admissions
         sample = admissions[0].sample
         for entry in entries:
-            key = hash(entry.block_hash)
+            key = int.from_bytes(entry.block_hash[:8], "little")  # ``_key_of``, inlined
             sketch.increment(key)
             if sampled(key, sample):
                 for admission in admissions:
                     admission.observe(key)
+                sketch.reset_uses = self._reset_uses_locked()
+
+    def _reset_uses_locked(self) -> int:
+        """How many uses the sketch counts before it halves: ten times the blocks the paged
+        tiers hold when full (W-TinyLFU's sample size; DISK shares these frequencies)."""
+        return 10 * max(64, sum(_room_in_blocks(ledger) for ledger in self.paged.values()))
 
     def relink_locked(self, entry: Entry) -> None:
         """Link an entry's copies back into their LRU lists (after its pins went)."""
@@ -787,16 +803,19 @@ class StoreCore:
 
 
 def _key_of(entry: Entry) -> int:
-    """An entry's key in the frequency sketch (its hash's, cached by Python)."""
-    return hash(entry.block_hash)
+    """An entry's key in the frequency sketch: its hash's first 8 bytes (block hashes are
+    uniform, and the same key in every process and run: the policy is reproducible)."""
+    return int.from_bytes(entry.block_hash[:8], "little")
 
 
 def _room_in_blocks(ledger: Ledger) -> int:
     """About how many blocks ``ledger``'s tier holds when full: its capacity over the bytes a
-    block takes there now (before any: 16 KiB or a page a block, at most 2**22 of them)."""
+    block takes there now (before any: a page a block, or 16 KiB a record on DISK; at most
+    2**22)."""
     if ledger.num_blocks and ledger.used_bytes:
         return max(1, ledger.capacity_bytes * ledger.num_blocks // ledger.used_bytes)
-    return max(1, min(1 << 22, ledger.capacity_bytes // max(ledger.shares.unit_bytes, 16384)))
+    unit = ledger.shares.unit_bytes if ledger.tier is not Tier.DISK else 16384
+    return max(1, min(1 << 22, ledger.capacity_bytes // unit))
 
 
 def _anchor(parent: Entry | None, tier: Tier, priority: int) -> Residency[Entry] | None:
