@@ -259,12 +259,13 @@ class TinyLfuEviction(EvictionPolicy):
     first: while the window holds more than its target, its oldest copy (the candidate) meets
     main's oldest (the victim), and the one used less often lately leaves; with the filter off
     (the tier's miniatures found it worse), the candidate always enters main and the victim
-    leaves: an LRU in two segments. A candidate with no victim to meet enters main. Then, room
-    still wanted, main's oldest leave (admitted candidates last), or the window's when main has
-    none. A list without an admission is picked as ``EvictionPolicy`` does. ``excluded`` is
-    asked only of a copy about to be taken, which is taken unless excluded (the store's
-    held-children rule counts on it); busy copies are passed over. O(victims + nodes passed
-    over + candidates admitted)."""
+    leaves: an LRU in two segments. A candidate with no victim to meet enters main, and so does
+    one that lost but may not leave (``excluded``: the store keeps a block whose children are
+    held), so the window never fills with such. Then, room still wanted, main's oldest leave
+    (admitted candidates last), or the window's when main has none. A list without an
+    admission is picked as ``EvictionPolicy`` does. ``excluded`` is asked only of a copy about
+    to be taken, which is taken unless excluded (the store's held-children rule counts on it);
+    busy copies are passed over. O(victims + nodes passed over + candidates admitted)."""
 
     def pick_victims(
         self,
@@ -303,15 +304,18 @@ class TinyLfuEviction(EvictionPolicy):
             main = _MainOrder(lru.iter_segment(MAIN, priority), admitted)
             candidate, victim = idle(window), idle(main)
             while victims.size < needed and over > 0 and candidate is not None:
-                if victim is None or not admission.on or (
+                if victim is None:  # nothing to meet in main: it enters
+                    admitted.append(candidate)
+                    victim = idle(main)
+                elif not admission.on or (
                         admission.estimate(candidate.owner) > admission.estimate(victim.owner)):
-                    admitted.append(candidate)  # it enters main
-                    if victim is not None and take(victim):
-                        victim = None
-                    if victim is None:
+                    if not take(victim):  # main's victim may not go: meet the next one
                         victim = idle(main)
-                elif not take(candidate):  # it leaves (or, excluded, stays in the window)
-                    pass
+                        continue
+                    admitted.append(candidate)  # it enters, the victim leaves
+                    victim = idle(main)
+                elif not take(candidate):
+                    admitted.append(candidate)  # it lost, but may not go: main keeps it
                 over -= 1
                 candidate = idle(window)
             while victims.size < needed and (victim is not None or candidate is not None):

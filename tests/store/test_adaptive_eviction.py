@@ -5,9 +5,10 @@ LRU does. (Both property tests of the store run under either policy.)"""
 
 from __future__ import annotations
 
-from tests.support.tiny_blocks import StoreFactory, block_for, key, same_bytes
+from tests.support.tiny_blocks import StoreFactory, block_for, blocks, key, keys, same_bytes
 from tierkv import Namespace
 from tierkv.config import Eviction
+from tierkv.types import PutDetail
 
 HOST_BLOCKS = 64
 
@@ -43,6 +44,34 @@ def test_blocks_read_often_outlive_scans_under_the_adaptive_policy(
     lru, _ = hot_hits_after_scans(make_store, namespace, Eviction.LRU)
     assert lru == 0  # every scan flushes a 64-block LRU
     assert adaptive >= 0.9 * reads, (adaptive, reads)
+
+
+def test_a_prefix_just_read_is_not_evicted_by_the_put_that_continues_it(
+        make_store: StoreFactory, namespace: Namespace) -> None:
+    """Its filter on and main full of blocks used often, a new prompt's blocks lose every duel:
+    the put of its continuation must not evict the prefix it continues (the tail just read, in
+    the window), or the continuation would be held behind a missing head."""
+    store = make_store(host_blocks=HOST_BLOCKS, eviction=Eviction.ADAPTIVE)
+    store.register(namespace)
+    hot = range(HOST_BLOCKS - 1)
+    scan = iter(range(1000, 10**6))
+    for _ in range(8):
+        for i in hot:
+            if store.lookup(namespace, [key(i)]):
+                store.get(namespace, [key(i)])
+            else:
+                store.put(namespace, [key(i)], block_for(i)[None])
+        for _ in range(100):
+            i = next(scan)
+            store.put(namespace, [key(i)], block_for(i)[None])
+    assert sum(store.lookup(namespace, [key(i)]) for i in hot) >= HOST_BLOCKS - 4
+    chain = keys(8, salt="new-prompt")
+    store.put(namespace, chain[:4], blocks(4, seed=1))
+    assert same_bytes(store.get(namespace, chain[:4]), blocks(4, seed=1))
+    store.put(namespace, chain[4:], blocks(4, seed=2), detail=PutDetail(parent_hash=chain[3]))
+    held = [i for i in range(8) if store.lookup(namespace, [chain[i]])]
+    assert held == list(range(len(held))), held  # a prefix, or nothing: never a stranded tail
+    assert store.lookup(namespace, chain) == 8
 
 
 def test_recent_blocks_are_kept_when_nothing_is_used_twice(

@@ -23,7 +23,7 @@ from tierkv.bench.report import Row, save_figure
 from tierkv.bench.servers import tierkv_server
 from tierkv.bench.traces import MOONCAKE_BLOCK_TOKENS, Request
 from tierkv.client import Client
-from tierkv.config import Tier
+from tierkv.config import Eviction, Tier
 from tierkv.keys import Namespace
 from tierkv.layout import KVLayout
 from tierkv.tiers.records import block_record_bytes
@@ -40,13 +40,15 @@ TARGET_SHARE_OF_OPTIMUM = 0.8
 class TraceBenchConfig:
     """``host_shares``: HOST sizes as shares of the trace's distinct blocks; ``disk_factor``:
     a DISK tier of that many times HOST below it (0: none); ``simulate``: also run the
-    simulated policies; ``extra_flags``: more ``tierkv serve`` flags."""
+    simulated policies; ``evictions``: the sidecar's ``--eviction`` policies, one replay each;
+    ``extra_flags``: more ``tierkv serve`` flags."""
 
     work_dir: Path
     host_shares: tuple[float, ...] = (0.02, 0.05, 0.1, 0.2)
     disk_factor: float = 0.0
     put_blocks: int = 4
     simulate: bool = True
+    evictions: tuple[Eviction, ...] = (Eviction.LRU,)
     extra_flags: tuple[str, ...] = ()
 
 
@@ -62,11 +64,12 @@ class SidecarReplay:
 
 @dataclass(frozen=True, slots=True)
 class SizeResult:
-    """One HOST size: the sidecar's replay and each simulated policy's."""
+    """One HOST size: the sidecar's replays (one per eviction policy) and each simulated
+    policy's."""
 
     host_share: float
     host_blocks: int
-    sidecar: SidecarReplay
+    sidecars: list[SidecarReplay]
     simulated: list[Replay]
 
 
@@ -76,10 +79,12 @@ def block_key(block_id: int) -> bytes:
 
 
 def replay_sidecar(requests: Sequence[Request], facts: TraceFacts, host_blocks: int,
-                   cfg: TraceBenchConfig, progress: Progress | None = None) -> SidecarReplay:
-    """Replay ``requests`` through a ``tierkv serve`` of ``host_blocks`` HOST blocks."""
+                   cfg: TraceBenchConfig, progress: Progress | None = None,
+                   eviction: Eviction = Eviction.LRU) -> SidecarReplay:
+    """Replay ``requests`` through a ``tierkv serve --eviction EVICTION`` of ``host_blocks``
+    HOST blocks."""
     block_bytes = LAYOUT.bytes_per_block
-    flags = [*cfg.extra_flags]
+    flags = [*cfg.extra_flags, "--eviction", eviction.value]
     disk_bytes = int(cfg.disk_factor * host_blocks) * block_record_bytes(LAYOUT)
     if not disk_bytes:
         flags.append("--no-disk")
@@ -116,7 +121,8 @@ def replay_sidecar(requests: Sequence[Request], facts: TraceFacts, host_blocks: 
         held = [block for block, key in keys.items() if client.lookup(NAMESPACE, [key])]
         stats = client.stats()
         disk_written = stats.bytes_moved.get((Tier.HOST, Tier.DISK), 0)
-    replay = Replay("tierkv", num_hit, sum(len(r.block_ids) for r in requests), num_hit_tokens,
+    replay = Replay(f"tierkv ({eviction.value})", num_hit,
+                    sum(len(r.block_ids) for r in requests), num_hit_tokens,
                     sum(r.num_tokens for r in requests), facts.stranded(held))
     return SidecarReplay(replay, hits_by_tier, disk_written)
 
@@ -128,14 +134,17 @@ def run_trace_bench(requests: Sequence[Request], cfg: TraceBenchConfig,
     results = []
     for share in cfg.host_shares:
         host_blocks = max(cfg.put_blocks, int(share * facts.num_distinct))
-        progress(f"sidecar at {share:.0%} HOST")
-        sidecar = replay_sidecar(requests, facts, host_blocks, cfg, progress)
+        sidecars = []
+        for eviction in cfg.evictions:
+            progress(f"sidecar ({eviction.value}) at {share:.0%} HOST")
+            sidecars.append(replay_sidecar(requests, facts, host_blocks, cfg, progress,
+                                           eviction))
         simulated = []
         if cfg.simulate:
             for policy in simulated_policies(host_blocks, facts):
                 progress(f"{policy.name} at {share:.0%} HOST")
                 simulated.append(simulate(requests, policy, facts, cfg.put_blocks))
-        results.append(SizeResult(share, host_blocks, sidecar, simulated))
+        results.append(SizeResult(share, host_blocks, sidecars, simulated))
     return results
 
 
@@ -145,7 +154,7 @@ def rows_of(results: Sequence[SizeResult]) -> list[Row]:
     for result in results:
         optimum = next((r.hit_ratio for r in result.simulated if r.name.startswith("Belady")),
                        None)
-        for replay in [result.sidecar.replay, *result.simulated]:
+        for replay in [*(sidecar.replay for sidecar in result.sidecars), *result.simulated]:
             met = optimum is not None and replay.hit_ratio >= TARGET_SHARE_OF_OPTIMUM * optimum
             rows.append(Row(f"{result.host_share:.0%} HOST: {replay.name} "
                             f"({replay.num_stranded} stranded)", "hit ratio",
@@ -156,22 +165,28 @@ def rows_of(results: Sequence[SizeResult]) -> list[Row]:
 
 def format_results(results: Sequence[SizeResult]) -> str:
     """A Markdown table: one row per HOST size, one column per policy (hit ratio, and the
-    stranded blocks at the end where there are any), tokens saved by tierkv."""
-    names = ["tierkv", *(r.name for r in results[0].simulated)] if results else []
-    lines = ["| HOST (share of distinct blocks) | " + " | ".join(names)
-             + " | tierkv tokens saved | tierkv hits HOST / DISK | DISK bytes written per hit |",
-             "|" + "---|" * (len(names) + 4)]
+    stranded blocks at the end where there are any), then for each sidecar policy the tokens it
+    saved, its hits per tier and the DISK bytes written per hit."""
+    if not results:
+        return ""
+    sidecar_names = [sidecar.replay.name for sidecar in results[0].sidecars]
+    names = [*sidecar_names, *(r.name for r in results[0].simulated)]
+    extra = [f"{name} {column}" for name in sidecar_names
+             for column in ("tokens saved", "hits HOST / DISK", "DISK bytes written per hit")]
+    lines = ["| HOST (share of distinct blocks) | " + " | ".join([*names, *extra]) + " |",
+             "|" + "---|" * (len(names) + len(extra) + 1)]
     for result in results:
         cells = []
-        for replay in [result.sidecar.replay, *result.simulated]:
+        for replay in [*(sidecar.replay for sidecar in result.sidecars), *result.simulated]:
             cell = f"{replay.hit_ratio:.3f}"
             cells.append(cell + (f" ({replay.num_stranded} stranded)"
                                  if replay.num_stranded else ""))
-        sidecar = result.sidecar
-        hits = sidecar.replay.num_hit_blocks
-        cells.append(f"{sidecar.replay.num_hit_tokens / max(1, sidecar.replay.num_tokens):.3f}")
-        cells.append(f"{sidecar.hits_by_tier['HOST']} / {sidecar.hits_by_tier['DISK']}")
-        cells.append(f"{sidecar.disk_written_bytes / hits:,.0f}" if hits else "-")
+        for sidecar in result.sidecars:
+            hits = sidecar.replay.num_hit_blocks
+            cells.append(
+                f"{sidecar.replay.num_hit_tokens / max(1, sidecar.replay.num_tokens):.3f}")
+            cells.append(f"{sidecar.hits_by_tier['HOST']} / {sidecar.hits_by_tier['DISK']}")
+            cells.append(f"{sidecar.disk_written_bytes / hits:,.0f}" if hits else "-")
         lines.append(f"| {result.host_share:.0%} ({result.host_blocks} blocks) | "
                      + " | ".join(cells) + " |")
     return "\n".join(lines)
@@ -187,11 +202,11 @@ def save_plot(results: Sequence[SizeResult], path: Path, title: str) -> None:
     fig, ax = plt.subplots(figsize=(11, 5))
     series: dict[str, list[tuple[float, float]]] = {}
     for result in results:
-        for replay in [result.sidecar.replay, *result.simulated]:
+        for replay in [*(sidecar.replay for sidecar in result.sidecars), *result.simulated]:
             series.setdefault(replay.name, []).append((100 * result.host_share, replay.hit_ratio))
     for name, points in series.items():
         ax.plot([x for x, _ in points], [y for _, y in points], marker="o", label=name,
-                linewidth=2.5 if name == "tierkv" else 1.2)
+                linewidth=2.5 if name.startswith("tierkv") else 1.2)
     ax.set_xlabel("HOST size, % of the trace's distinct blocks")
     ax.grid(True, alpha=0.3)
     save_figure(fig, ax, path, title, "block hit ratio", legend_beside=True)

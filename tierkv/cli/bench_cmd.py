@@ -155,6 +155,9 @@ def _register_trace(targets: Any) -> None:
                        help="a DISK tier this many times HOST below it (default 0: none)")
     trace.add_argument("--put-blocks", type=int, default=4,
                        help="blocks per put, as a chunked prefill saves them (default 4)")
+    trace.add_argument("--eviction", type=_evictions, default=("lru", "adaptive"),
+                       help="the sidecar's eviction policies, comma-separated, one replay "
+                            "each (default: lru,adaptive)")
     trace.add_argument("--no-simulate", action="store_true",
                        help="the sidecar only, no simulated policies")
     trace.add_argument("--quick", action="store_true",
@@ -195,6 +198,18 @@ def _lengths(text: str) -> tuple[int, ...]:
 
 def _shares(text: str) -> tuple[float, ...]:
     return _numbers(text, float, lambda value: 0 < value <= 1, "shares must lie in (0, 1]")
+
+
+def _evictions(text: str) -> tuple[str, ...]:
+    """``lru,adaptive`` for argparse: eviction policies (``tierkv serve --eviction``)."""
+    from tierkv.config import Eviction
+
+    names = tuple(part.strip() for part in text.split(",") if part.strip())
+    known = {eviction.value for eviction in Eviction}
+    if not names or not set(names) <= known:
+        raise argparse.ArgumentTypeError(
+            f"eviction policies are {', '.join(sorted(known))}, comma-separated: {text!r}")
+    return names
 
 
 def _numbers(text: str, parse: Callable[[str], N], ok: Callable[[N], bool], rule: str
@@ -529,6 +544,7 @@ def run_trace(args: argparse.Namespace) -> int:
         save_plot,
     )
     from tierkv.bench.traces import load_mooncake, synthetic
+    from tierkv.config import Eviction
     from tierkv.errors import ConfigError
 
     if args.requests < 1 or args.start < 0 or args.put_blocks < 1 or args.disk_factor < 0:
@@ -545,9 +561,11 @@ def run_trace(args: argparse.Namespace) -> int:
         requests = load_mooncake(path, args.start, num_requests)
         source = f"{path.name} from request {args.start}"
     with tempfile.TemporaryDirectory(prefix="tierkv-bench-", dir=args.work_dir) as work:
+        evictions = tuple(Eviction(name) for name in args.eviction)
         cfg = TraceBenchConfig(Path(work), shares, args.disk_factor, args.put_blocks,
-                               simulate=not args.no_simulate)
-        with _progress(len(shares) * (1 + 7 + len(requests) // 500), "bench trace") as progress:
+                               simulate=not args.no_simulate, evictions=evictions)
+        steps = len(evictions) * (1 + len(requests) // 500) + 8
+        with _progress(len(shares) * steps, "bench trace") as progress:
             results = run_trace_bench(requests, cfg, progress)
     print(f"{source}: {len(requests)} requests")
     print(format_results(results))

@@ -632,11 +632,12 @@ class StoreCore:
 
     def pick_victims_locked(
         self, ledger: Ledger, share: TenantShare, needed: int, size_of: SizeOf,
-        excluded: Callable[[Entry], bool],
+        excluded: Callable[[Entry], bool], spare: frozenset[Entry] = frozenset(),
     ) -> tuple[Victims[Entry], int]:
         """``_pick_victims_locked``; in the lowest tier, where a victim's copy is its last, first
         without the blocks whose children are held (a block is not evicted before its
-        descendants: docs/design/eviction.md#chains), then, were that not enough, with them."""
+        descendants: docs/design/eviction.md#chains) and without ``spare`` (the blocks a put
+        continues: its children are on their way), then, were that not enough, with them."""
         if self.tier_below(ledger.tier) is not None:
             return self._pick_victims_locked(ledger, share, needed, size_of, excluded)
         tier = ledger.tier
@@ -647,7 +648,7 @@ class StoreCore:
         taken: dict[bytes, int] = {}
 
         def spared(entry: Entry) -> bool:
-            if excluded(entry):
+            if excluded(entry) or entry in spare:
                 return True
             if entry.num_children > taken.get(entry.block_hash, 0) and entry.top_tier() is tier:
                 return True  # it leads on to held blocks
@@ -746,11 +747,11 @@ class StoreCore:
 
     def reserve_disk_locked(
         self, num_records: int, record_bytes: int, share: TenantShare,
-        exclude: frozenset[Entry] = frozenset(),
+        exclude: frozenset[Entry] = frozenset(), spare: frozenset[Entry] = frozenset(),
     ) -> None:
         """Reserve room for records held by ``share``'s tenant, dropping records (no copies
         needed) to make it as ``pick_victims_locked`` chooses them; ``exclude`` are never
-        dropped (a put's own chain)."""
+        dropped (a put's own chain), ``spare`` only when nothing else is left."""
         ledger = self.disk_ledger
         assert ledger is not None
         needed = num_records * record_bytes
@@ -758,7 +759,7 @@ class StoreCore:
             return
         self.expire_pins_locked()
         picked, missing = self.pick_victims_locked(ledger, share, needed, _record_bytes,
-                                                   exclude.__contains__)
+                                                   exclude.__contains__, spare)
         if missing:
             raise CapacityError(
                 f"disk tier: no room for {num_records} record(s) of {record_bytes} B in "

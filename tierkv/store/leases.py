@@ -267,7 +267,7 @@ class Leases:
                 self.watch.forget_all()
             self._expire_locked()
         reservation = self.writer.reserve(state, keys, priority, policy, Tier.HOST,
-                                          pages_for_records=True)
+                                          pages_for_records=True, detail=detail)
         reservation.detail = detail
         write_indices, locations = list(reservation.locations), list(reservation.locations.values())
         lease = _Write(owner, client_id, self._clock() + ttl, reservation, verify=not in_process)

@@ -56,13 +56,15 @@ class Mover:
         exclude: frozenset[Entry] = frozenset(),
         wait: bool = True,
         drop: bool | None = None,
+        spare: frozenset[Entry] = frozenset(),
     ) -> list[Location]:
         """Pages in ``tier`` for blocks of ``sizes_bytes`` of ``state``'s tenant (held by it
         from now on), evicting (and demoting) as needed: victims as
         ``StoreCore.pick_victims_locked`` chooses them (the tenant's own past its cap, others'
         only past their share).
 
-        ``exclude`` are never victims (a put's own chain). With ``wait`` (a put), room held by
+        ``exclude`` are never victims (a put's own chain); ``spare`` are victims in the lowest
+        tier only when nothing else is left (the blocks a put continues). With ``wait`` (a put), room held by
         blocks being read or copied, here and in the tier a victim is demoted to, is waited for
         (up to ``_RESERVE_WAIT_S``). Without it (a promotion or a REMOTE fill, which hold
         blocks themselves and could wait for their own), it fails at once. ``drop`` (default:
@@ -83,7 +85,7 @@ class Mover:
                     if locations is not None:
                         return locations
                 victims, shortfall, busy_pages = self._pick_victims_locked(
-                    ledger, share, pages_needed, exclude, may_drop)
+                    ledger, share, pages_needed, exclude, may_drop, spare)
                 if not victims:
                     if not wait or busy_pages < shortfall or time.monotonic() > deadline:
                         break
@@ -121,7 +123,7 @@ class Mover:
 
     def _pick_victims_locked(
         self, ledger: PagedLedger, share: TenantShare, pages_needed: int,
-        exclude: frozenset[Entry], may_drop: bool,
+        exclude: frozenset[Entry], may_drop: bool, spare: frozenset[Entry] = frozenset(),
     ) -> tuple[list[Entry], int, int]:
         """Busy-marked victims that make room for ``pages_needed`` of ``share``'s tenant, or
         ``([], pages it lacks, pages that are busy now)``: pages held by readers or in-flight
@@ -135,6 +137,7 @@ class Mover:
         picked, missing = core.pick_victims_locked(
             ledger, share, pages_needed, _num_pages,
             lambda owner: owner in exclude or undemotable.get(owner, -math.inf) > retry_before_s,
+            spare,
         )
         if not missing:
             for entry in picked.owners:

@@ -33,6 +33,9 @@ class PutPlan:
     new_indices: list[int] = field(default_factory=list)
     disk_indices: list[int] = field(default_factory=list)
     own: frozenset[Entry] = frozenset()
+    # The stored blocks the write continues (its writer's parents): spared in the lowest tier
+    # while anything else can go (a block stored behind an evicted parent is unreachable).
+    parents: frozenset[Entry] = frozenset()
 
     @property
     def new_set(self) -> frozenset[int]:
@@ -75,7 +78,7 @@ class Writer:
     ) -> int:
         """See ``TieredStore.put``: a reservation filled in process, from ``flat``."""
         block_bytes = state.block_bytes
-        reservation = self.reserve(state, keys, priority, policy, target)
+        reservation = self.reserve(state, keys, priority, policy, target, detail=detail)
         reservation.detail = detail
         checksums: dict[int, int] = {}
         try:
@@ -100,13 +103,14 @@ class Writer:
 
     def reserve(
         self, state: NamespaceState, keys: list[bytes], priority: Priority, policy: WritePolicy,
-        target: Tier, *, pages_for_records: bool = False,
+        target: Tier, *, pages_for_records: bool = False, detail: PutDetail | None = None,
     ) -> Reservation:
         """Plan the write of ``keys`` and reserve its pages in ``target`` (evicting as needed;
         ``CapacityError`` and nothing reserved when they do not fit). ``pages_for_records``:
         blocks that need only a disk record get pages too (a lease: its writer's bytes land in
-        pages, and the records are written from there)."""
-        plan = self.plan(state, keys, priority, policy, target)
+        pages, and the records are written from there). ``detail``: the stored parents it names
+        are spared in the lowest tier while anything else can go."""
+        plan = self.plan(state, keys, priority, policy, target, detail)
         indices = plan.new_indices
         if pages_for_records:
             indices = sorted(set(plan.new_indices) | set(plan.disk_indices))
@@ -120,7 +124,8 @@ class Writer:
         """Pages in ``target`` for the blocks ``indices`` of ``keys`` (a REMOTE fill names its
         own), never evicting ``own``; ``wait`` and ``drop`` as ``Mover.reserve_pages``."""
         locations = self.mover.reserve_pages(
-            target, state, [state.block_bytes] * len(indices), own, wait=wait, drop=drop
+            target, state, [state.block_bytes] * len(indices), own, wait=wait, drop=drop,
+            spare=plan.parents if plan is not None else frozenset(),
         ) if indices else []
         return Reservation(state, keys, priority, target,
                            plan if plan is not None else PutPlan(new_indices=list(indices)),
@@ -169,10 +174,11 @@ class Writer:
 
     def plan(
         self, state: NamespaceState, keys: list[bytes], priority: Priority,
-        policy: WritePolicy, target: Tier,
+        policy: WritePolicy, target: Tier, detail: PutDetail | None = None,
     ) -> PutPlan:
-        """Which blocks need a copy in ``target``, which a disk record, and the entries of the
-        chain that exist already (never evicted to make room for the chain itself)."""
+        """Which blocks need a copy in ``target``, which a disk record, the entries of the chain
+        that exist already (never evicted to make room for the chain itself) and the stored
+        parents ``detail`` names (``PutPlan.parents``)."""
         core = self.core
         plan = PutPlan()
         seen: set[bytes] = set()
@@ -195,6 +201,10 @@ class Writer:
                     wants_disk = wants_disk and top is None
                 if wants_disk and (entry is None or entry.disk is None):
                     plan.disk_indices.append(index)
+            if detail is not None:
+                parents = {state.blocks.get(parent_hash) for parent_hash in (
+                    detail.parent_hash, *(detail.parent_hashes or ())) if parent_hash is not None}
+                plan.parents = frozenset(p for p in parents if p is not None and p not in own)
         plan.own = frozenset(own)
         return plan
 
@@ -251,7 +261,7 @@ class Writer:
             return checksums
         with core.lock:
             core.reserve_disk_locked(len(records), state.record_bytes,
-                                     core.share_of_locked(state, Tier.DISK), own)
+                                     core.share_of_locked(state, Tier.DISK), own, plan.parents)
             job = core.submit_disk_locked(records)
         try:
             core.wait_disk(job)
