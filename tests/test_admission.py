@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import random
 
-from tierkv.admission import Admission, MiniatureTinyLfu, sampled, window_room
+from tierkv.admission import Admission, MiniatureTinyLfu, count_uses, sampled, window_room
 from tierkv.frequency import FrequencySketch
 
 
@@ -17,7 +17,7 @@ def test_a_miniature_hits_what_it_holds_and_keeps_its_capacity() -> None:
     assert len(mini.window) + len(mini.main) == 100
     assert len(mini.window) == window_room(100) == 1
     assert mini.access(299, sketch) and not mini.access(1, sketch)  # LRU: 1 went long ago
-    mini.capacity = 50
+    mini.resize(50)
     mini.access(1000, sketch)
     assert len(mini.window) + len(mini.main) == 50
 
@@ -81,3 +81,19 @@ def test_one_key_in_sixteen_is_sampled() -> None:
     rnd = random.Random(4)
     share = sum(sampled(rnd.getrandbits(64), 16) for _ in range(32000)) / 32000
     assert 0.055 < share < 0.07
+
+
+def test_counting_uses_one_by_one_or_vectorised_is_the_same() -> None:
+    rnd = random.Random(5)
+    keys = [rnd.getrandbits(64) for _ in range(400)]
+    one, one_sketch = _admission(1600)
+    many, many_sketch = _admission(1600)
+    for key in keys:
+        count_uses(one_sketch, [one], [key])
+    for start in range(0, 400, 100):
+        count_uses(many_sketch, [many], keys[start : start + 100])
+    assert [one_sketch.estimate(k) for k in keys] == [many_sketch.estimate(k) for k in keys]
+    assert one.hits == many.hits and one.on == many.on
+    assert [m.main for m in one.miniatures] == [m.main for m in many.miniatures]
+    seen = sum(sampled(key, 16) for key in keys)
+    assert seen and len(one.miniatures[0].window) + len(one.miniatures[0].main) == min(seen, 100)

@@ -40,3 +40,16 @@ def test_width_is_a_power_of_two_at_least_what_was_asked() -> None:
     assert FrequencySketch(1000).width == 1024
     assert FrequencySketch(1).width == 64
     assert FrequencySketch(1000).reset_uses == 10 * 1024
+
+
+def test_counting_a_run_at_once_counts_as_one_by_one() -> None:
+    import numpy as np
+
+    rnd = random.Random(2)
+    keys = [rnd.getrandbits(64) for _ in range(1000)] * 3
+    one, many = FrequencySketch(512, 1 << 30), FrequencySketch(512, 1 << 30)
+    for key in keys:
+        one.increment(key)
+    many.increment_all(np.array(keys, dtype=np.uint64))  # colliding counters, over 255 uses
+    assert [one.estimate(k) for k in keys] == [many.estimate(k) for k in keys]
+    assert many.num_uses == 3000

@@ -15,8 +15,10 @@ lock guards it. Design: docs/design/eviction.md#the-adaptive-policy
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable
-from typing import Generic, TypeVar
+from collections.abc import Callable, Sequence
+from typing import Any, Generic, TypeVar
+
+import numpy as np
 
 from tierkv.frequency import FrequencySketch
 
@@ -27,6 +29,7 @@ WINDOW_SHARE = 0.01
 
 _MIX = 0x9E3779B97F4A7C15
 _MASK64 = (1 << 64) - 1
+_RESIZE_EVERY = 64
 
 
 def window_room(num_blocks: int) -> int:
@@ -40,17 +43,53 @@ def sampled(key: int, sample: int) -> bool:
     return ((((key & _MASK64) * _MIX) & _MASK64) >> 32) % sample == 0
 
 
-class MiniatureTinyLfu:
-    """A W-TinyLFU of ``capacity`` keys (set by its owner before each use), with its frequency
-    filter on or off, counting nothing itself: ``access`` says whether it was a hit."""
+VECTOR_USES = 16
+"""From this many keys a call on, ``count_uses`` counts them with numpy."""
 
-    __slots__ = ("capacity", "filtered", "main", "window")
+
+def count_uses(sketch: FrequencySketch, admissions: Sequence[Admission[Any]],
+               keys: Sequence[int]) -> bool:
+    """Count a use of each of ``keys`` in ``sketch`` and show the sampled ones to every
+    admission's miniatures (all of ``admissions`` sample alike); whether any was sampled."""
+    if not admissions:
+        return False
+    sample = admissions[0].sample
+    if len(keys) >= VECTOR_USES:
+        array = np.fromiter(keys, np.uint64, len(keys))
+        sketch.increment_all(array)
+        mixed = (array * np.uint64(_MIX)) >> np.uint64(32)
+        picked: list[int] = array[mixed % np.uint64(sample) == 0].tolist()
+    else:
+        picked = []
+        increment = sketch.increment
+        for key in keys:
+            increment(key)
+            if (((key * _MIX) & _MASK64) >> 32) % sample == 0:  # ``sampled``, inlined
+                picked.append(key)
+    for key in picked:
+        for admission in admissions:
+            admission.observe(key)
+    return bool(picked)
+
+
+class MiniatureTinyLfu:
+    """A W-TinyLFU of ``capacity`` keys (``resize`` it), with its frequency filter on or off,
+    counting nothing itself: ``access`` says whether it was a hit."""
+
+    __slots__ = ("capacity", "filtered", "main", "main_capacity", "window", "window_capacity")
 
     def __init__(self, filtered: bool, capacity: int = 4) -> None:
         self.filtered = filtered
-        self.capacity = capacity
         self.window: OrderedDict[int, None] = OrderedDict()
         self.main: OrderedDict[int, None] = OrderedDict()
+        self.capacity = self.window_capacity = self.main_capacity = 0
+        self.resize(capacity)
+
+    def resize(self, capacity: int) -> None:
+        """Hold ``capacity`` keys from the next access on (a shrink evicts then)."""
+        self.capacity = capacity
+        self.window_capacity = window_room(capacity)
+        self.main_capacity = max(1, capacity - self.window_capacity)
 
     def access(self, key: int, sketch: FrequencySketch) -> bool:
         """Use ``key``: a hit refreshes it, a miss stores it in the window; the window's
@@ -63,18 +102,16 @@ class MiniatureTinyLfu:
             main.move_to_end(key)
             return True
         window[key] = None
-        window_capacity = window_room(self.capacity)
-        main_capacity = max(1, self.capacity - window_capacity)
-        while len(window) > window_capacity:
+        while len(window) > self.window_capacity:
             candidate = window.popitem(last=False)[0]
-            if len(main) < main_capacity:
+            if len(main) < self.main_capacity:
                 main[candidate] = None
                 continue
             victim = next(iter(main))
             if not self.filtered or sketch.estimate(candidate) > sketch.estimate(victim):
                 del main[victim]
                 main[candidate] = None
-        while len(main) > main_capacity:  # the capacity shrank
+        while len(main) > self.main_capacity:  # the capacity shrank
             main.popitem(last=False)
         return False
 
@@ -84,8 +121,8 @@ class Admission(Generic[T]):
     block (``estimate``) from the store's sketch. ``key_of`` gives an owner's 64-bit key;
     ``capacity_blocks`` the tier's room in blocks now (an estimate: blocks differ in size)."""
 
-    __slots__ = ("capacity_blocks", "decay", "hits", "key_of", "miniatures", "on", "sample",
-                 "sketch")
+    __slots__ = ("_until_resize", "capacity_blocks", "decay", "hits", "key_of", "miniatures",
+                 "on", "sample", "sketch")
 
     def __init__(self, sketch: FrequencySketch, key_of: Callable[[T], int],
                  capacity_blocks: Callable[[], int], sample: int = 16,
@@ -98,16 +135,26 @@ class Admission(Generic[T]):
         self.miniatures = (MiniatureTinyLfu(filtered=False), MiniatureTinyLfu(filtered=True))
         self.hits = [0.0, 0.0]
         self.on = False  # until the filtered miniature does better
+        self._until_resize = 0
 
     def estimate(self, owner: T) -> int:
         """``owner``'s recent uses, as the sketch has them."""
         return self.sketch.estimate(self.key_of(owner))
 
     def observe(self, key: int) -> None:
-        """A use of a sampled ``key`` (``sampled(key, self.sample)``): both miniatures see it."""
-        capacity = max(4, self.capacity_blocks() // self.sample)
-        hits, decay = self.hits, self.decay
-        for which, miniature in enumerate(self.miniatures):
-            miniature.capacity = capacity
-            hits[which] = hits[which] * decay + miniature.access(key, self.sketch)
+        """A use of a sampled ``key`` (``sampled(key, self.sample)``): both miniatures see it
+        (sized to the tier's room every ``_RESIZE_EVERY`` uses)."""
+        self._until_resize -= 1
+        if self._until_resize <= 0:
+            self._until_resize = _RESIZE_EVERY
+            capacity = max(4, self.capacity_blocks() // self.sample)
+            for miniature in self.miniatures:
+                miniature.resize(capacity)
+        plain, filtered = self.miniatures
+        hits, decay, sketch = self.hits, self.decay, self.sketch
+        plain_hits = hits[0] * decay + plain.access(key, sketch)
+        filtered_hits = hits[1] * decay + filtered.access(key, sketch)
+        # (Hit counts that decayed to nothing are zero, not subnormal floats: those are slow.)
+        hits[0] = plain_hits if plain_hits > 1e-9 else 0.0
+        hits[1] = filtered_hits if filtered_hits > 1e-9 else 0.0
         self.on = hits[1] > hits[0]

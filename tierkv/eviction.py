@@ -73,10 +73,11 @@ class PriorityLru(Generic[T]):
         nodes, at least one)."""
         return window_room(self.num_linked)
 
-    def push_mru(self, node: Residency[T], priority: int) -> None:
-        """Link ``node`` as the most recently used of its class (in the window, if the list has
-        one). It must be unlinked."""
-        segment = self._new
+    def push_mru(self, node: Residency[T], priority: int, main: bool = False) -> None:
+        """Link ``node`` as the most recently used of its class: in the window, if the list
+        has one, unless ``main`` (a tier with room to spare: W-TinyLFU's main has room then).
+        It must be unlinked."""
+        segment = MAIN if main else self._new
         sentinel = self._sentinels[segment][priority]
         last = sentinel.prev
         assert last is not None and node.prev is None
@@ -89,13 +90,13 @@ class PriorityLru(Generic[T]):
         self.num_linked += 1
         self.num_window += segment
 
-    def push_before(self, node: Residency[T], anchor: Residency[T]) -> None:
+    def push_before(self, node: Residency[T], anchor: Residency[T], main: bool = False) -> None:
         """Link ``node`` just less recently used than ``anchor``, a linked node of the same
         class (a block's descendants go there: evicted before it); with a window, only if
-        ``anchor`` is in it (else ``push_mru``: nothing enters main but by the policy).
-        ``node`` must be unlinked."""
+        ``anchor`` is in it or ``main`` allows main (else ``push_mru``: nothing enters main but
+        by the policy or with room to spare). ``node`` must be unlinked."""
         segment = anchor.segment
-        if segment != self._new:
+        if segment != self._new and not main:
             self.push_mru(node, anchor.priority)
             return
         prev = anchor.prev
@@ -172,15 +173,6 @@ class PriorityLru(Generic[T]):
         last.next = node
         sentinel.prev = node
         self.num_linked += 1
-
-    def admit_oldest(self) -> None:
-        """``admit`` the window's least recently used node (of the lowest class that has one):
-        what leaves a window while the tier still has room (main has room then)."""
-        for window in self._sentinels[WINDOW]:
-            if window.next is not window:
-                assert window.next is not None
-                self.admit(window.next)
-                return
 
     def iter_lru(self) -> Iterator[Residency[T]]:
         """Nodes from least to most recently used, lowest priority class first (in each class,

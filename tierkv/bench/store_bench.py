@@ -27,6 +27,7 @@ from tierkv.bench.report import GB, Row, fresh_hashes, median_of, random_blocks,
 from tierkv.bench.utilisation_bench import bench_disk_overhead, bench_utilisation
 from tierkv.config import (
     DiskTierConfig,
+    Eviction,
     HostTierConfig,
     StoreConfig,
     TenantShares,
@@ -54,6 +55,7 @@ class StoreBenchConfig:
     lookup_blocks: int = 8192
     hash_tokens: int = 131072
     index_blocks: int = 1_000_000
+    eviction: Eviction = Eviction.LRU  # of the stores the host and leases rows measure
 
 
 
@@ -70,7 +72,8 @@ def bench_host(cfg: StoreBenchConfig, progress: Progress) -> list[Row]:
     source = random_blocks(layout, cfg.batch_blocks)
     source_np = source.view(torch.uint8).reshape(-1).numpy()
     namespace = Namespace("bench", layout)
-    config = StoreConfig(host=HostTierConfig(total_bytes + batch_bytes, 256 * 1024))
+    config = StoreConfig(host=HostTierConfig(total_bytes + batch_bytes, 256 * 1024),
+                         eviction=cfg.eviction)
     baseline_dst = np.zeros(total_bytes, np.uint8)  # pre-faulted, like the slab
     out = torch.empty_like(source)
     out_np = out.view(torch.uint8).reshape(-1).numpy()
@@ -236,7 +239,7 @@ def bench_lease_bookkeeping(cfg: StoreBenchConfig, progress: Progress) -> list[R
     layout = KVLayout(1, 1, 8)  # 512 B blocks: one 4 KiB page each, the copy costs nothing
     namespace = Namespace("bench-leases", layout)
     num_blocks = 256
-    with TieredStore(_lease_config(num_blocks)) as store:
+    with TieredStore(_lease_config(num_blocks, cfg.eviction)) as store:
         store.register(namespace)
         write_us, read_us = _lease_calls(store, namespace, num_blocks)
     progress("lease bookkeeping")
@@ -252,10 +255,11 @@ def bench_lease_bookkeeping(cfg: StoreBenchConfig, progress: Progress) -> list[R
 _LEASE_CALLS = 45
 
 
-def _lease_config(num_blocks: int) -> StoreConfig:
+def _lease_config(num_blocks: int, eviction: Eviction = Eviction.LRU) -> StoreConfig:
     page_bytes = 4096
     host_bytes = 2 * num_blocks * _LEASE_CALLS * page_bytes  # no eviction in the way
-    return StoreConfig(host=HostTierConfig(host_bytes, page_bytes), presence_slots=1 << 20)
+    return StoreConfig(host=HostTierConfig(host_bytes, page_bytes), presence_slots=1 << 20,
+                       eviction=eviction)
 
 
 def _lease_calls(store: TieredStore, namespace: Namespace, num_blocks: int,

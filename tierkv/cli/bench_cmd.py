@@ -31,6 +31,8 @@ def register(subparsers: Any) -> None:
     _add_common(store, "store", ["host", "disk", "lookup", "leases", "tenants", "hashing",
                                    "index", "utilisation", "events"],
                 "where disk benchmarks write (default: a temp dir)")
+    store.add_argument("--eviction", choices=("lru", "adaptive"), default="lru",
+                       help="the eviction policy of the stores the host and leases rows use")
     store.set_defaults(func=_checked(run_store))
     service = targets.add_parser(
         "service", help="the sidecar through the client SDK vs memcpy and a real Redis"
@@ -277,15 +279,19 @@ def run_gpu(args: argparse.Namespace) -> int:
 def run_store(args: argparse.Namespace) -> int:
     """Run ``bench store``."""
     from tierkv.bench.store_bench import StoreBenchConfig, run_store_bench
+    from tierkv.config import Eviction
 
     with tempfile.TemporaryDirectory(prefix="tierkv-bench-", dir=args.work_dir) as work:
-        cfg = StoreBenchConfig(Path(work), repeats=args.repeats)
+        eviction = Eviction(args.eviction)
+        cfg = StoreBenchConfig(Path(work), repeats=args.repeats, eviction=eviction)
         if args.quick:
             cfg = StoreBenchConfig(Path(work), num_batches=2, num_disk_batches=2,
-                                   repeats=min(args.repeats, 3), index_blocks=100_000)
+                                   repeats=min(args.repeats, 3), index_blocks=100_000,
+                                   eviction=eviction)
         with _progress(4 * cfg.repeats + 12, "bench store") as progress:
             rows = run_store_bench(cfg, args.only, progress)
-    extra = {"repeats": cfg.repeats, "batch_blocks": cfg.batch_blocks, "quick": args.quick}
+    extra = {"repeats": cfg.repeats, "batch_blocks": cfg.batch_blocks, "quick": args.quick,
+             "eviction": args.eviction}
     return _report(rows, args, extra, "tierkv bench store")
 
 

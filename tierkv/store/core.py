@@ -15,7 +15,7 @@ from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
-from tierkv.admission import Admission, sampled
+from tierkv.admission import Admission, count_uses
 from tierkv.buffers import BufferPool
 from tierkv.config import Eviction, StoreConfig, TenantShares, Tier
 from tierkv.copy_engine import CopyEngine
@@ -300,18 +300,16 @@ class StoreCore:
         share.num_blocks += 1
         share.stored_bytes += entry.ns.block_bytes
         if entry not in self.pins:
-            lru = share.lru
+            # The adaptive policy: while the tier has room for another block, a new copy goes
+            # to main, past the window (W-TinyLFU's main has room then); once full, to the
+            # window, which only a pick lets into main (``TinyLfuEviction``).
+            main = (share.lru.admission is not None
+                    and ledger.capacity_bytes - ledger.used_bytes >= entry.ns.block_bytes)
             anchor = _anchor(parent, tier, entry.priority)
             if anchor is None:
-                lru.push_mru(node, entry.priority)
+                share.lru.push_mru(node, entry.priority, main)
             else:
-                lru.push_before(node, anchor)
-            # The adaptive policy: while the tier has room for another block, what leaves the
-            # window enters main unfiltered (W-TinyLFU's main has room then); once full, only
-            # a pick lets it in (``TinyLfuEviction``).
-            if (lru.admission is not None and lru.num_window > lru.window_target
-                    and ledger.capacity_bytes - ledger.used_bytes >= entry.ns.block_bytes):
-                lru.admit_oldest()
+                share.lru.push_before(node, anchor, main)
         if self.events is not None:
             self.events.stored(entry.ns, tier, entry.block_hash, detail)
 
@@ -541,17 +539,9 @@ class StoreCore:
         """Count a use of each of ``entries`` (read, or written by a put) for the adaptive
         policy's frequencies and its tiers' miniatures; nothing under the LRU."""
         sketch = self.sketch
-        if sketch is None:
-            return
-        admissions = self.admissions
-        sample = admissions[0].sample
-        for entry in entries:
-            key = int.from_bytes(entry.block_hash[:8], "little")  # ``_key_of``, inlined
-            sketch.increment(key)
-            if sampled(key, sample):
-                for admission in admissions:
-                    admission.observe(key)
-                sketch.reset_uses = self._reset_uses_locked()
+        if sketch is not None and count_uses(sketch, self.admissions,
+                                             [entry.key for entry in entries]):
+            sketch.reset_uses = self._reset_uses_locked()
 
     def _reset_uses_locked(self) -> int:
         """How many uses the sketch counts before it halves: ten times the blocks the paged
@@ -804,9 +794,8 @@ class StoreCore:
 
 
 def _key_of(entry: Entry) -> int:
-    """An entry's key in the frequency sketch: its hash's first 8 bytes (block hashes are
-    uniform, and the same key in every process and run: the policy is reproducible)."""
-    return int.from_bytes(entry.block_hash[:8], "little")
+    """An entry's key in the frequency sketch (``Entry.key``)."""
+    return entry.key
 
 
 def _room_in_blocks(ledger: Ledger) -> int:

@@ -28,12 +28,15 @@ _TIER_SLOTS = ("gpu", "host", "disk")
 class Entry:
     """One stored key and where its copies are."""
 
-    __slots__ = ("block_hash", "disk", "gpu", "host", "ns", "num_children", "parent",
+    __slots__ = ("block_hash", "disk", "gpu", "host", "key", "ns", "num_children", "parent",
                  "priority", "readers")
 
     def __init__(self, block_hash: bytes, ns: NamespaceState, priority: int,
                  parent: bytes | None = None) -> None:
         self.block_hash = block_hash
+        # Its key in the adaptive policy's frequency sketch: the hash's first 8 bytes (block
+        # hashes are uniform; the same key in every process and run, so it is reproducible).
+        self.key = int.from_bytes(block_hash[:8], "little")
         self.ns = ns
         self.priority = priority
         # The hash of the block before it in its chain, when its writer said (else the put's
