@@ -251,10 +251,11 @@ class TinyLfuEviction(EvictionPolicy):
     first: while the window holds more than its target, its oldest copy (the candidate) meets
     main's oldest (the victim), and the one used less often lately leaves; with the filter off
     (the tier's miniatures found it worse), the candidate always enters main and the victim
-    leaves: an LRU in two segments. A candidate with no victim to meet enters main, and so does
-    one that lost but may not leave (``excluded``: the store keeps a block whose children are
-    held), so the window never fills with such. Then, room still wanted, main's oldest leave
-    (admitted candidates last), or the window's when main has none. A list without an
+    leaves: an LRU in two segments. A candidate with no victim to meet enters main; one that
+    lost but may not leave stays in the window (the store lets a block's window ancestors into
+    main with it, so such a block's children are in the window, older, and decided first).
+    Then, room still wanted, main's oldest leave (admitted candidates last), or the window's
+    when main has none. A list without an
     admission is picked as ``EvictionPolicy`` does. ``excluded`` is asked only of a copy about
     to be taken, which is taken unless excluded (the store's held-children rule counts on it);
     busy copies are passed over. O(victims + nodes passed over + candidates admitted)."""
@@ -306,8 +307,8 @@ class TinyLfuEviction(EvictionPolicy):
                         continue
                     admitted.append(candidate)  # it enters, the victim leaves
                     victim = idle(main)
-                elif not take(candidate):
-                    admitted.append(candidate)  # it lost, but may not go: main keeps it
+                else:
+                    take(candidate)  # it lost: it leaves, or, excluded, stays in the window
                 over -= 1
                 candidate = idle(window)
             while victims.size < needed and (victim is not None or candidate is not None):

@@ -22,6 +22,7 @@ from tierkv.bench.policies import (
 )
 from tierkv.bench.trace_bench import TraceBenchConfig, replay_sidecar
 from tierkv.bench.traces import Request, load_mooncake, synthetic
+from tierkv.config import Eviction
 from tierkv.errors import ConfigError
 
 TRACE = Path(__file__).resolve().parents[3] / "shared" / "traces" / (
@@ -136,6 +137,7 @@ def test_the_cli_prints_the_table_and_writes_json(tmp_path: Path) -> None:
         capture_output=True, text=True, timeout=600, check=False)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "| 10% (" in done.stdout and "Belady (optimum)" in done.stdout
+    assert "tierkv (lru)" in done.stdout and "tierkv (adaptive)" in done.stdout
     rows = json.loads(out.read_text())["rows"]
     assert any(row["metric"].startswith("10% HOST: tierkv") for row in rows)
 
@@ -168,3 +170,22 @@ def test_the_adaptive_policy_follows_the_better_of_its_two_modes(traffic: str) -
     better, worse = max(lru, tiny), min(lru, tiny)
     assert better > 1.2 * worse, (lru, tiny)  # the two modes really differ here
     assert adaptive >= 0.95 * better, (lru, tiny, adaptive)
+
+
+@pytest.mark.slow
+def test_the_sidecar_under_the_adaptive_policy_keeps_hot_chains_through_scans(
+        tmp_path: Path) -> None:
+    """``tierkv serve --eviction adaptive`` on traffic where frequency pays: hot prompts between
+    one-off prompts that flush an LRU (which then hits nothing). It keeps the hot chains, with
+    nothing stranded; it gets less than the simulated adaptive W-TinyLFU, which rejects a
+    one-off prompt block by block, where the store keeps the prefix of a chain still being
+    written (its continuation would be stranded otherwise) and takes that room from main."""
+    requests = _hot_chains_and_scans(900)
+    facts = TraceFacts(requests)
+    sidecar = replay_sidecar(requests, facts, 160, TraceBenchConfig(tmp_path),
+                             eviction=Eviction.ADAPTIVE)
+    simulated = simulate(requests, AdaptiveTinyLfu(160), facts).num_hit_blocks
+    assert simulate(requests, Lru(160), facts).num_hit_blocks == 0
+    assert sidecar.replay.name == "tierkv (adaptive)"
+    assert sidecar.replay.num_hit_blocks >= 0.4 * simulated > 0, (sidecar.replay, simulated)
+    assert sidecar.replay.num_stranded == 0

@@ -20,7 +20,7 @@ from tierkv.buffers import BufferPool
 from tierkv.config import Eviction, StoreConfig, TenantShares, Tier
 from tierkv.copy_engine import CopyEngine
 from tierkv.errors import CapacityError, TierKVError
-from tierkv.eviction import EvictionPolicy, Residency, TinyLfuEviction, Victims
+from tierkv.eviction import WINDOW, EvictionPolicy, Residency, TinyLfuEviction, Victims
 from tierkv.frequency import FrequencySketch
 from tierkv.paging import Location, location_num_pages
 from tierkv.shm.presence import Fingerprinter, PresenceTable
@@ -620,6 +620,23 @@ class StoreCore:
 
     # --- reserving room -------------------------------------------------------------------
 
+    def admit_locked(self, share: TenantShare, node: Residency[Entry], tier: Tier) -> None:
+        """Let a window copy into main, and its chain's ancestors in the window after it
+        (newer: a chain still leaves main tail first), so that no block whose descendants
+        are in main waits in the window (the adaptive policy is prefix-aware)."""
+        share.lru.admit(node)
+        entry = node.owner
+        blocks = entry.ns.blocks
+        while entry.parent is not None:
+            parent = blocks.get(entry.parent)
+            if parent is None:
+                return
+            above = parent.residency(tier)
+            if above is None or above.prev is None or above.segment != WINDOW:
+                return
+            share.lru.admit(above)
+            entry = parent
+
     def pick_victims_locked(
         self, ledger: Ledger, share: TenantShare, needed: int, size_of: SizeOf,
         excluded: Callable[[Entry], bool], spare: frozenset[Entry] = frozenset(),
@@ -686,7 +703,7 @@ class StoreCore:
             got = self.eviction.pick_victims(owner.lru, min(units, limit), size_of,
                                              passed_over, is_busy)
             for admitted in got.admitted:  # the adaptive policy's window copies let into main
-                owner.lru.admit(admitted)
+                self.admit_locked(owner, admitted, ledger.tier)
             size = 0
             for entry in got.owners:
                 node = entry.residency(ledger.tier)
