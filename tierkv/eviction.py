@@ -255,10 +255,10 @@ class TinyLfuEviction(EvictionPolicy):
     lost but may not leave stays in the window (the store lets a block's window ancestors into
     main with it, so such a block's children are in the window, older, and decided first).
     Then, room still wanted, main's oldest leave (admitted candidates last), or the window's
-    when main has none. A list without an
-    admission is picked as ``EvictionPolicy`` does. ``excluded`` is asked only of a copy about
-    to be taken, which is taken unless excluded (the store's held-children rule counts on it);
-    busy copies are passed over. O(victims + nodes passed over + candidates admitted)."""
+    when main has none. A list without an admission is picked as ``EvictionPolicy`` does.
+    ``excluded`` is asked only of a copy about to be taken, which is taken unless excluded (the
+    store's held-children rule counts on it); busy copies are passed over. O(victims + nodes
+    passed over + candidates admitted)."""
 
     def pick_victims(
         self,
