@@ -539,8 +539,9 @@ class StoreCore:
         """Count a use of each of ``entries`` (read, or written by a put) for the adaptive
         policy's frequencies and its tiers' miniatures; nothing under the LRU."""
         sketch = self.sketch
-        if sketch is not None and count_uses(sketch, self.admissions,
-                                             [entry.key for entry in entries]):
+        if sketch is not None and count_uses(
+                sketch, self.admissions,
+                [entry.key if entry.key >= 0 else _key_of(entry) for entry in entries]):
             sketch.reset_uses = self._reset_uses_locked()
 
     def _reset_uses_locked(self) -> int:
@@ -811,7 +812,11 @@ class StoreCore:
 
 
 def _key_of(entry: Entry) -> int:
-    """An entry's key in the frequency sketch (``Entry.key``)."""
+    """An entry's key in the frequency sketch (``Entry.key``, set on first use): its hash's
+    first 8 bytes (block hashes are uniform; the same key in every process and run, so the
+    policy is reproducible)."""
+    if entry.key < 0:
+        entry.key = int.from_bytes(entry.block_hash[:8], "little")
     return entry.key
 
 

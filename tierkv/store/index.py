@@ -34,9 +34,9 @@ class Entry:
     def __init__(self, block_hash: bytes, ns: NamespaceState, priority: int,
                  parent: bytes | None = None) -> None:
         self.block_hash = block_hash
-        # Its key in the adaptive policy's frequency sketch: the hash's first 8 bytes (block
-        # hashes are uniform; the same key in every process and run, so it is reproducible).
-        self.key = int.from_bytes(block_hash[:8], "little")
+        # Its key in the adaptive policy's frequency sketch, -1 until that policy first asks
+        # (``StoreCore``'s ``_key_of``).
+        self.key = -1
         self.ns = ns
         self.priority = priority
         # The hash of the block before it in its chain, when its writer said (else the put's
