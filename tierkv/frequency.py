@@ -42,15 +42,10 @@ class FrequencySketch:
         """Counters a row (a power of two)."""
         return self._width
 
-    def _indices(self, key: int) -> tuple[int, int, int, int]:
-        key &= _MASK64
-        mask, width = self._mask, self._width
-        return (key & mask, width + ((key >> 21) & mask), 2 * width + ((key >> 42) & mask),
-                3 * width + ((((key * _MIX) & _MASK64) >> 40) & mask))
-
     def increment(self, key: int) -> None:
         """Count one use of ``key``."""
-        # ``_indices`` inlined: this runs for every block used under the adaptive policy.
+        # Row r's counter: bits 21r.. of the key (the fourth row: of the key times _MIX), spelled
+        # out: this runs for every block used under the adaptive policy.
         key &= _MASK64
         mask, width, rows = self._mask, self._width, self._rows
         index = key & mask
@@ -91,7 +86,7 @@ class FrequencySketch:
     def estimate(self, key: int) -> int:
         """Uses of ``key`` since the last reset (halved at each), or more (other keys share its
         counters), at most ``MAX_COUNT``."""
-        # ``_indices`` inlined: two of these a duel of the adaptive policy.
+        # The rows' counters as ``increment`` finds them (two of these a duel).
         key &= _MASK64
         mask, width, rows = self._mask, self._width, self._rows
         return min(rows[key & mask], rows[width + ((key >> 21) & mask)],
