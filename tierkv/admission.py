@@ -20,15 +20,13 @@ from typing import Any, Generic, TypeVar
 
 import numpy as np
 
-from tierkv.frequency import FrequencySketch
+from tierkv.frequency import MASK64, MIX, FrequencySketch
 
 T = TypeVar("T")
 
 WINDOW_SHARE = 0.01
 """The window's part of a list's room (W-TinyLFU's 1 %)."""
 
-_MIX = 0x9E3779B97F4A7C15
-_MASK64 = (1 << 64) - 1
 _RESIZE_EVERY = 64
 
 
@@ -40,7 +38,7 @@ def window_room(num_blocks: int) -> int:
 def sampled(key: int, sample: int) -> bool:
     """Whether ``key`` is one of the 1/``sample`` of keys the miniatures see (a fixed pattern of
     the key's mixed bits, apart from those the sketch indexes with)."""
-    return ((((key & _MASK64) * _MIX) & _MASK64) >> 32) % sample == 0
+    return ((((key & MASK64) * MIX) & MASK64) >> 32) % sample == 0
 
 
 VECTOR_USES = 16
@@ -57,15 +55,12 @@ def count_uses(sketch: FrequencySketch, admissions: Sequence[Admission[Any]],
     if len(keys) >= VECTOR_USES:
         array = np.fromiter(keys, np.uint64, len(keys))
         sketch.increment_all(array)
-        mixed = (array * np.uint64(_MIX)) >> np.uint64(32)
+        mixed = (array * np.uint64(MIX)) >> np.uint64(32)  # ``sampled``, vectorised
         picked: list[int] = array[mixed % np.uint64(sample) == 0].tolist()
     else:
-        picked = []
-        increment = sketch.increment
         for key in keys:
-            increment(key)
-            if (((key * _MIX) & _MASK64) >> 32) % sample == 0:  # ``sampled``, inlined
-                picked.append(key)
+            sketch.increment(key)
+        picked = [key for key in keys if sampled(key, sample)]
     for key in picked:
         for admission in admissions:
             admission.observe(key)

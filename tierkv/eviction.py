@@ -149,30 +149,14 @@ class PriorityLru(Generic[T]):
             self.touch(node, priority)
             return
         self.remove(node)
-        prev = anchor.prev
-        assert prev is not None
-        node.priority = anchor.priority
-        node.prev = prev
-        node.next = anchor
-        prev.next = node
-        anchor.prev = node
-        self.num_linked += 1
-        self.num_window += node.segment
+        self.push_before(node, anchor, main=True)  # in the anchor's segment, whichever
 
     def admit(self, node: Residency[T]) -> None:
         """Move a linked window node to main, as the most recently used of its class there."""
         if node.prev is None or node.segment != WINDOW:
             return
         self.remove(node)
-        sentinel = self._sentinels[MAIN][node.priority]
-        last = sentinel.prev
-        assert last is not None
-        node.segment = MAIN
-        node.prev = last
-        node.next = sentinel
-        last.next = node
-        sentinel.prev = node
-        self.num_linked += 1
+        self.push_mru(node, node.priority, main=True)
 
     def iter_lru(self) -> Iterator[Residency[T]]:
         """Nodes from least to most recently used, lowest priority class first (in each class,

@@ -3,7 +3,7 @@
 Four rows of ``width`` saturating counters (0-15, as TinyLFU's 4-bit counters), one byte each;
 a use adds one to the key's counter in every row (those at 15 stay), the estimate is the
 smallest of the four. Every ``reset_uses`` uses, every counter is halved (TinyLFU's reset: old
-popularity fades). Keys are 64-bit hashes (a block's ``hash(block_hash)``); an estimate is never
+popularity fades). Keys are 64-bit (a block's: its hash's first 8 bytes); an estimate is never
 below the true count since the last reset, halved as it was. Not thread-safe: the store's lock
 guards it. Design: docs/design/eviction.md#the-adaptive-policy
 """
@@ -16,8 +16,10 @@ import numpy.typing as npt
 MAX_COUNT = 15
 NUM_ROWS = 4
 _HALF = bytes(value >> 1 for value in range(256))  # bytes.translate table: every counter / 2
-_MIX = 0x9E3779B97F4A7C15  # Fibonacci hashing: spreads the key's bits over the fourth index
-_MASK64 = (1 << 64) - 1
+MIX = 0x9E3779B97F4A7C15
+"""Fibonacci hashing's multiplier: spreads a key's bits (the fourth row's index, and which keys
+``tierkv.admission`` samples)."""
+MASK64 = (1 << 64) - 1
 _CHUNK_KEYS = 240  # a counter at 15 plus one use of each key of a chunk stays below 256
 
 
@@ -44,9 +46,9 @@ class FrequencySketch:
 
     def increment(self, key: int) -> None:
         """Count one use of ``key``."""
-        # Row r's counter: bits 21r.. of the key (the fourth row: of the key times _MIX), spelled
+        # Row r's counter: bits 21r.. of the key (the fourth row: of the key times MIX), spelled
         # out: this runs for every block used under the adaptive policy.
-        key &= _MASK64
+        key &= MASK64
         mask, width, rows = self._mask, self._width, self._rows
         index = key & mask
         if rows[index] < MAX_COUNT:
@@ -57,7 +59,7 @@ class FrequencySketch:
         index = 2 * width + ((key >> 42) & mask)
         if rows[index] < MAX_COUNT:
             rows[index] += 1
-        index = 3 * width + ((((key * _MIX) & _MASK64) >> 40) & mask)
+        index = 3 * width + ((((key * MIX) & MASK64) >> 40) & mask)
         if rows[index] < MAX_COUNT:
             rows[index] += 1
         self.num_uses += 1
@@ -75,7 +77,7 @@ class FrequencySketch:
                 chunk & mask,
                 width + ((chunk >> np.uint64(21)) & mask),
                 2 * width + ((chunk >> np.uint64(42)) & mask),
-                3 * width + (((chunk * np.uint64(_MIX)) >> np.uint64(40)) & mask),
+                3 * width + (((chunk * np.uint64(MIX)) >> np.uint64(40)) & mask),
             )).astype(np.intp)
             np.add.at(rows, indices, np.uint8(1))  # a uint8 one: numpy's fast path
             rows[indices] = np.minimum(rows[indices], MAX_COUNT)
@@ -87,11 +89,11 @@ class FrequencySketch:
         """Uses of ``key`` since the last reset (halved at each), or more (other keys share its
         counters), at most ``MAX_COUNT``."""
         # The rows' counters as ``increment`` finds them (two of these a duel).
-        key &= _MASK64
+        key &= MASK64
         mask, width, rows = self._mask, self._width, self._rows
         return min(rows[key & mask], rows[width + ((key >> 21) & mask)],
                    rows[2 * width + ((key >> 42) & mask)],
-                   rows[3 * width + ((((key * _MIX) & _MASK64) >> 40) & mask)])
+                   rows[3 * width + ((((key * MIX) & MASK64) >> 40) & mask)])
 
     def halve(self) -> None:
         """Halve every counter (one C-level pass) and start counting uses again."""

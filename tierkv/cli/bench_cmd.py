@@ -16,6 +16,7 @@ from typing import Any, TypeVar
 from tqdm import tqdm
 
 from tierkv.bench.report import Row, format_table, save_json, save_plot
+from tierkv.config import Eviction
 from tierkv.errors import ConfigError
 
 N = TypeVar("N", int, float)
@@ -31,7 +32,8 @@ def register(subparsers: Any) -> None:
     _add_common(store, "store", ["host", "disk", "lookup", "leases", "tenants", "hashing",
                                    "index", "utilisation", "events"],
                 "where disk benchmarks write (default: a temp dir)")
-    store.add_argument("--eviction", choices=("lru", "adaptive"), default="lru",
+    store.add_argument("--eviction", choices=tuple(e.value for e in Eviction),
+                       default=Eviction.LRU.value,
                        help="the eviction policy of the stores the host and leases rows use")
     store.set_defaults(func=_checked(run_store))
     service = targets.add_parser(
@@ -204,8 +206,6 @@ def _shares(text: str) -> tuple[float, ...]:
 
 def _evictions(text: str) -> tuple[str, ...]:
     """``lru,adaptive`` for argparse: eviction policies (``tierkv serve --eviction``)."""
-    from tierkv.config import Eviction
-
     names = tuple(part.strip() for part in text.split(",") if part.strip())
     known = {eviction.value for eviction in Eviction}
     if not names or not set(names) <= known:
@@ -279,7 +279,6 @@ def run_gpu(args: argparse.Namespace) -> int:
 def run_store(args: argparse.Namespace) -> int:
     """Run ``bench store``."""
     from tierkv.bench.store_bench import StoreBenchConfig, run_store_bench
-    from tierkv.config import Eviction
 
     with tempfile.TemporaryDirectory(prefix="tierkv-bench-", dir=args.work_dir) as work:
         eviction = Eviction(args.eviction)
@@ -550,7 +549,6 @@ def run_trace(args: argparse.Namespace) -> int:
         save_plot,
     )
     from tierkv.bench.traces import load_mooncake, synthetic
-    from tierkv.config import Eviction
     from tierkv.errors import ConfigError
 
     if args.requests < 1 or args.start < 0 or args.put_blocks < 1 or args.disk_factor < 0:

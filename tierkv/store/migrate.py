@@ -64,13 +64,13 @@ class Mover:
         only past their share).
 
         ``exclude`` are never victims (a put's own chain); ``spare`` are victims in the lowest
-        tier only when nothing else is left (the blocks a put continues). With ``wait`` (a put), room held by
-        blocks being read or copied, here and in the tier a victim is demoted to, is waited for
-        (up to ``_RESERVE_WAIT_S``). Without it (a promotion or a REMOTE fill, which hold
-        blocks themselves and could wait for their own), it fails at once. ``drop`` (default:
-        as ``wait``): victims that cannot be demoted are dropped (a put, a REMOTE fill), else
-        kept and passed over from then on (a promotion; eviction.md, moves 4). Raises
-        ``CapacityError`` when there is no room; nothing is then reserved.
+        tier only when nothing else is left (the blocks a put continues). With ``wait`` (a
+        put), room held by blocks being read or copied, here and in the tier a victim is
+        demoted to, is waited for (up to ``_RESERVE_WAIT_S``). Without it (a promotion or a
+        REMOTE fill, which hold blocks themselves and could wait for their own), it fails at
+        once. ``drop`` (default: as ``wait``): victims that cannot be demoted are dropped (a
+        put, a REMOTE fill), else kept and passed over from then on (a promotion; eviction.md,
+        moves 4). Raises ``CapacityError`` when there is no room; nothing is then reserved.
         """
         ledger = self.core.paged[tier]
         pages_needed = sum(ledger.pages_of(sizes_bytes))

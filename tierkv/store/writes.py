@@ -202,9 +202,11 @@ class Writer:
                 if wants_disk and (entry is None or entry.disk is None):
                     plan.disk_indices.append(index)
             if detail is not None:
-                parents = {state.blocks.get(parent_hash) for parent_hash in (
-                    detail.parent_hash, *(detail.parent_hashes or ())) if parent_hash is not None}
-                plan.parents = frozenset(p for p in parents if p is not None and p not in own)
+                named = (detail.parent_hash, *(detail.parent_hashes or ()))
+                plan.parents = frozenset(
+                    parent for parent_hash in named if parent_hash is not None
+                    and (parent := state.blocks.get(parent_hash)) is not None
+                    and parent not in own)
         plan.own = frozenset(own)
         return plan
 
