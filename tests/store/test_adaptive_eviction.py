@@ -6,36 +6,50 @@ LRU does. (Both property tests of the store run under either policy.)"""
 from __future__ import annotations
 
 from tests.support.tiny_blocks import StoreFactory, block_for, blocks, key, keys, same_bytes
-from tierkv import Namespace
+from tierkv import Namespace, TieredStore
 from tierkv.config import Eviction
 from tierkv.types import PutDetail
 
 HOST_BLOCKS = 64
 
 
-def hot_hits_after_scans(make_store: StoreFactory, namespace: Namespace,
-                         eviction: Eviction) -> tuple[int, int]:
-    """Fifteen rounds of: read 32 hot blocks (put again when missing), then put 200 new blocks
-    once. The hot hits of the last five rounds, and of how many reads."""
+def store_of(make_store: StoreFactory, namespace: Namespace,
+             eviction: Eviction = Eviction.ADAPTIVE) -> TieredStore:
     store = make_store(host_blocks=HOST_BLOCKS, eviction=eviction)
     store.register(namespace)
-    hot = list(range(32))
+    return store
+
+
+def put_block(store: TieredStore, namespace: Namespace, i: int) -> None:
+    store.put(namespace, [key(i)], block_for(i)[None])
+
+
+def hot_reads_between_scans(store: TieredStore, namespace: Namespace, hot: range,
+                            num_rounds: int, scan_blocks: int) -> list[int]:
+    """Rounds of: read the ``hot`` blocks (put again when missing), then put ``scan_blocks``
+    new blocks once. The hot hits of each round."""
     scan = iter(range(1000, 10**6))
-    hits = reads = 0
-    for round_ in range(15):
+    hits = []
+    for _ in range(num_rounds):
+        hits.append(0)
         for i in hot:
-            found = store.lookup(namespace, [key(i)]) == 1
-            if found:
+            if store.lookup(namespace, [key(i)]) == 1:
                 assert same_bytes(store.get(namespace, [key(i)])[0], block_for(i))
+                hits[-1] += 1
             else:
-                store.put(namespace, [key(i)], block_for(i)[None])
-            if round_ >= 10:
-                hits += found
-                reads += 1
-        for _ in range(200):
-            i = next(scan)
-            store.put(namespace, [key(i)], block_for(i)[None])
-    return hits, reads
+                put_block(store, namespace, i)
+        for _ in range(scan_blocks):
+            put_block(store, namespace, next(scan))
+    return hits
+
+
+def hot_hits_after_scans(make_store: StoreFactory, namespace: Namespace,
+                         eviction: Eviction) -> tuple[int, int]:
+    """Fifteen rounds of 32 hot blocks and 200 new ones: the hot hits of the last five
+    rounds, and of how many reads."""
+    hits = hot_reads_between_scans(store_of(make_store, namespace, eviction), namespace,
+                                   range(32), 15, 200)
+    return sum(hits[10:]), 5 * 32
 
 
 def test_blocks_read_often_outlive_scans_under_the_adaptive_policy(
@@ -51,19 +65,9 @@ def test_a_prefix_just_read_is_not_evicted_by_the_put_that_continues_it(
     """Its filter on and main full of blocks used often, a new prompt's blocks lose every duel:
     the put of its continuation must not evict the prefix it continues (the tail just read, in
     the window), or the continuation would be held behind a missing head."""
-    store = make_store(host_blocks=HOST_BLOCKS, eviction=Eviction.ADAPTIVE)
-    store.register(namespace)
+    store = store_of(make_store, namespace)
     hot = range(HOST_BLOCKS - 1)
-    scan = iter(range(1000, 10**6))
-    for _ in range(8):
-        for i in hot:
-            if store.lookup(namespace, [key(i)]):
-                store.get(namespace, [key(i)])
-            else:
-                store.put(namespace, [key(i)], block_for(i)[None])
-        for _ in range(100):
-            i = next(scan)
-            store.put(namespace, [key(i)], block_for(i)[None])
+    hot_reads_between_scans(store, namespace, hot, 8, 100)
     assert sum(store.lookup(namespace, [key(i)]) for i in hot) >= HOST_BLOCKS - 4
     chain = keys(8, salt="new-prompt")
     store.put(namespace, chain[:4], blocks(4, seed=1))
@@ -76,25 +80,23 @@ def test_a_prefix_just_read_is_not_evicted_by_the_put_that_continues_it(
 
 def test_recent_blocks_are_kept_when_nothing_is_used_twice(
         make_store: StoreFactory, namespace: Namespace) -> None:
-    store = make_store(host_blocks=HOST_BLOCKS, eviction=Eviction.ADAPTIVE)
-    store.register(namespace)
+    store = store_of(make_store, namespace)
     for i in range(500):
-        store.put(namespace, [key(i)], block_for(i)[None])
+        put_block(store, namespace, i)
     held = [i for i in range(500) if store.lookup(namespace, [key(i)])]
     assert len(held) == HOST_BLOCKS and held == list(range(500 - HOST_BLOCKS, 500))
 
 
 def test_pinned_and_leased_blocks_are_never_its_victims(
         make_store: StoreFactory, namespace: Namespace) -> None:
-    store = make_store(host_blocks=HOST_BLOCKS, eviction=Eviction.ADAPTIVE)
-    store.register(namespace)
+    store = store_of(make_store, namespace)
     for i in range(8):
-        store.put(namespace, [key(i)], block_for(i)[None])
+        put_block(store, namespace, i)
     assert store.pin(namespace, [key(i) for i in range(4)]) == 4
     lease = store.acquire(namespace, [key(i) for i in range(4, 8)])
     try:
         for i in range(1000, 1600):  # ten times the tier, each used once
-            store.put(namespace, [key(i)], block_for(i)[None])
+            put_block(store, namespace, i)
         assert all(store.lookup(namespace, [key(i)]) == 1 for i in range(8))
     finally:
         store.release(lease.lease_id)
