@@ -1,6 +1,6 @@
 """Every setting of ``tierkv serve``, in one schema: its TOML key, flag, environment variable,
 type, default and meaning. Sources, in rising precedence: defaults, TOML file, ``TIERKV_<NAME>``,
-flags. The parser, the resolution, ``--print-config`` and the README's reference come from it;
+flags. The parser, the resolution, ``--print-config`` and docs/configuration.md come from it;
 a bad value is one ``ConfigError`` naming setting, value and source.
 Design: docs/design/operations.md#settings
 """
@@ -417,7 +417,7 @@ def resolve(argv: Sequence[str], environ: Mapping[str, str]) -> Resolved:
     return resolve_args(build_parser().parse_args(list(argv)), environ)
 
 
-# --- the README's reference ----------------------------------------------------------------
+# --- the reference page (docs/configuration.md) ----------------------------------------------
 
 REFERENCE_START = "<!-- config-reference:start: scripts/gen-docs writes this from tierkv/cli/settings.py -->"
 REFERENCE_END = "<!-- config-reference:end -->"
@@ -444,7 +444,8 @@ def _wrap(text: str) -> list[str]:
 
 
 def reference_markdown() -> str:
-    """The README's configuration reference, between its two marker lines (included)."""
+    """The configuration reference (docs/configuration.md), between its two marker lines
+    (included)."""
     intro = (
         "Every setting of `tierkv serve` comes, in rising precedence, from its default, a TOML "
         f"file (`--config PATH` or `{CONFIG_ENV}`), an environment variable and a flag. "
@@ -474,10 +475,10 @@ def reference_markdown() -> str:
     return "\n".join(lines) + "\n"
 
 
-def replace_reference(readme: str) -> str:
-    """``readme`` with the text between (and including) its reference markers replaced by
+def replace_reference(page: str) -> str:
+    """``page`` with the text between (and including) its reference markers replaced by
     ``reference_markdown()``; ``ValueError`` when it lacks the markers."""
-    start, end = readme.find(REFERENCE_START), readme.find(REFERENCE_END)
+    start, end = page.find(REFERENCE_START), page.find(REFERENCE_END)
     if start < 0 or end < start:
-        raise ValueError(f"the README has no {REFERENCE_START!r} ... {REFERENCE_END!r} section")
-    return readme[:start] + reference_markdown() + readme[end + len(REFERENCE_END) + 1:]
+        raise ValueError(f"the page has no {REFERENCE_START!r} ... {REFERENCE_END!r} section")
+    return page[:start] + reference_markdown() + page[end + len(REFERENCE_END) + 1:]

@@ -1,4 +1,4 @@
-"""A KV connector for vLLM v1: ``TierKVConnector`` (see ``connector.py`` and the README).
+"""A KV connector for vLLM v1: ``TierKVConnector`` (see ``connector.py`` and docs/vllm.md).
 
 vLLM loads it by name from this package; the class (and vLLM with it) is imported on first
 use, so that the scheduler and worker halves import without vLLM.

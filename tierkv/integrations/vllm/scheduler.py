@@ -13,7 +13,7 @@ Contracts (vLLM v1's connector API):
   slow makes it answer 0 within ``lookup_timeout_s``, and it is not asked again for a while
   (a breaker).
 * Loads are synchronous for an engine of one KV cache group (in the step that schedules the
-  request; see the README for the measurement) and asynchronous for several (while the
+  request; see docs/vllm.md for the measurement) and asynchronous for several (while the
   request waits: the only loads whose failure vLLM 0.32 takes for such a model, as the
   request's, ``failed_recving``); ``load_mode`` may ask for async with one group. Saves cover
   the full prompt blocks the sidecar does not hold, in the step vLLM computes them.
