@@ -1,5 +1,13 @@
 """One harness for real vLLM engines in tests: each engine is a fresh process running
-``tierkv.integrations.vllm.engine_run`` against a spec, as a restarted inference worker is."""
+``tierkv.integrations.vllm.engine_run`` against a spec, as a restarted inference worker is.
+
+By default an engine runs vLLM's engine core and its worker inside that one process
+(``VLLM_ENABLE_V1_MULTIPROCESSING=0``, the layout of vLLM's own connector tests), on one
+OpenMP thread as vLLM gives its own worker process on this machine: each of the two processes
+vLLM would otherwise spawn costs 7-8 s of imports on the 2-core test machine, half of an
+engine's start. ``in_process=False`` keeps vLLM's production layout, where the scheduler's
+half of the connector and the worker's live in two processes and everything between them
+crosses as pickled metadata: the handover tests run that way."""
 
 from __future__ import annotations
 
@@ -17,6 +25,9 @@ ENGINE_TIMEOUT_S = 600.0
 BLOCK_SIZE = 32  # the CPU backend's smallest: more blocks, and partial ones, in short prompts
 ALPHA, BETA = "alpha-token-0123456789", "beta-token-0123456789"
 TOKENS = f"{ALPHA} tenant-a\n{BETA} tenant-b\n"
+# Without a worker process of its own vLLM binds no OpenMP threads: one thread keeps the
+# sums (and greedy tokens) independent of how requests are batched, as its worker's one is.
+IN_PROCESS = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "OMP_NUM_THREADS": "1"}
 
 
 @dataclass
@@ -30,11 +41,11 @@ class EngineResult:
 
 
 def run_engine(workdir: Path, name: str, spec: dict[str, Any],
-               env: dict[str, str] | None = None) -> EngineResult:
+               env: dict[str, str] | None = None, *, in_process: bool = True) -> EngineResult:
     """Run one engine to completion; its log is ``workdir/<name>.log``."""
     out_path = workdir / f"{name}.out.json"
     log_path = workdir / f"{name}.log"
-    process = start_engine(workdir, name, spec, env)
+    process = start_engine(workdir, name, spec, env, in_process=in_process)
     try:
         code = process.wait(timeout=ENGINE_TIMEOUT_S)
     finally:
@@ -48,11 +59,13 @@ def run_engine(workdir: Path, name: str, spec: dict[str, Any],
 
 
 def start_engine(workdir: Path, name: str, spec: dict[str, Any],
-                 env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
+                 env: dict[str, str] | None = None, *,
+                 in_process: bool = True) -> subprocess.Popen[bytes]:
     """Start one engine process (see ``run_engine``); ``result_of`` reads what it wrote."""
     spec_path = workdir / f"{name}.json"
     spec_path.write_text(json.dumps(spec))
-    environment = {**child_env(), "VLLM_CPU_KVCACHE_SPACE": "1", **(env or {})}
+    layout = IN_PROCESS if in_process else {}
+    environment = {**child_env(), "VLLM_CPU_KVCACHE_SPACE": "1", **layout, **(env or {})}
     environment.pop("PYTHONHASHSEED", None)  # vLLM's default seed, as tierkv's default assumes
     with (workdir / f"{name}.log").open("wb") as log:
         return subprocess.Popen(

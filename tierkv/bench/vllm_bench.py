@@ -104,6 +104,10 @@ class VllmBenchConfig:
     # ``window_tokens`` sliding window, then a global one): several KV cache groups in vLLM.
     family: str = "llama"
     window_tokens: int = 512
+    # Engine core and worker inside each engine's process (VLLM_ENABLE_V1_MULTIPROCESSING=0):
+    # it halves an engine's start, for runs whose figures are not the point (a smoke run, bytes
+    # counted); timed runs keep vLLM's own layout of three processes.
+    one_process: bool = False
 
     def build_model(self) -> None:
         """Save the random-weight model at ``model_dir`` unless it is there."""
@@ -141,7 +145,7 @@ def quick_config(work_dir: Path, model_dir: Path, family: str = "llama") -> Vllm
     """A smoke run: the tiny test model, 32-token blocks, two short lengths, one sample."""
     return VllmBenchConfig(work_dir, model_dir, shape=TINY, lengths=(64, 128), samples=1,
                            block_size=32, warmup_blocks=2, engine_timeout_s=600.0,
-                           kv_space_gib=1, family=family, window_tokens=64)
+                           kv_space_gib=1, family=family, window_tokens=64, one_process=True)
 
 
 NUM_STEPS = 9
@@ -284,6 +288,8 @@ def run_engine(cfg: VllmBenchConfig, name: str, spec: dict[str, Any]) -> dict[st
     env.pop("PYTHONHASHSEED", None)  # vLLM's default hash seed, as the connector's default
     env.update({"VLLM_CPU_KVCACHE_SPACE": str(cfg.kv_space()), "TQDM_DISABLE": "1",
                 "VLLM_CPU_NUM_OF_RESERVED_CPU": str(cfg.reserved_cpus)})
+    if cfg.one_process:  # and one OpenMP thread, as vLLM's own worker process gets here
+        env.update({"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "OMP_NUM_THREADS": "1"})
     with log_path.open("wb") as log:
         process = subprocess.Popen(
             [sys.executable, "-m", "tierkv.integrations.vllm.engine_run", str(spec_path),

@@ -28,7 +28,7 @@ def run_window_bench(work_dir: Path, *, window_tokens: int = 256, num_windows: i
     prompt = {"tokens": [rnd.randrange(100, 30000) for _ in range(length)]}
     cfg = replace(VllmBenchConfig(work_dir, work_dir / "models", shape=TINY,
                                   lengths=(length,), samples=1, block_size=block_size,
-                                  engine_timeout_s=900.0), kv_space_gib=1)
+                                  engine_timeout_s=900.0), kv_space_gib=1, one_process=True)
     sidecar = BenchSidecar(cfg)
     rows: list[dict[str, Any]] = []
     try:

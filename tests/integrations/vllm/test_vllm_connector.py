@@ -78,12 +78,16 @@ def tier_stats(sidecar: Sidecar, token: str = ALPHA) -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def handover(workdir: Path, model: Path, pool: SidecarPool) -> dict[str, Any]:
-    """Engine A stores P (write_through) and exits; engine B, a new process, reads it."""
+    """Engine A stores P (write_through) and exits; engine B, a new process, reads it. Both
+    run vLLM's production layout (engine core and worker processes of their own); the other
+    engines of these tests run it in one process."""
     sidecar = start_sidecar(pool, workdir, "one", "--write-policy", "write_through")
     a = run_engine(workdir, "a", spec(model, sidecar.unix_target,
-                                      [{"prompts": P, "flush": True}]))
+                                      [{"prompts": P, "flush": True}]),
+                   in_process=False)
     after_a = tier_stats(sidecar)
-    b = run_engine(workdir, "b", spec(model, sidecar.unix_target, [P, salted(P, "s1")]))
+    b = run_engine(workdir, "b", spec(model, sidecar.unix_target, [P, salted(P, "s1")]),
+                   in_process=False)
     b_async = run_engine(workdir, "b-async", spec(model, sidecar.unix_target, [P],
                                                   extra={"load_mode": "async"}))
     return {"sidecar": sidecar, "a": a, "b": b, "b_async": b_async, "after_a": after_a}
