@@ -16,7 +16,7 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, ParamSpec, TypeVar
+from typing import ParamSpec, TypeVar
 
 import torch
 
@@ -540,37 +540,50 @@ class TieredStore:
 
     # --- the asynchronous calls: the blocking ones on the store's worker threads ----------
 
-    def put_async(self, *args: Any, **kwargs: Any) -> Future[int]:
+    def put_async(self, namespace: Namespace, hashes: Sequence[bytes], blocks: torch.Tensor, *,
+                  priority: Priority = Priority.NORMAL, write_policy: WritePolicy | None = None,
+                  tier: Tier | None = None, detail: PutDetail | None = None) -> Future[int]:
         """``put`` on a worker thread."""
-        return self._submit(self.put, *args, **kwargs)
+        return self._submit(self.put, namespace, hashes, blocks, priority=priority,
+                            write_policy=write_policy, tier=tier, detail=detail)
 
-    def get_async(self, *args: Any, **kwargs: Any) -> Future[torch.Tensor]:
+    def get_async(self, namespace: Namespace, hashes: Sequence[bytes],
+                  device: str | torch.device = "cpu") -> Future[torch.Tensor]:
         """``get`` on a worker thread."""
-        return self._submit(self.get, *args, **kwargs)
+        return self._submit(self.get, namespace, hashes, device)
 
-    def get_into_async(self, *args: Any, **kwargs: Any) -> Future[int]:
+    def get_into_async(self, namespace: Namespace, hashes: Sequence[bytes], out: torch.Tensor, *,
+                       missed_after: bool = False) -> Future[int]:
         """``get_into`` on a worker thread."""
-        return self._submit(self.get_into, *args, **kwargs)
+        return self._submit(self.get_into, namespace, hashes, out, missed_after=missed_after)
 
-    async def aput(self, *args: Any, **kwargs: Any) -> int:
+    async def aput(self, namespace: Namespace, hashes: Sequence[bytes], blocks: torch.Tensor, *,
+                   priority: Priority = Priority.NORMAL, write_policy: WritePolicy | None = None,
+                   tier: Tier | None = None, detail: PutDetail | None = None) -> int:
         """``put`` without blocking the event loop."""
-        return await asyncio.wrap_future(self.put_async(*args, **kwargs))
+        return await asyncio.wrap_future(self.put_async(
+            namespace, hashes, blocks, priority=priority, write_policy=write_policy, tier=tier,
+            detail=detail))
 
-    async def aget(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+    async def aget(self, namespace: Namespace, hashes: Sequence[bytes],
+                   device: str | torch.device = "cpu") -> torch.Tensor:
         """``get`` without blocking the event loop."""
-        return await asyncio.wrap_future(self.get_async(*args, **kwargs))
+        return await asyncio.wrap_future(self.get_async(namespace, hashes, device))
 
-    async def aget_into(self, *args: Any, **kwargs: Any) -> int:
+    async def aget_into(self, namespace: Namespace, hashes: Sequence[bytes], out: torch.Tensor, *,
+                        missed_after: bool = False) -> int:
         """``get_into`` without blocking the event loop."""
-        return await asyncio.wrap_future(self.get_into_async(*args, **kwargs))
+        return await asyncio.wrap_future(
+            self.get_into_async(namespace, hashes, out, missed_after=missed_after))
 
-    async def aprefetch(self, *args: Any, **kwargs: Any) -> int:
+    async def aprefetch(self, namespace: Namespace, hashes: Sequence[bytes],
+                        tier: Tier = Tier.HOST) -> int:
         """``prefetch``, awaited."""
-        return await asyncio.wrap_future(self.prefetch(*args, **kwargs))
+        return await asyncio.wrap_future(self.prefetch(namespace, hashes, tier))
 
-    async def alookup(self, *args: Any, **kwargs: Any) -> int:
+    async def alookup(self, namespace: Namespace, hashes: Sequence[bytes]) -> int:
         """``lookup`` on a worker thread (it takes the store lock)."""
-        return await asyncio.wrap_future(self._submit(self.lookup, *args, **kwargs))
+        return await asyncio.wrap_future(self._submit(self.lookup, namespace, hashes))
 
     # --- the same-host data plane: leases on HOST pages (the table: tierkv.store.leases) --
 
