@@ -19,8 +19,10 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import dataclasses
 import secrets
 import time
+import typing
 from collections.abc import Callable
 from typing import Any
 
@@ -48,6 +50,7 @@ from tierkv import (
     Client,
     InvalidArgumentError,
 )
+from tierkv.client.base import ClientOptions, ClientSettings
 from tierkv.errors import (
     AuthenticationError,
     DeadlineExceededError,
@@ -292,3 +295,14 @@ def test_a_client_cannot_end_another_clients_leases(
             == grpc.StatusCode.FAILED_PRECONDITION
     assert a.stats().num_leases == 0
     assert same_bytes(b.get(namespace, hashes), data)
+
+
+def test_the_client_keywords_are_the_settings_fields() -> None:
+    """``Client(target, **options)``'s keywords (``ClientOptions``, which mypy checks callers
+    against) are exactly ``ClientSettings``' fields but the target, of the same types."""
+    hints = typing.get_type_hints(ClientSettings)
+    fields = {f.name: hints[f.name] for f in dataclasses.fields(ClientSettings)
+              if f.name != "target"}
+    assert typing.get_type_hints(ClientOptions) == fields
+    with pytest.raises(TypeError, match="timeout"):
+        Client("unix:///nonexistent.sock", timeout=1)  # type: ignore[call-arg]

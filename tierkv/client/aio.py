@@ -10,13 +10,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import Callable, Sequence
-from typing import Any, TypeVar
+from typing import TypeVar, Unpack
 
 import grpc
 import torch
 
 from tierkv.client import base
-from tierkv.client.base import BlockFill, BlockUse
+from tierkv.client.base import BlockFill, BlockUse, ClientOptions
 from tierkv.client.effects import Flow, run_async
 from tierkv.client.flows import ClientFlows
 from tierkv.client.results import ServerStats
@@ -33,7 +33,7 @@ R = TypeVar("R")
 class AsyncClient(ClientFlows):
     """An asyncio connection to a ``tierkv serve`` sidecar (``async with``, or ``await close()``)."""
 
-    def __init__(self, target: str = DEFAULT_TARGET, **settings: Any) -> None:
+    def __init__(self, target: str = DEFAULT_TARGET, **settings: Unpack[ClientOptions]) -> None:
         super().__init__(target, settings)
         self._channel, self._connection = base.open_channel(grpc.aio, target, self.settings)
         # When queued releases that no call carried are sent (on the loop of the call that

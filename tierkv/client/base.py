@@ -12,7 +12,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypedDict
 
 import grpc
 import numpy as np
@@ -376,11 +376,25 @@ def shm_mapping_for(info: ServerInfo, use_shm: bool | None) -> SlabMapping | Non
     return None
 
 
+class ClientOptions(TypedDict, total=False):
+    """The keywords of ``Client`` and ``AsyncClient``: every field of ``ClientSettings`` but
+    ``target`` (their defaults and meaning are there)."""
+
+    token: str | None
+    root_certificates: bytes | None
+    timeout_s: float
+    retries: int
+    backoff_s: float
+    use_shm: bool | None
+    client_id: str
+    release_delay_s: float
+
+
 class ClientBase:
     """What ``Client`` and ``AsyncClient`` hold and compute alike (no I/O here)."""
 
-    def __init__(self, target: str, settings: dict[str, object]) -> None:
-        self.settings = ClientSettings(target=target, **settings)  # type: ignore[arg-type]
+    def __init__(self, target: str, settings: ClientOptions) -> None:
+        self.settings = ClientSettings(target=target, **settings)
         self._info: ServerInfo | None = None
         self._slab: SlabMapping | None = None
         self._lock: ClientLock | None = None

@@ -15,13 +15,13 @@ import logging
 import threading
 import weakref
 from collections.abc import Callable, Sequence
-from typing import Any, TypeVar
+from typing import TypeVar, Unpack
 
 import grpc
 import torch
 
 from tierkv.client import base
-from tierkv.client.base import BlockFill, BlockUse
+from tierkv.client.base import BlockFill, BlockUse, ClientOptions
 from tierkv.client.effects import Flow, run_blocking
 from tierkv.client.flows import ClientFlows
 from tierkv.client.results import ServerStats
@@ -39,7 +39,7 @@ log = logging.getLogger(__name__)
 class Client(ClientFlows):
     """A connection to a ``tierkv serve`` sidecar. Use as a context manager, or ``close()``."""
 
-    def __init__(self, target: str = DEFAULT_TARGET, **settings: Any) -> None:
+    def __init__(self, target: str = DEFAULT_TARGET, **settings: Unpack[ClientOptions]) -> None:
         super().__init__(target, settings)
         self._channel, self._connection = base.open_channel(grpc, target, self.settings)
         # Sends queued releases that no call carried within release_delay_s (started with the
