@@ -20,14 +20,12 @@ from pathlib import Path
 from typing import Any
 
 from tests.support import child_env
+from tierkv.bench.vllm_bench import ONE_PROCESS_ENV
 
 ENGINE_TIMEOUT_S = 600.0
 BLOCK_SIZE = 32  # the CPU backend's smallest: more blocks, and partial ones, in short prompts
 ALPHA, BETA = "alpha-token-0123456789", "beta-token-0123456789"
 TOKENS = f"{ALPHA} tenant-a\n{BETA} tenant-b\n"
-# Without a worker process of its own vLLM binds no OpenMP threads: one thread keeps the
-# sums (and greedy tokens) independent of how requests are batched, as its worker's one is.
-IN_PROCESS = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "OMP_NUM_THREADS": "1"}
 
 
 @dataclass
@@ -64,7 +62,7 @@ def start_engine(workdir: Path, name: str, spec: dict[str, Any],
     """Start one engine process (see ``run_engine``); ``result_of`` reads what it wrote."""
     spec_path = workdir / f"{name}.json"
     spec_path.write_text(json.dumps(spec))
-    layout = IN_PROCESS if in_process else {}
+    layout = ONE_PROCESS_ENV if in_process else {}
     environment = {**child_env(), "VLLM_CPU_KVCACHE_SPACE": "1", **layout, **(env or {})}
     environment.pop("PYTHONHASHSEED", None)  # vLLM's default seed, as tierkv's default assumes
     with (workdir / f"{name}.log").open("wb") as log:

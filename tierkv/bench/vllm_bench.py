@@ -64,6 +64,12 @@ COLUMNS = (
 )
 """The keys of every row of the JSON."""
 
+ONE_PROCESS_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "OMP_NUM_THREADS": "1"}
+"""The environment of an engine whose engine core and worker run in its own process (vLLM's
+connector tests' layout: each process vLLM spawns costs seconds of imports). Without a worker
+process of its own vLLM binds no OpenMP threads; one thread, as its worker gets on a small host,
+keeps sums (and greedy tokens) independent of how requests are batched."""
+
 HOST_VS_PREFIX_MAX = 1.3  # (c) <= 1.3x (b), every length
 SPEEDUP_MIN = 15.0  # (c) >= 15x faster than (a) ...
 SPEEDUP_LENGTH = 4096  # ... at 4K
@@ -288,8 +294,8 @@ def run_engine(cfg: VllmBenchConfig, name: str, spec: dict[str, Any]) -> dict[st
     env.pop("PYTHONHASHSEED", None)  # vLLM's default hash seed, as the connector's default
     env.update({"VLLM_CPU_KVCACHE_SPACE": str(cfg.kv_space()), "TQDM_DISABLE": "1",
                 "VLLM_CPU_NUM_OF_RESERVED_CPU": str(cfg.reserved_cpus)})
-    if cfg.one_process:  # and one OpenMP thread, as vLLM's own worker process gets here
-        env.update({"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "OMP_NUM_THREADS": "1"})
+    if cfg.one_process:
+        env.update(ONE_PROCESS_ENV)
     with log_path.open("wb") as log:
         process = subprocess.Popen(
             [sys.executable, "-m", "tierkv.integrations.vllm.engine_run", str(spec_path),
