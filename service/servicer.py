@@ -235,7 +235,7 @@ class TierKVServicer(pb_grpc.TierKVServicer):
             convert.hashes_from(hashes, self.config.max_hashes_per_call)
             return pb.LookupResponse()
         if request.prefetch:
-            store.prefetch(namespace, hashes, Tier.HOST).result()
+            store.prefetch(namespace, hashes, Tier.HOST)
         if request.pin_ttl_s:
             num_pinned = store.pin(namespace, hashes, request.pin_ttl_s)
         counts = store.locate(namespace, hashes)
@@ -275,7 +275,7 @@ class TierKVServicer(pb_grpc.TierKVServicer):
         if namespace is None:
             return pb.CountResponse(count=0)
         return pb.CountResponse(
-            count=await self._run(self.store.publish, namespace, hashes, timeout_s))
+            count=await self._run(self.store.publish, namespace, hashes, wait_s=timeout_s))
 
     # --- stream data path -----------------------------------------------------------------
 
@@ -528,8 +528,9 @@ class TierKVServicer(pb_grpc.TierKVServicer):
 
     @unary
     async def ResumeSession(self, request: pb.SessionRequest, context: Any, caller: Caller) -> Any:
-        resumed = await self._run(self.store.resume_session, caller.tenant, request.session_id,
-                                  self.config.hash_seed, self.config.hash_algo)
+        resumed = await self._run(self.store.resume_session, request.session_id,
+                                  tenant=caller.tenant, seed=self.config.hash_seed,
+                                  algorithm=self.config.hash_algo)
         return pb.ResumeSessionResponse(
             namespace=namespace_to(resumed.namespace), token_ids=resumed.token_ids,
             num_cached_tokens=resumed.num_cached_tokens,
@@ -537,13 +538,14 @@ class TierKVServicer(pb_grpc.TierKVServicer):
 
     @unary
     async def DeleteSession(self, request: pb.SessionRequest, context: Any, caller: Caller) -> Any:
-        deleted = await self._run(self.store.delete_session, caller.tenant, request.session_id)
+        deleted = await self._run(self.store.delete_session, request.session_id,
+                                  tenant=caller.tenant)
         return pb.DeleteSessionResponse(deleted=deleted)
 
     @unary
     async def ListSessions(self, request: pb.ListSessionsRequest, context: Any,
                            caller: Caller) -> Any:
-        return sessions_to(await self._run(self.store.list_sessions, caller.tenant))
+        return sessions_to(await self._run(self.store.list_sessions, tenant=caller.tenant))
 
     # --- the operator's calls: a caller reaches its own tenant's namespaces, an admin tenant
     # (``ServiceConfig.admin_tenants``, or every caller of a server without tokens) every one

@@ -1,7 +1,8 @@
 """Imports flow one way: the rules of the package boundary, checked on the source.
 
-- ``tierkv.types`` (the result types) and ``tierkv.checks`` (the checks of caller input) sit
-  below both sides: the store and the client import them; they import neither.
+- ``tierkv.types`` (the result types), ``tierkv.checks`` (the checks of caller input) and
+  ``tierkv.block_store`` (the calls both sides offer) sit below both sides: the store and the
+  client import them; they import neither.
 - ``tierkv.client`` imports the wire (``tierkv.wire``), the shared-memory layouts
   (``tierkv.shm``) and public modules, never the store (not even its package), its tiers or the
   server: a process that imports the client loads neither the store nor LMDB.
@@ -32,7 +33,7 @@ FOLDERS = {"tierkv": ROOT / "tierkv", "tierkv.service": ROOT / "service"}
 PUBLIC = frozenset({
     "tierkv", "tierkv.errors", "tierkv.config", "tierkv.keys", "tierkv.checksums",
     "tierkv.codec", "tierkv.layout", "tierkv.hashing", "tierkv.logs", "tierkv.types",
-    "tierkv.buffers", "tierkv.checks",
+    "tierkv.buffers", "tierkv.checks", "tierkv.block_store",
 })
 # The server may use the store's public API (the package itself) as well.
 SERVER_PUBLIC = PUBLIC | {"tierkv.store"}
@@ -139,8 +140,8 @@ def test_the_service_uses_the_stores_public_api_only() -> None:
     assert _violations("tierkv.service", ("tierkv.wire", "tierkv.shm"), SERVER_PUBLIC) == []
 
 
-@pytest.mark.parametrize("module", ["tierkv.types", "tierkv.checks"])
-def test_the_result_types_and_the_checks_sit_below_both_sides(module: str) -> None:
+@pytest.mark.parametrize("module", ["tierkv.types", "tierkv.checks", "tierkv.block_store"])
+def test_the_result_types_the_checks_and_the_protocol_sit_below_both_sides(module: str) -> None:
     path = ROOT / "tierkv" / (module.split(".")[1] + ".py")
     assert [name for _, name in _imports(module, path)
             if any(_within(name, p) for p in BELOW_BOTH_SIDES)] == []

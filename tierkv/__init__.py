@@ -11,6 +11,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from tierkv.block_store import AsyncBlockStore, BlockStore
     from tierkv.client import AsyncClient, Client
     from tierkv.config import (
         DiskTierConfig,
@@ -55,11 +56,18 @@ if TYPE_CHECKING:
         TierStats,
         WriteLease,
     )
-    from tierkv.types import PutDetail
+    from tierkv.types import PutDetail, ResumedSession, SessionInfo
+
+    def _conforming(store: TieredStore, client: Client, async_client: AsyncClient
+                    ) -> tuple[BlockStore, BlockStore, AsyncBlockStore]:
+        """mypy's proof that the three classes have ``BlockStore``'s calls (issue 44)."""
+        return store, client, async_client
 
 # Names are imported on first use (PEP 562): `import tierkv` alone, or a command such as
 # `tierkv health` that needs none of them, does not pay for torch and the client (1.3 s here).
 _MODULE_OF: dict[str, str] = {
+    "AsyncBlockStore": "tierkv.block_store",
+    "BlockStore": "tierkv.block_store",
     "AsyncClient": "tierkv.client",
     "Client": "tierkv.client",
     "DiskTierConfig": "tierkv.config",
@@ -106,6 +114,8 @@ _MODULE_OF: dict[str, str] = {
     "TierStats": "tierkv.store",
     "WriteLease": "tierkv.store",
     "PutDetail": "tierkv.types",
+    "ResumedSession": "tierkv.types",
+    "SessionInfo": "tierkv.types",
 }
 
 
@@ -123,7 +133,11 @@ def __dir__() -> list[str]:
 
 
 __all__ = [
+    "AsyncBlockStore",
     "AsyncClient",
+    "BlockStore",
+    "ResumedSession",
+    "SessionInfo",
     "PutDetail",
     "AuthenticationError",
     "BlockHash",

@@ -71,7 +71,7 @@ def test_lookup_detail_counts_each_tier_and_prefetch_brings_blocks_into_host(
 
     # Move two blocks into the (emulated) GPU tier on the server: the fastest tier is reported.
     server_ns = Namespace("test-model", TINY_LAYOUT, tenant="alice")
-    assert server.store.prefetch(server_ns, hashes[:2], Tier.GPU).result() == 2
+    assert server.store.prefetch_async(server_ns, hashes[:2], Tier.GPU).result() == 2
     top = client.lookup_detail(namespace, hashes[:6])
     assert (top.num_gpu, top.num_host, top.num_disk) == (2, 4, 0)
 
@@ -181,10 +181,11 @@ def test_sessions_save_resume_list_delete(
 
     assert client.save_session(namespace, "chat-1", token_ids) == 42
     assert client.save_session(namespace, "chat-2", token_ids[:8], ttl_s=3600) == 8
-    resumed_ns, resumed_ids, num_cached = client.resume_session("chat-1")
-    assert resumed_ids == token_ids and num_cached == 24
-    assert (resumed_ns.model_id, resumed_ns.layout) == ("chat-model", TINY_LAYOUT)
-    assert client.resume_session("chat-2")[1:] == (token_ids[:8], 8)
+    resumed = client.resume_session("chat-1")
+    assert list(resumed.token_ids) == token_ids and resumed.num_cached_tokens == 24
+    assert (resumed.namespace.model_id, resumed.namespace.layout) == ("chat-model", TINY_LAYOUT)
+    short = client.resume_session("chat-2")
+    assert (list(short.token_ids), short.num_cached_tokens) == (token_ids[:8], 8)
     listed = {s.session_id: s for s in client.list_sessions()}
     assert set(listed) == {"chat-1", "chat-2"}
     assert all(isinstance(s, SessionInfo) for s in listed.values())  # typed, not protobuf

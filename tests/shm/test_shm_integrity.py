@@ -154,7 +154,7 @@ async def test_a_page_changed_between_the_copy_and_the_commit_is_a_miss_on_every
             assert store.locate(namespace, hashes)[Tier.DISK] == 2
             got = await asyncio.to_thread(store.get, namespace, hashes)
         else:
-            assert await asyncio.wrap_future(store.prefetch(namespace, hashes, Tier.GPU)) == 2
+            assert await asyncio.wrap_future(store.prefetch_async(namespace, hashes, Tier.GPU)) == 2
             got = await asyncio.to_thread(store.get, namespace, hashes)
         assert len(got) == 2 and same_bytes(got, as_blocks(data)[:2])
         assert store.stats().checksum_failures == 1
@@ -332,7 +332,7 @@ def test_a_damaged_host_block_promoted_to_the_gpu_is_counted_once_and_never_copi
     with mapped_slab(store.host_shm_name) as slab:  # a stray write into the damaged blocks
         for index in range(3 - num_damaged, 3):
             slab[lease.blocks[index][0][0]] ^= 0x01
-    assert store.prefetch(NAMESPACE, hashes, Tier.GPU).result() == 3 - num_damaged
+    assert store.prefetch_async(NAMESPACE, hashes, Tier.GPU).result() == 3 - num_damaged
     stats = store.stats()
     assert stats.checksum_failures == num_damaged
     assert stats.tiers[Tier.GPU].num_blocks == 3 - num_damaged

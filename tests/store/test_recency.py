@@ -71,7 +71,7 @@ def test_a_resumed_session_is_refreshed(make_store: StoreFactory, namespace: Nam
     store.put(namespace, history, blocks(4, seed=1))
     store.save_session(namespace, "chat", tokens)
     for i in range(6):
-        assert store.resume_session("default", "chat").num_cached_tokens == 4 * size
+        assert store.resume_session("chat").num_cached_tokens == 4 * size
         store.put(namespace, keys(4, salt=f"other-{i}"), blocks(4, seed=10 + i))
     assert store.lookup(namespace, history) == 4
 

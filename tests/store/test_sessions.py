@@ -59,7 +59,7 @@ def put_session_blocks(
 
 
 def ids(store: TieredStore, tenant: str = "default") -> list[str]:
-    return [info.session_id for info in store.list_sessions(tenant)]
+    return [info.session_id for info in store.list_sessions(tenant=tenant)]
 
 
 # --- save and resume ---------------------------------------------------------------------------
@@ -74,22 +74,22 @@ def test_resume_gives_back_tokens_and_the_cached_prefix(
     put_session_blocks(store, namespace, tokens, 3)
     assert store.save_session(namespace, "chat-1", tokens) == 22
 
-    resumed = store.resume_session("default", "chat-1")
+    resumed = store.resume_session("chat-1")
     assert isinstance(resumed, ResumedSession)
     assert resumed.namespace == namespace
     assert list(resumed.token_ids) == tokens
     assert resumed.num_cached_tokens == 3 * BLOCK_SIZE
 
     # Another seed hashes other blocks: nothing of them is cached.
-    assert store.resume_session("default", "chat-1", seed="other").num_cached_tokens == 0
+    assert store.resume_session("chat-1", tenant="default", seed="other").num_cached_tokens == 0
     # Once every full block is stored, all but the partial tail is cached.
     hashes = list(block_hashes(tokens, BLOCK_SIZE))
     store.put(namespace, hashes[3:], blocks(2, seed=7), priority=Priority.SESSION,
               write_policy=WRITE_THROUGH)
-    assert store.resume_session("default", "chat-1").num_cached_tokens == 20
+    assert store.resume_session("chat-1").num_cached_tokens == 20
     # A missing block in the middle ends the cached prefix there.
     assert store.delete(namespace, [hashes[1]]) == 1
-    assert store.resume_session("default", "chat-1").num_cached_tokens == BLOCK_SIZE
+    assert store.resume_session("chat-1").num_cached_tokens == BLOCK_SIZE
 
 
 def test_token_ids_may_be_numpy_or_torch_and_round_trip_as_uint32(
@@ -102,10 +102,10 @@ def test_token_ids_may_be_numpy_or_torch_and_round_trip_as_uint32(
     store.save_session(namespace, "numpy", np.array(edge, dtype=np.uint64))
     store.save_session(namespace, "torch", torch.tensor([5, 6, 7], dtype=torch.int64))
     store.save_session(namespace, "empty", [])
-    assert list(store.resume_session("default", "list").token_ids) == edge
-    assert list(store.resume_session("default", "numpy").token_ids) == edge
-    assert list(store.resume_session("default", "torch").token_ids) == [5, 6, 7]
-    empty = store.resume_session("default", "empty")
+    assert list(store.resume_session("list").token_ids) == edge
+    assert list(store.resume_session("numpy").token_ids) == edge
+    assert list(store.resume_session("torch").token_ids) == [5, 6, 7]
+    empty = store.resume_session("empty")
     assert list(empty.token_ids) == [] and empty.num_cached_tokens == 0
 
 
@@ -139,16 +139,16 @@ def test_sessions_and_their_blocks_survive_a_restart(
     hashes = put_session_blocks(store, namespace, tokens, 5)
     store.save_session(namespace, "chat", tokens, ttl_s=3600)
     store.save_session(namespace, "other", chat_tokens(3, start=7))
-    saved = {info.session_id: info for info in store.list_sessions("default")}
+    saved = {info.session_id: info for info in store.list_sessions()}
     store.close()
 
     store = make_store(disk_blocks=32, disk_path=disk)
-    resumed = store.resume_session("default", "chat")
+    resumed = store.resume_session("chat")
     assert resumed.namespace == namespace
     assert list(resumed.token_ids) == tokens
     assert resumed.num_cached_tokens == 5 * BLOCK_SIZE
     assert same_bytes(store.get(namespace, hashes), blocks(5, seed=len(tokens)))
-    listed = store.list_sessions("default")
+    listed = store.list_sessions()
     assert [info.session_id for info in listed] == ["chat", "other"]
     assert listed[1] == saved["other"]  # untouched: last use survives the restart exactly
     assert listed[0].last_use_unix_s >= saved["chat"].last_use_unix_s  # resumed: updated
@@ -169,22 +169,22 @@ def test_tenants_are_isolated(make_store: StoreFactory, namespace: Namespace) ->
     store.save_session(other, "chat", theirs)
     store.save_session(other, "acme-only", [1])
 
-    a = store.resume_session("default", "chat")
-    b = store.resume_session("acme", "chat")
+    a = store.resume_session("chat")
+    b = store.resume_session("chat", tenant="acme")
     assert (a.namespace, list(a.token_ids), a.num_cached_tokens) == (namespace, mine, 12)
     assert (b.namespace, list(b.token_ids), b.num_cached_tokens) == (other, theirs, 4)
     assert b.namespace.tenant == "acme"
     with pytest.raises(SessionNotFoundError):
-        store.resume_session("default", "acme-only")
+        store.resume_session("acme-only")
     with pytest.raises(SessionNotFoundError):
-        store.resume_session("nobody", "chat")
+        store.resume_session("chat", tenant="nobody")
     assert ids(store) == ["chat"]
     assert ids(store, "acme") == ["acme-only", "chat"]
     assert ids(store, "nobody") == []
     # Deleting one tenant's session leaves the other's.
-    assert store.delete_session("acme", "chat")
-    assert list(store.resume_session("default", "chat").token_ids) == mine
-    assert not store.delete_session("nobody", "chat")
+    assert store.delete_session("chat", tenant="acme")
+    assert list(store.resume_session("chat").token_ids) == mine
+    assert not store.delete_session("chat", tenant="nobody")
 
 
 def test_list_sessions_reports_each_session_sorted(
@@ -199,15 +199,15 @@ def test_list_sessions_reports_each_session_sorted(
     store.save_session(other_model, "a", chat_tokens(3))
     store.save_session(namespace, "c", [])
     after = time.time()
-    listed = store.list_sessions("default")
+    listed = store.list_sessions()
     assert all(isinstance(info, SessionInfo) for info in listed)
     assert [(i.session_id, i.model_id, i.num_tokens) for i in listed] == [
         ("a", "other-model", 3), ("b", "test-model", 7), ("c", "test-model", 0)
     ]
     assert all(before <= i.last_use_unix_s <= after for i in listed)
     time.sleep(0.01)
-    store.resume_session("default", "b")
-    assert store.list_sessions("default")[1].last_use_unix_s > after
+    store.resume_session("b")
+    assert store.list_sessions()[1].last_use_unix_s > after
 
 
 def test_delete_session_is_durable(
@@ -218,20 +218,20 @@ def test_delete_session_is_durable(
     store.register(namespace)
     store.save_session(namespace, "gone", [1, 2])
     store.save_session(namespace, "kept", [3, 4])
-    assert store.delete_session("default", "gone") is True
+    assert store.delete_session("gone") is True
     with pytest.raises(SessionNotFoundError) as info:
-        store.resume_session("default", "gone")
+        store.resume_session("gone")
     assert isinstance(info.value, LookupError)
     assert str(info.value) == "no session 'gone' for tenant 'default'"  # not quoted like KeyError
-    assert store.delete_session("default", "gone") is False
+    assert store.delete_session("gone") is False
     assert ids(store) == ["kept"]
     store.close()
 
     store = make_store(disk_blocks=8, disk_path=disk)
     with pytest.raises(SessionNotFoundError):
-        store.resume_session("default", "gone")
+        store.resume_session("gone")
     assert ids(store) == ["kept"]
-    assert store.delete_session("default", "kept") is True
+    assert store.delete_session("kept") is True
     store.close()
     store = make_store(disk_blocks=8, disk_path=disk)
     assert ids(store) == []
@@ -247,14 +247,14 @@ def test_saving_again_replaces_the_session(
     store.register(other_model)
     store.save_session(namespace, "chat", chat_tokens(10), ttl_s=60)
     assert store.save_session(other_model, "chat", chat_tokens(5, start=9)) == 5
-    resumed = store.resume_session("default", "chat")
+    resumed = store.resume_session("chat")
     assert (resumed.namespace, list(resumed.token_ids)) == (other_model, chat_tokens(5, start=9))
-    assert [(i.session_id, i.model_id, i.num_tokens) for i in store.list_sessions("default")] == [
+    assert [(i.session_id, i.model_id, i.num_tokens) for i in store.list_sessions()] == [
         ("chat", "other-model", 5)
     ]
     store.close()
     store = make_store(disk_blocks=8, disk_path=disk)
-    resumed = store.resume_session("default", "chat")
+    resumed = store.resume_session("chat")
     assert (resumed.namespace, list(resumed.token_ids)) == (other_model, chat_tokens(5, start=9))
 
 
@@ -269,7 +269,7 @@ def test_ttl_counts_from_last_use_and_expired_sessions_are_absent(
     store.save_session(namespace, "short", [1, 2, 3], ttl_s=0.8)
     store.save_session(namespace, "forever", [4])
     time.sleep(0.5)
-    store.resume_session("default", "short")  # 0.5 s after the save: alive; renews the TTL
+    store.resume_session("short")  # 0.5 s after the save: alive; renews the TTL
     store.close()
     time.sleep(0.5)  # over 0.8 s since the save, about 0.5 s since the resume
 
@@ -278,8 +278,8 @@ def test_ttl_counts_from_last_use_and_expired_sessions_are_absent(
     time.sleep(0.9)
     assert ids(store) == ["forever"]
     with pytest.raises(SessionNotFoundError):
-        store.resume_session("default", "short")
-    assert store.delete_session("default", "short") is False
+        store.resume_session("short")
+    assert store.delete_session("short") is False
     # The expired record is not resurrected by a restart either.
     store.close()
     store = make_store(disk_blocks=8, disk_path=disk)
@@ -334,11 +334,11 @@ def test_bad_input_raises_value_error_and_stores_nothing(
         assert isinstance(info.value, UnknownNamespaceError)
     tenant = args["namespace"].tenant
     assert ids(store) == ["chat"] and (tenant == "default" or ids(store, tenant) == [])
-    assert list(store.resume_session("default", "chat").token_ids) == [7, 8]
+    assert list(store.resume_session("chat").token_ids) == [7, 8]
     store.close()
     store = make_store(disk_blocks=8, disk_path=disk)
     assert ids(store) == ["chat"]
-    assert list(store.resume_session("default", "chat").token_ids) == [7, 8]
+    assert list(store.resume_session("chat").token_ids) == [7, 8]
 
 
 def test_limits_are_inclusive(make_store: StoreFactory, namespace: Namespace) -> None:
@@ -347,7 +347,7 @@ def test_limits_are_inclusive(make_store: StoreFactory, namespace: Namespace) ->
     longest = "é" * 128  # 256 UTF-8 bytes
     assert store.save_session(namespace, longest, np.arange(2**20, dtype=np.uint32),
                               ttl_s=30 * 24 * 3600) == 2**20
-    assert store.list_sessions("default")[0].num_tokens == 2**20
+    assert store.list_sessions()[0].num_tokens == 2**20
 
 
 @pytest.mark.parametrize("session_id", ["", "a\x00b", "x" * 257, 5])
@@ -356,14 +356,14 @@ def test_bad_ids_are_refused_by_resume_and_delete(
 ) -> None:
     store = make_store(disk_blocks=8)
     with pytest.raises(InvalidArgumentError):
-        store.resume_session("default", session_id)
+        store.resume_session(session_id)
     with pytest.raises(InvalidArgumentError):
-        store.delete_session("default", session_id)
+        store.delete_session(session_id)
     not_a_tenant: Any = b"default"
     with pytest.raises(InvalidArgumentError):
-        store.resume_session(not_a_tenant, "chat")
+        store.resume_session("chat", tenant=not_a_tenant)
     with pytest.raises(InvalidArgumentError):
-        store.list_sessions(not_a_tenant)
+        store.list_sessions(tenant=not_a_tenant)
 
 
 # --- a full disk, no disk, threads -------------------------------------------------------------
@@ -389,15 +389,15 @@ def test_a_save_the_disk_cannot_hold_fails_whole_and_keeps_the_old_session(
             store.save_session(namespace, "chat", np.zeros(2**18, dtype=np.uint32))
         with pytest.raises(DiskFullError):
             store.save_session(namespace, "new", np.zeros(2**18, dtype=np.uint32))
-        assert list(store.resume_session("default", "chat").token_ids) == [1, 2, 3]
+        assert list(store.resume_session("chat").token_ids) == [1, 2, 3]
         assert ids(store) == ["chat"]
     finally:
         store.close(flush=False)
     store = open_store()
     try:
         assert ids(store) == ["chat"]
-        assert list(store.resume_session("default", "chat").token_ids) == [1, 2, 3]
-        assert store.delete_session("default", "chat")
+        assert list(store.resume_session("chat").token_ids) == [1, 2, 3]
+        assert store.delete_session("chat")
     finally:
         store.close(flush=False)
 
@@ -411,12 +411,12 @@ def test_without_a_disk_tier_sessions_live_in_memory(
     hashes = list(block_hashes(tokens, BLOCK_SIZE))
     store.put(namespace, hashes, blocks(2), priority=Priority.SESSION)
     assert store.save_session(namespace, "chat", tokens, ttl_s=60) == 9
-    resumed = store.resume_session("default", "chat")
+    resumed = store.resume_session("chat")
     assert (list(resumed.token_ids), resumed.num_cached_tokens) == (tokens, 8)
     assert ids(store) == ["chat"]
-    assert store.delete_session("default", "chat")
+    assert store.delete_session("chat")
     with pytest.raises(SessionNotFoundError):
-        store.resume_session("default", "chat")
+        store.resume_session("chat")
     # A second store (no disk to share) has none of the first one's sessions.
     store.save_session(namespace, "chat", tokens)
     assert ids(make_store()) == []
@@ -437,11 +437,11 @@ def test_concurrent_operations_leave_memory_equal_to_disk(
             for i in range(12):
                 session_id = f"s{(thread + i) % 3}"
                 if i % 4 == 3:
-                    store.delete_session("default", session_id)
+                    store.delete_session(session_id)
                 else:
                     store.save_session(namespace, session_id, [thread, i])
                     with contextlib.suppress(SessionNotFoundError):  # deleted meanwhile
-                        store.resume_session("default", session_id)
+                        store.resume_session(session_id)
         except BaseException as exc:
             errors.append(exc)
 
@@ -453,7 +453,7 @@ def test_concurrent_operations_leave_memory_equal_to_disk(
     assert not errors, errors
 
     def state(s: TieredStore) -> dict[str, list[int]]:
-        return {sid: list(s.resume_session("default", sid).token_ids) for sid in ids(s)}
+        return {sid: list(s.resume_session(sid).token_ids) for sid in ids(s)}
 
     before = state(store)
     store.close()

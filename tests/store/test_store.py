@@ -97,7 +97,7 @@ def test_prefetch_brings_blocks_up(make_store: StoreFactory, namespace: Namespac
     store = make_store(host_blocks=4, disk_blocks=8, promote_on_read=False)
     store.register(namespace)
     store.put(namespace, keys(3), blocks(3, seed=6), tier=Tier.DISK)
-    assert store.prefetch(namespace, keys(4)).result(timeout=10) == 3
+    assert store.prefetch_async(namespace, keys(4)).result(timeout=10) == 3
     assert store.stats().tiers[Tier.HOST].num_blocks == 3
 
 

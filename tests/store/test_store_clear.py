@@ -49,9 +49,9 @@ def test_a_tenant_clear_removes_its_blocks_and_sessions_everywhere_and_nothing_e
     assert calls[0] == (0, 6) and calls[-1] == (6, 6)
     for ns in (ALICE_A, ALICE_B):
         assert store.lookup(ns, keys(3)) == 0
-    assert store.list_sessions("alice") == []
+    assert store.list_sessions(tenant="alice") == []
     assert same_bytes(store.get(BOB_A, keys(3)), blocks(3, seed=2))
-    assert [s.session_id for s in store.list_sessions("bob")] == ["chat-2"]
+    assert [s.session_id for s in store.list_sessions(tenant="bob")] == ["chat-2"]
     stats = store.stats()
     assert stats.tiers[Tier.HOST].num_blocks == stats.tiers[Tier.DISK].num_blocks == 3
     assert stats.tiers[Tier.HOST].used_bytes == 3 * BLOCK_BYTES
@@ -78,7 +78,7 @@ def test_a_clear_is_durable_across_a_restart(make_store: StoreFactory) -> None:
     store.clear(tenant="alice")
     store.close()
     reopened = make_store(host_blocks=16, disk_blocks=32)
-    assert reopened.list_sessions("alice") == []
+    assert reopened.list_sessions(tenant="alice") == []
     for ns in ALL:
         reopened.register(ns)
     assert [reopened.lookup(ns, keys(3)) for ns in ALL] == [0, 0, 3]
@@ -292,8 +292,8 @@ def test_sessions_saved_during_clears_are_the_same_after_a_restart(
     assert errors == []
 
     def held(s: TieredStore) -> dict[str, tuple[int, ...]]:
-        return {info.session_id: s.resume_session("bob", info.session_id).token_ids
-                for info in s.list_sessions("bob")}
+        return {info.session_id: s.resume_session(info.session_id, tenant="bob").token_ids
+                for info in s.list_sessions(tenant="bob")}
 
     before = held(store)
     assert store.stats().num_sessions == len(before)

@@ -155,7 +155,7 @@ def test_many_threads_hammer_one_store(
                         store.delete(namespace, chain_hashes)
                     else:
                         tier = rng.choice([Tier.GPU, Tier.HOST])
-                        num_ready = store.prefetch(namespace, chain_hashes, tier).result(timeout=30)
+                        num_ready = store.prefetch_async(namespace, chain_hashes, tier).result(timeout=30)
                         if not 0 <= num_ready <= length:
                             fail("prefetch out of range")
                 except CapacityError:

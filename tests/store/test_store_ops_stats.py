@@ -29,7 +29,7 @@ def test_bytes_moved_counts_each_route_a_copy_took(
     moved = store.stats().bytes_moved
     # Blocks 0-3 went GPU -> HOST (4 blocks), 0 and 1 then HOST -> DISK.
     assert moved == {(Tier.GPU, Tier.HOST): 4 * BLOCK_BYTES, (Tier.HOST, Tier.DISK): 2 * BLOCK_BYTES}
-    assert store.prefetch(namespace, keys(2), Tier.HOST).result() == 2
+    assert store.prefetch_async(namespace, keys(2), Tier.HOST).result() == 2
     moved = store.stats().bytes_moved
     assert moved[(Tier.DISK, Tier.HOST)] == 2 * BLOCK_BYTES
     as_dict = store.stats().as_dict()
@@ -66,7 +66,7 @@ def test_sessions_are_counted_per_namespace_and_in_all(
     assert store.stats().num_sessions == 3
     by_model = {s.namespace.model_id: s.num_sessions for s in store.namespace_stats()}
     assert by_model == {"test-model": 2, "other-model": 1}
-    assert store.delete_session("default", "b")
+    assert store.delete_session("b")
     assert store.stats().num_sessions == 2
     assert [s.num_sessions for s in store.namespace_stats("bob")] == [1]
 
@@ -166,7 +166,7 @@ def test_bytes_moved_agrees_with_every_tiers_promotions_and_demotions(
         elif action == 1:
             store.get(namespace, chain)
         elif action == 2:
-            store.prefetch(namespace, chain, rng.choice([Tier.GPU, Tier.HOST])).result()
+            store.prefetch_async(namespace, chain, rng.choice([Tier.GPU, Tier.HOST])).result()
         elif step % 7 == 0:
             store.delete(namespace, chain)
         store.wait_for_background()
@@ -220,12 +220,12 @@ def test_num_sessions_follows_saves_deletes_expiry_and_clears(
     store.save_session(namespace, "b", [2], ttl_s=1e-9)  # expired by the next call
     store.save_session(other, "c", [3], ttl_s=3600.0)
     store.put(other, keys(1), blocks(1), write_policy=WritePolicy.WRITE_THROUGH)
-    assert store.list_sessions("default") == [s for s in store.list_sessions("default")
+    assert store.list_sessions() == [s for s in store.list_sessions()
                                               if s.session_id == "a"]  # drops "b"
     assert store.stats().num_sessions == 2
     assert {(s.namespace.tenant, s.num_sessions) for s in store.namespace_stats()} == {
         ("default", 1), ("bob", 1)}
-    assert store.delete_session("default", "a")
+    assert store.delete_session("a")
     assert store.clear(tenant="bob").num_sessions == 1
     stats = store.stats()
     assert stats.num_sessions == 0

@@ -390,7 +390,7 @@ class StoreMachine(RuleBasedStateMachine):
         paged = [t for t in self.tiers if t is not Tier.DISK]
         tier = paged[tier_pick % len(paged)]
         started = time.monotonic()
-        future = self.s.prefetch(self.ns, self.hashes(chain), tier)
+        future = self.s.prefetch_async(self.ns, self.hashes(chain), tier)
         try:
             num_ready = future.result(timeout=STALL_S)
         except TimeoutError:
@@ -521,7 +521,7 @@ def test_promotion_does_not_wait_on_itself_nor_drop_blocks() -> None:
         result = store.get(ns, KEYS[2:4])
         assert len(result) == 2 and all(same_bytes(result[j], BLOCKS[2 + j]) for j in range(2))
         started = time.monotonic()
-        store.prefetch(ns, [], Tier.HOST).result(timeout=30)  # one worker: waits for the promotion
+        store.prefetch_async(ns, [], Tier.HOST).result(timeout=30)  # one worker: waits for the promotion
         waited_s = time.monotonic() - started
         assert waited_s < 1.0, f"the background promotion took {waited_s:.1f} s (waiting on itself)"
         assert [store.lookup(ns, [k]) for k in KEYS[0:4]] == [1, 1, 1, 1], (

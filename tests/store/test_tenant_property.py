@@ -239,7 +239,7 @@ class TenantMachine(RuleBasedStateMachine):
     def resume_session(self, tenant: str) -> None:
         """What a resumed session says is cached is there, with the bytes its tenant wrote."""
         with contextlib.suppress(SessionNotFoundError):
-            resumed = self.s.resume_session(tenant, "chat", SESSION_SEED)
+            resumed = self.s.resume_session("chat", tenant=tenant, seed=SESSION_SEED)
             num_blocks = resumed.num_cached_tokens // TINY_LAYOUT.block_size
             hashes = block_hashes(list(resumed.token_ids), TINY_LAYOUT.block_size, SESSION_SEED)
             got = self.s.get(self.namespaces[tenant], [bytes(h) for h in hashes[:num_blocks]])

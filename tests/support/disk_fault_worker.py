@@ -231,7 +231,7 @@ def check(path: Path) -> dict[str, Any]:
                     result["wrong_blocks"] += 1
         for namespace, session_id, token_ids in SESSIONS:
             try:
-                resumed = store.resume_session(namespace.tenant, session_id)
+                resumed = store.resume_session(session_id, tenant=namespace.tenant)
             except SessionNotFoundError:
                 result["lost_sessions"] += 1
                 continue

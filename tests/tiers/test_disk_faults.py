@@ -100,7 +100,8 @@ def check_served(target: str, kind: str) -> None:
                 assert not len(got) or same_bytes(got[0], original), f"{kind}: a wrong byte"
         for namespace, session_id, token_ids in worker.SESSIONS[:2]:
             try:
-                resumed_namespace, resumed_tokens, _ = client.resume_session(session_id)
+                resumed = client.resume_session(session_id)
+                resumed_namespace, resumed_tokens = resumed.namespace, list(resumed.token_ids)
             except NotFoundError:  # absent is allowed, wrong is not
                 continue
             assert resumed_tokens == token_ids, f"{kind}: session {session_id} resumed wrong"

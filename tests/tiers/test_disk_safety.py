@@ -148,17 +148,17 @@ def test_a_damaged_session_record_is_absent_and_counted_never_resumed_wrong(
         damage(disk, b"sessions", key, flip_at=flip_at)
         with TieredStore(store_config(disk)) as store:
             with pytest.raises(SessionNotFoundError):
-                store.resume_session("default", "chat")
+                store.resume_session("chat")
             assert store.stats().checksum_failures == 1, flip_at
     # A bit flipped in the key: the checksum is bound to it.
     damage(disk, b"sessions", key, new_key=b"default\x00chau")
     with TieredStore(store_config(disk)) as store:
         with pytest.raises(SessionNotFoundError):
-            store.resume_session("default", "chau")
+            store.resume_session("chau")
         assert store.stats().checksum_failures == 1
         store.save_session(namespace, "chat", token_ids)  # and it can be saved again
     with TieredStore(store_config(disk)) as store:
-        assert list(store.resume_session("default", "chat").token_ids) == token_ids
+        assert list(store.resume_session("chat").token_ids) == token_ids
 
 
 def test_a_session_record_of_the_unsealed_layout_is_absent_and_counted(tmp_path: Path) -> None:
@@ -171,7 +171,7 @@ def test_a_session_record_of_the_unsealed_layout_is_absent_and_counted(tmp_path:
     damage(disk, b"sessions", b"default\x00old", value=old_layout)
     with TieredStore(store_config(disk)) as store:
         with pytest.raises(SessionNotFoundError):
-            store.resume_session("default", "old")
+            store.resume_session("old")
         assert store.stats().checksum_failures == 1
 
 

@@ -157,7 +157,7 @@ def test_a_stalling_remote_never_holds_up_the_store(make_store: StoreFactory) ->
             assert timed(lambda: store.lookup(namespace, hashes), limit_s, "lookup") == attempt + 3
             got = timed(lambda: store.get(namespace, hashes), limit_s, "get")
             assert len(got) == attempt + 3 and same_bytes(got, data[: attempt + 3])
-            assert timed(lambda: store.prefetch(namespace, hashes).result(5), limit_s,
+            assert timed(lambda: store.prefetch_async(namespace, hashes).result(5), limit_s,
                          "prefetch") == attempt + 3
             if attempt == 0:
                 time.sleep(0.5)  # the watcher's first connect has timed out by now
@@ -234,7 +234,7 @@ def test_a_redis_that_is_not_there_leaves_the_store_local(make_store: StoreFacto
     assert store.lookup(namespace, hashes) == 4
     got = store.get(namespace, hashes)
     assert len(got) == 4 and same_bytes(got, data[:4])
-    assert store.prefetch(namespace, hashes).result(5) == 4
+    assert store.prefetch_async(namespace, hashes).result(5) == 4
     lease = store.acquire(namespace, hashes, slab_id=store.host_slab_id)
     assert len(lease.blocks) == 4
     store.release(lease.lease_id)
@@ -421,7 +421,7 @@ def test_prefetch_and_acquire_bring_remote_blocks_into_host(
     reader.register(namespace)
     assert sum(reader.locate(namespace, hashes).values()) == 0
 
-    assert reader.prefetch(namespace, hashes[:4]).result(10) == 4
+    assert reader.prefetch_async(namespace, hashes[:4]).result(10) == 4
     assert reader.locate(namespace, hashes[:4])[Tier.HOST] == 4
 
     lease = reader.acquire(namespace, hashes[4:8], slab_id=reader.host_slab_id)

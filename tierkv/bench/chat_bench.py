@@ -219,7 +219,6 @@ def load_model(cfg: ChatBenchConfig) -> Any:
 def _stores(cfg: ChatBenchConfig, store_bytes: int) -> Iterator[tuple[dict[str, Any], dict[str, Any]]]:
     """The sidecar's and the in-process store's ``BlockStore`` (and facts about the sidecar)."""
     from tierkv.client import Client
-    from tierkv.integrations.transformers import blocks_of
     from tierkv.store import TieredStore
 
     in_process = StoreConfig(
@@ -230,7 +229,7 @@ def _stores(cfg: ChatBenchConfig, store_bytes: int) -> Iterator[tuple[dict[str, 
             Client(unix) as client, TieredStore(in_process) as store:
         info = {"target": unix, "uses_shared_memory": client.uses_shared_memory,
                 "host_bytes": store_bytes}
-        yield {"sidecar": blocks_of(client), "in_process": blocks_of(store)}, info
+        yield {"sidecar": client, "in_process": store}, info
 
 
 def run_chat_bench(cfg: ChatBenchConfig, progress: Progress | None = None

@@ -28,9 +28,17 @@ import sys
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from tierkv.config import Priority, WritePolicy
+from tierkv.errors import ConfigError, SessionNotFoundError
 from tierkv.wire.limits import DEFAULT_TARGET
+
+if TYPE_CHECKING:
+    import torch
+
+    from tierkv.keys import Namespace
+    from tierkv.types import PutDetail, ResumedSession, SessionInfo, StoreStats
 
 HOST_BYTES = 256 << 20  # the in-process store's HOST tier
 DISK_BYTES = 4 << 30  # and its DISK tier (a sparse file: du shows what it holds)
@@ -97,23 +105,59 @@ class DemoTurn:
 class _NoCache:
     """A ``BlockStore`` that holds nothing: the twin session recomputes every prompt."""
 
-    def lookup(self, namespace: Any, hashes: Sequence[bytes]) -> int:
+    def register(self, namespace: Namespace) -> None:
+        pass
+
+    def put(self, namespace: Namespace, hashes: Sequence[bytes], blocks: torch.Tensor, *,
+            priority: Priority = Priority.NORMAL, write_policy: WritePolicy | None = None,
+            detail: PutDetail | None = None) -> int:
         return 0
 
-    def get_into(self, namespace: Any, hashes: Sequence[bytes], out: Any) -> int:
+    def lookup(self, namespace: Namespace, hashes: Sequence[bytes]) -> int:
         return 0
 
-    def put(self, namespace: Any, hashes: Sequence[bytes], blocks: Any, *,
-            priority: Any = None, write_policy: Any = None, parent: Any = None) -> int:
+    def get(self, namespace: Namespace, hashes: Sequence[bytes],
+            device: str | torch.device = "cpu") -> torch.Tensor:
+        import torch
+
+        return torch.empty((0, *namespace.layout.block_shape), device=device)
+
+    def get_into(self, namespace: Namespace, hashes: Sequence[bytes], out: torch.Tensor) -> int:
         return 0
 
-    def save_session(self, namespace: Any, session_id: str, token_ids: Sequence[int]) -> int:
+    def prefetch(self, namespace: Namespace, hashes: Sequence[bytes]) -> int:
+        return 0
+
+    def pin(self, namespace: Namespace, hashes: Sequence[bytes],
+            ttl_s: float | None = None) -> int:
+        return 0
+
+    def unpin(self, namespace: Namespace, hashes: Sequence[bytes]) -> int:
+        return 0
+
+    def delete(self, namespace: Namespace, hashes: Sequence[bytes]) -> int:
+        return 0
+
+    def publish(self, namespace: Namespace, hashes: Sequence[bytes], *,
+                wait_s: float = 5.0) -> int:
+        return 0
+
+    def stats(self) -> StoreStats:
+        raise ConfigError("the demo's twin holds nothing to report")
+
+    def save_session(self, namespace: Namespace, session_id: str, token_ids: Sequence[int],
+                     ttl_s: float | None = None) -> int:
         return len(token_ids)
 
-    def resume_session(self, session_id: str) -> tuple[Any, list[int]]:
-        from tierkv.errors import SessionNotFoundError
-
+    def resume_session(self, session_id: str, *,
+                       tenant: str = "default") -> ResumedSession:
         raise SessionNotFoundError(f"no session {session_id!r}: this store holds nothing")
+
+    def delete_session(self, session_id: str, *, tenant: str = "default") -> bool:
+        return False
+
+    def list_sessions(self, *, tenant: str = "default") -> list[SessionInfo]:
+        return []
 
 
 def _cache_dir(args: argparse.Namespace) -> Path:
@@ -127,7 +171,6 @@ def _open_store(args: argparse.Namespace, stack: contextlib.ExitStack) -> tuple[
     from tierkv.client import Client
     from tierkv.config import DiskTierConfig, HostTierConfig, StoreConfig
     from tierkv.errors import DeadlineExceededError, ServiceUnavailableError
-    from tierkv.integrations.transformers import blocks_of
     from tierkv.store import TieredStore
 
     why = "--in-process"
@@ -140,11 +183,11 @@ def _open_store(args: argparse.Namespace, stack: contextlib.ExitStack) -> tuple[
         else:
             client = stack.enter_context(Client(args.target, token=args.token))
             path = "shared memory" if client.uses_shared_memory else "streamed, not same-host"
-            return blocks_of(client), f"the sidecar at {args.target} ({path})"
+            return client, f"the sidecar at {args.target} ({path})"
     disk = _cache_dir(args) / "demo-store"
     config = StoreConfig(host=HostTierConfig(HOST_BYTES), disk=DiskTierConfig(disk, DISK_BYTES))
     store = stack.enter_context(TieredStore(config))
-    return blocks_of(store), f"an in-process TieredStore, its DISK tier in {disk} ({why})"
+    return store, f"an in-process TieredStore, its DISK tier in {disk} ({why})"
 
 
 def _load_model(args: argparse.Namespace) -> tuple[Any, Any, str]:

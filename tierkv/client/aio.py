@@ -22,8 +22,8 @@ from tierkv.client.flows import ClientFlows
 from tierkv.client.results import ServerStats
 from tierkv.config import Priority, WritePolicy
 from tierkv.errors import TierKVError
-from tierkv.keys import Namespace
-from tierkv.types import ClearResult, PutDetail, SessionInfo
+from tierkv.keys import DEFAULT_TENANT, Namespace
+from tierkv.types import ClearResult, PutDetail, ResumedSession, SessionInfo
 from tierkv.wire.convert import LookupDetail, ServerInfo
 from tierkv.wire.limits import DEFAULT_TARGET
 
@@ -49,8 +49,7 @@ class AsyncClient(ClientFlows):
         await self.close()
 
     async def close(self) -> None:
-        """Send the queued releases, close the channel and unmap the slab. Calls afterwards
-        raise ``ServiceUnavailableError``."""
+        """``Client.close``, awaitable."""
         if self._release_timer is not None:
             self._release_timer.cancel()
             self._release_timer = None
@@ -98,12 +97,11 @@ class AsyncClient(ClientFlows):
             self._schedule_releases()
 
     async def describe(self) -> ServerInfo:
-        """The server's facts (slab, host, limits); fetched once, and again when the server's
-        slab went away (it restarted)."""
+        """``Client.describe``, awaitable."""
         return await self._run(self._describe())
 
     async def uses_shared_memory(self) -> bool:
-        """Whether bulk bytes go through the server's shared-memory slab."""
+        """``Client.uses_shared_memory``, awaitable."""
         return await self._run(self._uses_shared_memory())
 
     async def put(
@@ -111,9 +109,7 @@ class AsyncClient(ClientFlows):
         priority: Priority = Priority.NORMAL, write_policy: WritePolicy | None = None,
         timeout_s: float | None = None, detail: PutDetail | None = None,
     ) -> int:
-        """Store ``blocks`` under ``hashes``; returns the blocks newly stored. ``detail``: what
-        the writer says of them: token ids for the sidecar's KV events, parents so that a
-        chain saved in several puts is evicted tail first."""
+        """``Client.put``, awaitable."""
         return await self._run(self._put(namespace, hashes, blocks, priority, write_policy,
                                          timeout_s, detail))
 
@@ -132,14 +128,13 @@ class AsyncClient(ClientFlows):
         self, namespace: Namespace, hashes: Sequence[bytes], *, prefetch: bool = False,
         pin_ttl_s: float = 0.0, timeout_s: float | None = None,
     ) -> LookupDetail:
-        """The cached prefix with per-tier counts; optionally prefetch it into HOST and pin it."""
+        """``Client.lookup_detail``, awaitable."""
         return await self._run(self._lookup_detail(namespace, hashes, prefetch, pin_ttl_s,
                                                    timeout_s))
 
     async def lookup(self, namespace: Namespace, hashes: Sequence[bytes], *,
                      timeout_s: float | None = None) -> int:
-        """How many leading ``hashes`` are cached (short chains, on the same host, from the
-        shared presence table without a call)."""
+        """``Client.lookup``, awaitable."""
         local = self._lookup_now(namespace, hashes)
         if local is not None:
             return local
@@ -147,13 +142,13 @@ class AsyncClient(ClientFlows):
 
     async def prefetch(self, namespace: Namespace, hashes: Sequence[bytes], *,
                        timeout_s: float | None = None) -> int:
-        """Bring the cached prefix into HOST; returns its length."""
+        """``Client.prefetch``, awaitable."""
         detail = await self.lookup_detail(namespace, hashes, prefetch=True, timeout_s=timeout_s)
         return detail.num_cached
 
     async def get_into(self, namespace: Namespace, hashes: Sequence[bytes], out: torch.Tensor, *,
                        timeout_s: float | None = None) -> int:
-        """Copy the leading cached blocks into ``out[:k]``; returns ``k``."""
+        """``Client.get_into``, awaitable."""
         return await self._run(self._get_into(namespace, hashes, out, timeout_s))
 
     async def get_with(self, namespace: Namespace, hashes: Sequence[bytes], use: BlockUse, *,
@@ -166,23 +161,23 @@ class AsyncClient(ClientFlows):
     async def get(self, namespace: Namespace, hashes: Sequence[bytes],
                   device: str | torch.device = "cpu", *,
                   timeout_s: float | None = None) -> torch.Tensor:
-        """The leading cached blocks as a new ``[k, *block_shape]`` tensor."""
+        """``Client.get``, awaitable."""
         return await self._run(self._get(namespace, hashes, device, timeout_s))
 
     async def pin(self, namespace: Namespace, hashes: Sequence[bytes],
                   ttl_s: float | None = None, *, timeout_s: float | None = None) -> int:
-        """Pin the cached prefix (until ``unpin``, or for ``ttl_s``); returns how many."""
+        """``Client.pin``, awaitable."""
         return await self._run(self._pin(namespace, hashes, ttl_s, timeout_s))
 
     async def unpin(self, namespace: Namespace, hashes: Sequence[bytes], *,
                     timeout_s: float | None = None) -> int:
-        """Drop one pin of each; returns how many were pinned."""
+        """``Client.unpin``, awaitable."""
         return await self._run(self._count("Unpin", self._blocks_request(namespace, hashes),
                                            timeout_s))
 
     async def delete(self, namespace: Namespace, hashes: Sequence[bytes], *,
                      timeout_s: float | None = None) -> int:
-        """Delete the blocks; returns how many were stored."""
+        """``Client.delete``, awaitable."""
         return await self._run(self._count("Delete", self._blocks_request(namespace, hashes),
                                            timeout_s))
 
@@ -193,9 +188,7 @@ class AsyncClient(ClientFlows):
 
     async def stats(self, *, max_namespaces: int = 0, timeout_s: float | None = None
                     ) -> ServerStats:
-        """The server's tier and counter snapshot (``StoreStats``) and its largest namespaces
-        (at most ``max_namespaces``; 0: the server's default, 20; only the caller's tenant's
-        unless the server names it an admin tenant)."""
+        """``Client.stats``, awaitable."""
         return await self._run(self._stats(max_namespaces, timeout_s))
 
     async def clear(
@@ -210,19 +203,21 @@ class AsyncClient(ClientFlows):
     async def save_session(self, namespace: Namespace, session_id: str,
                            token_ids: Sequence[int], ttl_s: float | None = None, *,
                            timeout_s: float | None = None) -> int:
-        """Store a session's token ids durably; returns their number."""
+        """``Client.save_session``, awaitable."""
         return await self._run(self._save_session(namespace, session_id, token_ids, ttl_s,
                                                   timeout_s))
 
-    async def resume_session(self, session_id: str, *, timeout_s: float | None = None,
-                             ) -> tuple[Namespace, list[int], int]:
-        """``(namespace, token ids, number of leading tokens cached)`` of a saved session."""
+    async def resume_session(self, session_id: str, *, tenant: str = DEFAULT_TENANT,
+                             timeout_s: float | None = None) -> ResumedSession:
+        """``Client.resume_session``, awaitable."""
         return await self._run(self._resume_session(session_id, timeout_s))
 
-    async def delete_session(self, session_id: str, *, timeout_s: float | None = None) -> bool:
-        """Delete a session; True if it existed."""
+    async def delete_session(self, session_id: str, *, tenant: str = DEFAULT_TENANT,
+                             timeout_s: float | None = None) -> bool:
+        """``Client.delete_session``, awaitable."""
         return await self._run(self._delete_session(session_id, timeout_s))
 
-    async def list_sessions(self, *, timeout_s: float | None = None) -> list[SessionInfo]:
-        """The caller's sessions."""
+    async def list_sessions(self, *, tenant: str = DEFAULT_TENANT,
+                            timeout_s: float | None = None) -> list[SessionInfo]:
+        """``Client.list_sessions``, awaitable."""
         return await self._run(self._list_sessions(timeout_s))

@@ -509,6 +509,11 @@ class ClientBase:
         self._closed = True
         self._forget_server()
 
+    def register(self, namespace: Namespace) -> None:
+        """Check that ``namespace`` can be sent (``InvalidArgumentError`` if not): the server
+        registers it on the first write (``tierkv.block_store`` note 2). Makes no call."""
+        self._wire(namespace)
+
     def _wire(self, namespace: Namespace) -> pb.Namespace:
         wire = self._wire_namespaces.get(namespace)
         if wire is None:

@@ -37,6 +37,7 @@ from tierkv.types import (
     NamespaceStats,
     PutDetail,
     RemoteStats,
+    ResumedSession,
     SessionInfo,
     TenantTierStats,
     TierStats,
@@ -444,11 +445,12 @@ class ClientFlows(base.ClientBase):
         return int(response.num_tokens)
 
     def _resume_session(self, session_id: str, timeout_s: float | None
-                        ) -> Flow[tuple[Namespace, list[int], int]]:
+                        ) -> Flow[ResumedSession]:
         response = yield from self._call("ResumeSession", pb.SessionRequest(session_id=session_id),
                                          timeout_s)
         namespace = namespace_from(response.namespace, "")
-        return namespace, list(response.token_ids), int(response.num_cached_tokens)
+        return ResumedSession(namespace, tuple(response.token_ids),
+                              int(response.num_cached_tokens))
 
     def _delete_session(self, session_id: str, timeout_s: float | None) -> Flow[bool]:
         response = yield from self._call("DeleteSession", pb.SessionRequest(session_id=session_id),

@@ -1,8 +1,9 @@
 """``tierkv.Client``: the blocking client SDK of the sidecar.
 
-Same methods as the embedded ``TieredStore`` (put, lookup, get, get_into, pin, unpin, delete,
-stats, sessions). Bulk bytes go through the server's shared-memory slab when the server is on
-this host (leases: allocate -> copy -> commit, acquire -> copy -> release), else through chunked
+``tierkv.BlockStore``'s calls, as the embedded ``TieredStore`` has them (put, lookup, get,
+get_into, prefetch, pin, unpin, delete, publish, stats, sessions), each with a ``timeout_s``.
+Bulk bytes go through the server's shared-memory slab when the server is on this host (leases:
+allocate -> copy -> commit, acquire -> copy -> release), else through chunked
 streams. Every call has a deadline; UNAVAILABLE is retried with backoff; failures raise the
 tierkv exception of their status code. The logic is ``tierkv.client.flows``'s, shared with
 ``AsyncClient``; each method here runs its flow in the calling thread.
@@ -27,8 +28,8 @@ from tierkv.client.flows import ClientFlows
 from tierkv.client.results import ServerStats
 from tierkv.config import Priority, WritePolicy
 from tierkv.errors import TierKVError
-from tierkv.keys import Namespace
-from tierkv.types import ClearResult, PutDetail, SessionInfo
+from tierkv.keys import DEFAULT_TENANT, Namespace
+from tierkv.types import ClearResult, PutDetail, ResumedSession, SessionInfo
 from tierkv.wire.convert import LookupDetail, ServerInfo
 from tierkv.wire.limits import DEFAULT_TARGET
 
@@ -234,15 +235,18 @@ class Client(ClientFlows):
         """Store a session's token ids durably; returns their number."""
         return self._run(self._save_session(namespace, session_id, token_ids, ttl_s, timeout_s))
 
-    def resume_session(self, session_id: str, *,
-                       timeout_s: float | None = None) -> tuple[Namespace, list[int], int]:
-        """``(namespace, token ids, number of leading tokens cached)`` of a saved session."""
+    def resume_session(self, session_id: str, *, tenant: str = DEFAULT_TENANT,
+                       timeout_s: float | None = None) -> ResumedSession:
+        """A saved session's namespace, token ids and number of leading tokens cached
+        (``NotFoundError``: none). ``tenant`` is not sent: the token's tenant is the caller's."""
         return self._run(self._resume_session(session_id, timeout_s))
 
-    def delete_session(self, session_id: str, *, timeout_s: float | None = None) -> bool:
-        """Delete a session; True if it existed."""
+    def delete_session(self, session_id: str, *, tenant: str = DEFAULT_TENANT,
+                       timeout_s: float | None = None) -> bool:
+        """Delete a session; True if it existed (``tenant``: as for ``resume_session``)."""
         return self._run(self._delete_session(session_id, timeout_s))
 
-    def list_sessions(self, *, timeout_s: float | None = None) -> list[SessionInfo]:
-        """The caller's sessions."""
+    def list_sessions(self, *, tenant: str = DEFAULT_TENANT,
+                      timeout_s: float | None = None) -> list[SessionInfo]:
+        """The caller's sessions (``tenant``: as for ``resume_session``)."""
         return self._run(self._list_sessions(timeout_s))

@@ -20,6 +20,7 @@ from typing import ParamSpec, TypeVar
 
 import torch
 
+from tierkv.block_store import DEFAULT_PUBLISH_WAIT_S
 from tierkv.checks import check_blocks, check_hashes, check_lookup_hashes, check_ttl
 from tierkv.config import Priority, StoreConfig, TenantShares, Tier, WritePolicy
 from tierkv.errors import (
@@ -32,7 +33,7 @@ from tierkv.errors import (
 )
 from tierkv.eviction import EvictionPolicy
 from tierkv.hashing import DEFAULT_ALGORITHM, HashAlgorithm, block_hashes
-from tierkv.keys import Namespace
+from tierkv.keys import DEFAULT_TENANT, Namespace
 from tierkv.shm.liveness import ClientWatch
 from tierkv.shm.presence import PresenceTable
 from tierkv.store import namespaces, recovery
@@ -177,7 +178,7 @@ class TieredStore:
         with_sessions = {
             (name, session.model_id)
             for name in {namespace.tenant for namespace in empty}
-            for session in self.list_sessions(name)
+            for session in self.list_sessions(tenant=name)
         }
         candidates = [ns for ns in empty if (ns.tenant, ns.model_id) not in with_sessions]
         with self._core.lock:
@@ -258,16 +259,17 @@ class TieredStore:
             return num_found
         return self._remote.lookup_suffix(state, check_hashes(hashes), num_found)
 
-    def publish(self, namespace: Namespace, hashes: Sequence[bytes], timeout_s: float) -> int:
+    def publish(self, namespace: Namespace, hashes: Sequence[bytes], *,
+                wait_s: float = DEFAULT_PUBLISH_WAIT_S) -> int:
         """Make the leading held blocks of ``hashes`` readable from REMOTE, where every store
-        sharing it looks, and wait up to ``timeout_s`` until they are: how many leading
+        sharing it looks, and wait up to ``wait_s`` until they are: how many leading
         ``hashes`` REMOTE then holds (what was dropped on the way, or is not held here, is
         not). Without a REMOTE tier: ``lookup`` (this store is where its readers look)."""
         state = self._state(namespace)
         keys = check_hashes(hashes)
         if self._remote is None:
             return self.lookup(namespace, keys)
-        return self._remote.publish(state, keys, timeout_s,
+        return self._remote.publish(state, keys, wait_s,
                                     lambda missing: self._local_copies(state, missing))
 
     def _local_copies(self, state: NamespaceState, keys: list[bytes]) -> torch.Tensor:
@@ -337,11 +339,15 @@ class TieredStore:
         out = torch.empty((len(hashes), *layout.block_shape), dtype=layout.torch_dtype, device=device)
         return out[: self.get_into(namespace, hashes, out)]
 
-    def prefetch(
-        self, namespace: Namespace, hashes: Sequence[bytes], tier: Tier = Tier.HOST
-    ) -> Future[int]:
-        """Bring the leading stored blocks of ``hashes`` up into ``tier`` in the background;
-        the future gives how many leading blocks are then in ``tier`` or above."""
+    def prefetch(self, namespace: Namespace, hashes: Sequence[bytes],
+                 tier: Tier = Tier.HOST) -> int:
+        """Bring the leading stored blocks of ``hashes`` up into ``tier`` and wait; returns how
+        many leading blocks are then in ``tier`` or above."""
+        return self.prefetch_async(namespace, hashes, tier).result()
+
+    def prefetch_async(self, namespace: Namespace, hashes: Sequence[bytes],
+                       tier: Tier = Tier.HOST) -> Future[int]:
+        """``prefetch`` in the background (on a worker thread)."""
         state = self._state(namespace)
         keys = check_hashes(hashes)
         if tier not in self._core.paged:
@@ -579,7 +585,7 @@ class TieredStore:
     async def aprefetch(self, namespace: Namespace, hashes: Sequence[bytes],
                         tier: Tier = Tier.HOST) -> int:
         """``prefetch``, awaited."""
-        return await asyncio.wrap_future(self.prefetch(namespace, hashes, tier))
+        return await asyncio.wrap_future(self.prefetch_async(namespace, hashes, tier))
 
     async def alookup(self, namespace: Namespace, hashes: Sequence[bytes]) -> int:
         """``lookup`` on a worker thread (it takes the store lock)."""
@@ -754,10 +760,10 @@ class TieredStore:
         return self._sessions.save(namespace, session_id, token_ids, ttl_s)
 
     def resume_session(
-        self, tenant: str, session_id: str, seed: str | None = None,
+        self, session_id: str, *, tenant: str = DEFAULT_TENANT, seed: str | None = None,
         algorithm: HashAlgorithm = DEFAULT_ALGORITHM,
     ) -> ResumedSession:
-        """The session's namespace and token ids, and how many leading tokens are cached (whole
+        """``tenant``'s session: its namespace and token ids, and how many leading tokens are cached (whole
         blocks whose hashes, computed as ``block_hashes(..., seed, algorithm=algorithm)`` does,
         are stored in some tier): prefill only ``token_ids[num_cached_tokens:]``. Sets its last
         use to now (written to disk in the background) and registers its namespace if needed.
@@ -786,13 +792,13 @@ class TieredStore:
                 run.append(entry)
             self._core.touch_run_locked(run)
 
-    def delete_session(self, tenant: str, session_id: str) -> bool:
-        """Delete the session (durably, with a disk tier); True if it existed and had not
+    def delete_session(self, session_id: str, *, tenant: str = DEFAULT_TENANT) -> bool:
+        """Delete ``tenant``'s session (durably, with a disk tier); True if it existed and had not
         expired. Its blocks stay until evicted or ``delete``d."""
         self._check_open()
         return self._sessions.delete(tenant, session_id)
 
-    def list_sessions(self, tenant: str) -> list[SessionInfo]:
+    def list_sessions(self, *, tenant: str = DEFAULT_TENANT) -> list[SessionInfo]:
         """The tenant's sessions that have not expired, sorted by ``session_id``."""
         self._check_open()
         return self._sessions.list_for(tenant)

@@ -14,17 +14,17 @@ from tierkv import TieredStore
 
 @pytest.fixture(params=["store", "shm", "stream"])
 def open_blocks(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Callable[[str], Any]]:
-    """``open_blocks(tenant)``: a transformers ``BlockStore`` of an in-process TieredStore, or
-    of a sidecar ``Client`` on its shared-memory path or its stream path (as from another
-    host); the same tests run through all three."""
+    """``open_blocks(tenant)``: a ``BlockStore``: an in-process TieredStore (every tenant's:
+    the namespaces say whose), or a sidecar ``Client`` with ``tenant``'s token on its
+    shared-memory path or its stream path (as from another host); the same tests run through
+    all three."""
     # Imported here: the rest of the suite need not import the transformers integration.
     from tests.support.tiny_llama import kv_store_config
     from tierkv import Client
-    from tierkv.integrations.transformers import blocks_of
 
     if request.param == "store":
         store = TieredStore(kv_store_config(tmp_path))
-        yield lambda tenant: blocks_of(store, tenant)
+        yield lambda tenant: store  # (whose blocks: the namespace's tenant)
         store.close(flush=False)
         return
     server = BackgroundServer(tmp_path, host_bytes=8 << 20, disk_bytes=32 << 20, page_bytes=4096)
@@ -33,7 +33,7 @@ def open_blocks(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Call
     def open_client(tenant: str) -> Any:
         token = {"alice": ALICE_TOKEN, "bob": BOB_TOKEN}[tenant]
         clients.append(Client(server.unix_target, token=token, use_shm=request.param == "shm"))
-        return blocks_of(clients[-1])
+        return clients[-1]
 
     yield open_client
     for client in clients:

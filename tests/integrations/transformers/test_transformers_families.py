@@ -17,12 +17,10 @@ import torch
 import transformers
 
 from tests.support.tiny_llama import kv_store_config, prefill, prompt, tiny_llama
-from tierkv import Priority, TieredStore, WritePolicy
+from tierkv import BlockStore, Priority, PutDetail, ResumedSession, TieredStore, WritePolicy
 from tierkv.integrations.transformers import (
-    BlockStore,
     ChatSession,
     KVGroups,
-    blocks_of,
     hashes_of,
     model_groups,
     model_namespace,
@@ -161,8 +159,8 @@ def test_the_restored_layers_are_what_a_prefill_leaves(tmp_path: Path, name: str
     groups = model_groups(model, block_size=BLOCK_SIZE)
     saved = recording_prefill(model, history)  # every layer holds tokens [0, 200)
     with TieredStore(kv_store_config(tmp_path)) as store:
-        save_kv(blocks_of(store), groups, history, saved)
-        restored, num_cached = restore_kv(blocks_of(store), groups, [*history, 7])
+        save_kv(store, groups, history, saved)
+        restored, num_cached = restore_kv(store, groups, [*history, 7])
     with torch.no_grad():
         reference = model(torch.tensor([history[:num_cached]]), use_cache=True).past_key_values
     assert num_cached == NUM_CACHED and len(restored.layers) == len(reference.layers)
@@ -207,7 +205,7 @@ def test_a_gemma3_like_hit_over_8_windows_loads_a_quarter_of_a_full_attention_mo
     history, turn = prompt(256), [*prompt(256), *prompt(16, seed=2)]
     groups = model_groups(model, block_size=BLOCK_SIZE)
     with TieredStore(kv_store_config(tmp_path)) as store:
-        blocks = blocks_of(store)
+        blocks = store
         assert save_kv(blocks, groups, history, recording_prefill(model, history)) == 2 * 16
         restored = restore_kv_detail(blocks, groups, turn)
     layer_block_bytes = 2 * BLOCK_SIZE * 2 * 16 * 4  # K and V, 16 tokens, 2 heads of 16, fp32
@@ -234,7 +232,7 @@ def test_blocks_of_one_family_or_group_never_hit_another(tmp_path: Path) -> None
     full, sliding = (group.namespace for group in groups.groups)
     hashes = hashes_of(full, history)
     with TieredStore(kv_store_config(tmp_path)) as store:
-        blocks = blocks_of(store)
+        blocks = store
         # A plain prefill: the sliding layers hold only tokens [161, 200), so block 11 alone.
         save_kv(blocks, groups, history, prefill(gemma, history)[1])
         assert blocks.lookup(full, hashes) == 12
@@ -257,6 +255,9 @@ class DroppingBlocks:
                  max_read: int | None = None) -> None:
         self.inner, self.namespace, self.lost, self.max_read = inner, namespace, lost, max_read
 
+    def register(self, namespace: Namespace) -> None:
+        self.inner.register(namespace)
+
     def lookup(self, namespace: Namespace, hashes: Sequence[bytes]) -> int:
         return self.inner.lookup(namespace, hashes)
 
@@ -267,20 +268,21 @@ class DroppingBlocks:
 
     def put(self, namespace: Namespace, hashes: Sequence[bytes], blocks: torch.Tensor, *,
             priority: Priority = Priority.NORMAL, write_policy: WritePolicy | None = None,
-            parent: bytes | None = None) -> int:
+            detail: PutDetail | None = None) -> int:
         keep = [i for i, h in enumerate(hashes)
                 if namespace.id != self.namespace.id or h not in self.lost]
         if not keep:
             return 0
-        return self.inner.put(namespace, [hashes[i] for i in keep], blocks[keep],
-                              priority=priority, write_policy=write_policy,
-                              parent=parent if keep[0] == 0 else hashes[keep[0] - 1])
+        return self.inner.put(
+            namespace, [hashes[i] for i in keep], blocks[keep], priority=priority,
+            write_policy=write_policy,
+            detail=detail if keep[0] == 0 else PutDetail(parent_hash=hashes[keep[0] - 1]))
 
     def save_session(self, namespace: Namespace, session_id: str,
                      token_ids: Sequence[int]) -> int:
         return self.inner.save_session(namespace, session_id, token_ids)
 
-    def resume_session(self, session_id: str) -> tuple[Namespace, list[int]]:
+    def resume_session(self, session_id: str) -> ResumedSession:
         return self.inner.resume_session(session_id)
 
 
@@ -299,7 +301,7 @@ def test_a_sliding_group_missing_a_window_block_restores_a_shorter_prefix(
     hashes = hashes_of(sliding, history)
     turn = [*history, *prompt(20, seed=2)]
     with TieredStore(kv_store_config(tmp_path)) as store:
-        blocks = DroppingBlocks(blocks_of(store), sliding, {hashes[i] for i in lost})
+        blocks = DroppingBlocks(store, sliding, {hashes[i] for i in lost})
         save_kv(blocks, groups, history, recording_prefill(model, history))
         restored, got = restore_kv(blocks, groups, turn)
         again, _ = restore_kv(blocks, groups, turn)  # the checks below grow their cache
@@ -322,7 +324,7 @@ def test_a_read_short_of_what_the_lookup_found_is_a_miss(
     groups = model_groups(model, block_size=BLOCK_SIZE)
     turn = [*history, *prompt(20, seed=2)]
     with TieredStore(kv_store_config(tmp_path)) as store:
-        inner = blocks_of(store)
+        inner = store
         save_kv(inner, groups, history, recording_prefill(model, history))
         blocks = DroppingBlocks(inner, groups.groups[group_index].namespace, set(), max_read=1)
         restored = restore_kv_detail(blocks, groups, turn)
@@ -375,7 +377,7 @@ def test_a_model_with_linear_attention_layers_is_refused_and_a_chat_runs_uncache
     with pytest.raises(ValueError, match="LinearAttentionLayer"):
         model_groups(model)
     with TieredStore(kv_store_config(tmp_path)) as store, caplog.at_level(logging.WARNING):
-        session = ChatSession(model, blocks_of(store), max_new_tokens=2)
+        session = ChatSession(model, store, max_new_tokens=2)
         results = [session.turn(prompt(40, seed=turn)) for turn in range(2)]
     assert [r.num_cached_tokens for r in results] == [0, 0]
     warnings = [r.getMessage() for r in caplog.records
@@ -388,4 +390,4 @@ def test_a_sliding_cache_under_a_single_namespace_is_refused(tmp_path: Path) -> 
     _, cache = prefill(model, history)
     with (TieredStore(kv_store_config(tmp_path)) as store,
           pytest.raises(ValueError, match="model_groups")):
-        save_kv(blocks_of(store), model_namespace(model), history, cache)
+        save_kv(store, model_namespace(model), history, cache)

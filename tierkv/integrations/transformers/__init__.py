@@ -5,8 +5,8 @@ prefix of a token sequence as a ``DynamicCache`` the model accepts, so only the 
 prefilled (``restore_kv_detail`` also says what was read); ``model_groups`` names a model's
 blocks, one namespace per group of layers of one kind (full attention, sliding window of one
 size), and ``model_namespace`` the model itself; ``ChatSession`` runs a multi-turn chat whose
-KV survives turns, processes and restarts; ``blocks_of`` adapts a sidecar ``Client`` or an
-in-process ``TieredStore`` to the one ``BlockStore`` interface they use. Supports
+KV survives turns, processes and restarts. Each takes any ``tierkv.BlockStore``: a sidecar
+``Client`` or an in-process ``TieredStore``. Supports
 transformers 5.x (its ``Cache.layers`` API). Nothing here is imported by ``tierkv`` itself,
 and transformers is imported only when a cache is built.
 """
@@ -29,20 +29,15 @@ from tierkv.integrations.transformers.kv import (
     restore_kv_detail,
     save_kv,
 )
-from tierkv.integrations.transformers.store import BlockStore, ClientBlocks, StoreBlocks, blocks_of
 
 __all__ = [
     "HASH_ALGORITHM",
     "HASH_SEED",
-    "BlockStore",
     "ChatSession",
-    "ClientBlocks",
     "KVGroup",
     "KVGroups",
     "KVRestore",
-    "StoreBlocks",
     "TurnResult",
-    "blocks_of",
     "blocks_to_cache",
     "cache_to_blocks",
     "hashes_of",

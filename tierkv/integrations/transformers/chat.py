@@ -11,9 +11,9 @@ Notes:
    makes the turn recompute, or skips its save, and the turn gives the same tokens. One warning
    is logged when the store goes away, one line when it is back. While it is away no call is
    made to it but one probe every ``STORE_RETRY_S`` (doubling up to ``STORE_RETRY_MAX_S``),
-   so a hung store costs at most one short deadline per probe, not three per turn; a sidecar
-   client with no deadline of its own gets ``restore_timeout_s`` for the restore and
-   ``save_timeout_s`` for the saves.
+   so a hung store costs at most one short deadline per probe, not three per turn: the calls
+   of a sidecar ``Client`` get ``restore_timeout_s`` for the restore and ``save_timeout_s`` for
+   the saves, not the client's own deadline.
 2. The cache is off for the whole session, with one message, when it cannot work. A model
    whose cache has layers ``model_groups`` refuses (linear attention, state-space, shared KV
    layers...) is found up front: no KV is restored or saved (the session record still is). An
@@ -49,11 +49,14 @@ from typing import Any, TypeVar
 
 import torch
 
+from tierkv.block_store import DEFAULT_PUBLISH_WAIT_S, BlockStore
+from tierkv.client import Client
 from tierkv.config import Priority, WritePolicy
 from tierkv.errors import InvalidArgumentError, TierKVError
 from tierkv.integrations.transformers.groups import KVGroups, model_groups, model_namespace
 from tierkv.integrations.transformers.kv import restore_kv, save_kv
-from tierkv.integrations.transformers.store import BlockStore, ClientBlocks
+from tierkv.keys import DEFAULT_TENANT, Namespace
+from tierkv.types import PutDetail, ResumedSession, SessionInfo, StoreStats
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -79,8 +82,8 @@ class ChatSession:
     """A conversation with ``model`` whose KV is kept in ``store`` (see the module notes).
 
     ``session_id`` names its record (default: a new random id); ``tenant`` and ``model_id``
-    go into the namespace (``model_namespace``). ``restore_timeout_s`` and ``save_timeout_s``
-    bound the calls to a sidecar client that has no deadline of its own; ``clock`` (seconds,
+    go into the namespace (``model_namespace``; a ``Client``'s tenant is its token's).
+    ``restore_timeout_s`` and ``save_timeout_s`` bound the calls of a sidecar ``Client``; ``clock`` (seconds,
     monotonic) times the probes of a store that is down (note 1).
     """
 
@@ -102,9 +105,9 @@ class ChatSession:
         self.token_ids: list[int] = []
         self._messages: list[dict[str, str]] = []
         self._restore_store, self._save_store = store, store
-        if isinstance(store, ClientBlocks) and store.timeout_s is None:
-            self._restore_store = ClientBlocks(store.client, restore_timeout_s)
-            self._save_store = ClientBlocks(store.client, save_timeout_s)
+        if isinstance(store, Client):
+            self._restore_store = _Bounded(store, restore_timeout_s)
+            self._save_store = _Bounded(store, save_timeout_s)
         self._clock = clock
         self._store_down = False
         self._retry_at = 0.0
@@ -125,7 +128,8 @@ class ChatSession:
         raises the ``NotFoundError`` it stands for), the store's error if it cannot be read,
         and ``InvalidArgumentError`` if it was recorded for another model."""
         session = cls(model, store, tokenizer=tokenizer, session_id=session_id, **kwargs)
-        namespace, token_ids = store.resume_session(session_id)
+        resumed = store.resume_session(session_id, tenant=session.namespace.tenant)
+        namespace, token_ids = resumed.namespace, resumed.token_ids
         mine = session.namespace
         if (namespace.model_id, namespace.layout) != (mine.model_id, mine.layout):
             raise InvalidArgumentError(
@@ -172,8 +176,11 @@ class ChatSession:
             self._guard(lambda: save_kv(self._save_store, groups, token_ids, cache,
                                         priority=Priority.SESSION,
                                         write_policy=WritePolicy.WRITE_THROUGH), 0)
-        self._guard(lambda: self._save_store.save_session(self.namespace, self.session_id,
-                                                          token_ids), 0, reaches_store=True)
+        self._guard(lambda: self._save_session(token_ids), 0, reaches_store=True)
+
+    def _save_session(self, token_ids: list[int]) -> int:
+        self._save_store.register(self.namespace)
+        return self._save_store.save_session(self.namespace, self.session_id, token_ids)
 
     def _forward(self, token_ids: list[int], cache: Any) -> tuple[torch.Tensor, Any]:
         inputs = torch.tensor([token_ids], device=self.model.device)
@@ -302,3 +309,64 @@ def _eos_ids(model: Any) -> frozenset[int]:
     if eos is None:
         return frozenset()
     return frozenset([eos] if isinstance(eos, int) else eos)
+
+
+class _Bounded:
+    """A ``Client`` whose every call has the deadline ``timeout_s`` (note 1)."""
+
+    def __init__(self, client: Client, timeout_s: float) -> None:
+        self.client, self.timeout_s = client, timeout_s
+
+    def register(self, namespace: Namespace) -> None:
+        self.client.register(namespace)
+
+    def put(self, namespace: Namespace, hashes: Sequence[bytes], blocks: torch.Tensor, *,
+            priority: Priority = Priority.NORMAL, write_policy: WritePolicy | None = None,
+            detail: PutDetail | None = None) -> int:
+        return self.client.put(namespace, hashes, blocks, priority=priority,
+                               write_policy=write_policy, detail=detail, timeout_s=self.timeout_s)
+
+    def lookup(self, namespace: Namespace, hashes: Sequence[bytes]) -> int:
+        return self.client.lookup(namespace, hashes, timeout_s=self.timeout_s)
+
+    def get(self, namespace: Namespace, hashes: Sequence[bytes],
+            device: str | torch.device = "cpu") -> torch.Tensor:
+        return self.client.get(namespace, hashes, device, timeout_s=self.timeout_s)
+
+    def get_into(self, namespace: Namespace, hashes: Sequence[bytes], out: torch.Tensor) -> int:
+        return self.client.get_into(namespace, hashes, out, timeout_s=self.timeout_s)
+
+    def prefetch(self, namespace: Namespace, hashes: Sequence[bytes]) -> int:
+        return self.client.prefetch(namespace, hashes, timeout_s=self.timeout_s)
+
+    def pin(self, namespace: Namespace, hashes: Sequence[bytes],
+            ttl_s: float | None = None) -> int:
+        return self.client.pin(namespace, hashes, ttl_s, timeout_s=self.timeout_s)
+
+    def unpin(self, namespace: Namespace, hashes: Sequence[bytes]) -> int:
+        return self.client.unpin(namespace, hashes, timeout_s=self.timeout_s)
+
+    def delete(self, namespace: Namespace, hashes: Sequence[bytes]) -> int:
+        return self.client.delete(namespace, hashes, timeout_s=self.timeout_s)
+
+    def publish(self, namespace: Namespace, hashes: Sequence[bytes], *,
+                wait_s: float = DEFAULT_PUBLISH_WAIT_S) -> int:
+        return self.client.publish(namespace, hashes, wait_s=wait_s, timeout_s=self.timeout_s)
+
+    def stats(self) -> StoreStats:
+        return self.client.stats(timeout_s=self.timeout_s)
+
+    def save_session(self, namespace: Namespace, session_id: str, token_ids: Sequence[int],
+                     ttl_s: float | None = None) -> int:
+        return self.client.save_session(namespace, session_id, token_ids, ttl_s,
+                                        timeout_s=self.timeout_s)
+
+    def resume_session(self, session_id: str, *,
+                       tenant: str = DEFAULT_TENANT) -> ResumedSession:
+        return self.client.resume_session(session_id, timeout_s=self.timeout_s)
+
+    def delete_session(self, session_id: str, *, tenant: str = DEFAULT_TENANT) -> bool:
+        return self.client.delete_session(session_id, timeout_s=self.timeout_s)
+
+    def list_sessions(self, *, tenant: str = DEFAULT_TENANT) -> list[SessionInfo]:
+        return self.client.list_sessions(timeout_s=self.timeout_s)

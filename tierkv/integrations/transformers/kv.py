@@ -35,6 +35,7 @@ from typing import Any
 
 import torch
 
+from tierkv.block_store import BlockStore
 from tierkv.config import Priority, WritePolicy
 from tierkv.errors import InvalidArgumentError
 from tierkv.hashing import block_hashes
@@ -44,9 +45,9 @@ from tierkv.integrations.transformers.groups import (
     KVGroup,
     KVGroups,
 )
-from tierkv.integrations.transformers.store import BlockStore
 from tierkv.keys import BlockHash, Namespace
 from tierkv.layout import KVLayout
+from tierkv.types import PutDetail
 
 MAX_WINDOW_PROBES = 8
 """Window lookups a restore makes beyond one per group (note 5)."""
@@ -85,6 +86,7 @@ def save_kv(store: BlockStore, namespace: Namespace | KVGroups, token_ids: Seque
     groups = _groups_of(namespace)
     block_size = groups.block_size
     held = [_held_by(cache, groups, group) for group in groups.groups]  # all checked first
+    _register(store, groups)
     end_token = min(len(token_ids), max(end for _, _, end in held))
     hashes = hashes_of(groups.namespace, token_ids[: end_token // block_size * block_size])
     num_new = 0
@@ -99,7 +101,7 @@ def save_kv(store: BlockStore, namespace: Namespace | KVGroups, token_ids: Seque
         blocks = _to_blocks(pairs, group.namespace.layout, start, end_block, first_token)
         num_new += store.put(group.namespace, hashes[start:end_block], blocks,
                              priority=priority, write_policy=write_policy,
-                             parent=hashes[start - 1] if start else None)
+                             detail=PutDetail(parent_hash=hashes[start - 1]) if start else None)
     return num_new
 
 
@@ -125,6 +127,8 @@ def restore_kv_detail(store: BlockStore, namespace: Namespace | KVGroups,
     miss = KVRestore(None, 0, (0,) * len(groups.groups), 0)
     num_usable = (len(token_ids) - 1) // block_size
     hashes = hashes_of(groups.namespace, token_ids[: num_usable * block_size])
+    if hashes:
+        _register(store, groups)
     num_blocks = _longest_hit(store, groups, hashes) if hashes else 0
     if num_blocks == 0:
         return miss
@@ -295,6 +299,12 @@ def _window_start(group: KVGroup, num_blocks: int, block_size: int) -> int:
     if window is None:
         return 0
     return max(0, num_blocks * block_size - window + 1) // block_size
+
+
+def _register(store: BlockStore, groups: KVGroups) -> None:
+    """Register every group's namespace (an in-process store refuses unknown ones)."""
+    for group in groups.groups:
+        store.register(group.namespace)
 
 
 def _longest_hit(store: BlockStore, groups: KVGroups, hashes: Sequence[BlockHash]) -> int:
