@@ -162,7 +162,7 @@ class EventPublisher:
             raise
         self.endpoint = self._pub.getsockopt_string(zmq.LAST_ENDPOINT)
         self.replay_endpoint = self._router.getsockopt_string(zmq.LAST_ENDPOINT)
-        for namespace in self._store.restate_events():
+        for namespace in self._store.sidecar.restate_events():
             self._topic(namespace)  # known from the start: heartbeats go there too
         self._send(self._node, [])  # the node's life starts (its sequence jumped)
         self._thread.start()
@@ -236,7 +236,7 @@ class EventPublisher:
         """The store's restatement of ``namespace_ids`` (None: every namespace), and what was
         recorded before it, taken from the log; a known topic whose namespace is gone (pruned)
         is cleared instead: it holds nothing."""
-        restated = {namespace.id for namespace in self._store.restate_events(namespace_ids)}
+        restated = {namespace.id for namespace in self._store.sidecar.restate_events(namespace_ids)}
         records, lost = self._events.take()
         self._events.lose(lost)  # dropped meanwhile: restated at the next flush
         wanted = self._topics if namespace_ids is None else namespace_ids
@@ -288,7 +288,7 @@ class EventPublisher:
                 yield self._stored(topic, tier, block_hash, None)
         if snapshot.with_remote:  # read now: every REMOTE change from here on comes after
             try:
-                held = set(self._store.remote_hashes(namespace_id))
+                held = set(self._store.sidecar.remote_hashes(namespace_id))
             except StoreClosedError:  # the last flush, after the store closed: none
                 held = set()
             for block_hash in held:

@@ -194,7 +194,7 @@ class TierKVServer:
         while True:
             await asyncio.sleep(self.config.lease_reap_interval_s)
             try:
-                expired = await asyncio.to_thread(store.expire_leases)
+                expired = await asyncio.to_thread(store.sidecar.expire_leases)
             except Exception:  # a closed store at shutdown; the loop is cancelled right after
                 log.debug("lease reaping stopped", exc_info=True)
                 return

@@ -199,14 +199,14 @@ class TierKVServicer(pb_grpc.TierKVServicer):
     @unary
     async def Describe(self, request: pb.DescribeRequest, context: Any, caller: Caller) -> Any:
         store = self.store
-        presence_name, presence_key = store.presence_info(caller.tenant)
+        presence_name, presence_key = store.sidecar.presence_info(caller.tenant)
         return server_info_to(ServerInfo(
-            version=tierkv.__version__, shm_name=store.host_shm_name,
-            shm_size_bytes=store.host_capacity_bytes, page_bytes=store.config.host.page_bytes,
+            version=tierkv.__version__, shm_name=store.sidecar.host_shm_name,
+            shm_size_bytes=store.sidecar.host_capacity_bytes, page_bytes=store.config.host.page_bytes,
             host_id=self._host_id, max_hashes_per_call=self.config.max_hashes_per_call,
             max_chunk_bytes=self.config.chunk_bytes, hash_seed=self.config.hash_seed,
             presence_shm_name=presence_name, presence_key=presence_key,
-            slab_id=store.host_slab_id, client_lock_prefix=store.client_lock_prefix,
+            slab_id=store.sidecar.host_slab_id, client_lock_prefix=store.sidecar.client_lock_prefix,
             has_remote_tier=store.has_remote_tier, carries_releases=True,
         ))
 
@@ -216,7 +216,7 @@ class TierKVServicer(pb_grpc.TierKVServicer):
         simple = not request.prefetch and not request.pin_ttl_s
         inline_limit = min(_INLINE_LOOKUP_HASHES, self.config.max_hashes_per_call)
         if namespace is not None and simple and len(request.hashes) <= inline_limit:
-            counts = self.store.locate(namespace, request.hashes)
+            counts = self.store.sidecar.locate(namespace, request.hashes)
             # A miss may be a REMOTE hit: that call must not run on the event loop.
             if not self.store.has_remote_tier or sum(counts.values()) == len(request.hashes):
                 return lookup_to(counts)
@@ -238,9 +238,9 @@ class TierKVServicer(pb_grpc.TierKVServicer):
             store.prefetch(namespace, hashes, Tier.HOST)
         if request.pin_ttl_s:
             num_pinned = store.pin(namespace, hashes, request.pin_ttl_s)
-        counts = store.locate(namespace, hashes)
+        counts = store.sidecar.locate(namespace, hashes)
         num_local = sum(counts.values())
-        num_remote = store.extend_lookup(namespace, hashes, num_local) - num_local
+        num_remote = store.sidecar.extend_lookup(namespace, hashes, num_local) - num_local
         return lookup_to(counts, num_pinned, num_remote)
 
     @unary
@@ -320,14 +320,14 @@ class TierKVServicer(pb_grpc.TierKVServicer):
         lease = await self._allocate_for_stream(namespace, hashes, header, caller)
         committing = False
         try:
-            with self.store.lease_writer(lease, caller.owner) as filler:
+            with self.store.sidecar.lease_writer(lease, caller.owner) as filler:
                 await self._fill(filler, first, chunks)
             if not filler.complete:
                 raise InvalidArgumentError(
                     f"got {filler.received_bytes} bytes for {len(hashes)} blocks of {block_bytes} B"
                 )
             committing = True  # commit gives the pages back itself if it fails
-            count = await self._run(self.store.commit, lease.lease_id, caller.owner,
+            count = await self._run(self.store.sidecar.commit, lease.lease_id, caller.owner,
                                     filler.checksums)
         finally:
             if not committing:
@@ -369,10 +369,10 @@ class TierKVServicer(pb_grpc.TierKVServicer):
         self, namespace: Namespace, hashes: Sequence[bytes], header: pb.PutHeader, caller: Caller
     ) -> WriteLease:
         """A lease that never expires (its pages are written from this process, see
-        ``TieredStore.allocate_in_process``), aborted even when the call is cancelled
+        ``TieredStore.sidecar.allocate_in_process``), aborted even when the call is cancelled
         mid-allocation."""
         allocation = asyncio.ensure_future(self._run(
-            self.store.allocate_in_process, namespace, hashes, caller.owner,
+            self.store.sidecar.allocate_in_process, namespace, hashes, caller.owner,
             priority=priority_from(header.priority),
             write_policy=write_policy_from(header.write_policy),
             detail=put_detail_from(header.detail, header.HasField("detail")),
@@ -393,7 +393,7 @@ class TierKVServicer(pb_grpc.TierKVServicer):
 
     def _abort_quietly(self, lease_id: bytes, owner: str) -> None:
         with contextlib.suppress(TierKVError):  # e.g. the store closed under a cancelled call
-            self.store.abort(lease_id, owner)
+            self.store.sidecar.abort(lease_id, owner)
 
     async def Get(self, request: pb.BlocksRequest, context: Any) -> AsyncIterator[pb.GetChunk]:
         status: tuple[grpc.StatusCode, str] | None = None
@@ -470,26 +470,26 @@ class TierKVServicer(pb_grpc.TierKVServicer):
                                        f"got {len(releases)}")
         for release in releases:
             with contextlib.suppress(LeaseNotFoundError, LeaseStateError):
-                self.store.release(release.lease_id, caller.owner, release.corrupt_indices,
+                self.store.sidecar.release(release.lease_id, caller.owner, release.corrupt_indices,
                                    convert.num_copied_from(release))
 
     def _acquire(self, request: pb.AcquireRequest, caller: Caller) -> pb.LeaseResponse:
         self._release_carried(request.releases, caller)
         namespace, hashes = self._blocks(request, caller)
-        return read_lease_to(self.store.acquire(
+        return read_lease_to(self.store.sidecar.acquire(
             namespace, hashes, convert.ttl_from(request.lease_ttl_s), caller.owner,
             slab_id=request.slab_id, client_id=caller.client_id,
-        ), self.store.host_slab_id, request.packed_extents)
+        ), self.store.sidecar.host_slab_id, request.packed_extents)
 
     @unary
     async def Release(self, request: pb.LeaseRequest, context: Any, caller: Caller) -> Any:
         # A few dict operations under the store lock: cheaper here than a thread hop.
         num_copied = convert.num_copied_from(request)
         if request.corrupt_indices:  # rare: the suspects' pages are hashed, off the loop
-            await self._run(self.store.release, request.lease_id, caller.owner,
+            await self._run(self.store.sidecar.release, request.lease_id, caller.owner,
                             request.corrupt_indices, num_copied)
         else:
-            self.store.release(request.lease_id, caller.owner, num_copied=num_copied)
+            self.store.sidecar.release(request.lease_id, caller.owner, num_copied=num_copied)
         return pb.LeaseDoneResponse()
 
     @unary
@@ -499,22 +499,22 @@ class TierKVServicer(pb_grpc.TierKVServicer):
     def _allocate(self, request: pb.AllocateRequest, caller: Caller) -> pb.LeaseResponse:
         self._release_carried(request.releases, caller)
         namespace, hashes = self._blocks(request, caller)
-        return write_lease_to(self.store.allocate(
+        return write_lease_to(self.store.sidecar.allocate(
             namespace, hashes, convert.ttl_from(request.lease_ttl_s), caller.owner,
             priority=priority_from(request.priority),
             write_policy=write_policy_from(request.write_policy),
             slab_id=request.slab_id, client_id=caller.client_id,
             detail=put_detail_from(request.detail, request.HasField("detail")),
-        ), self.store.host_slab_id, request.packed_extents)
+        ), self.store.sidecar.host_slab_id, request.packed_extents)
 
     @unary
     async def Commit(self, request: pb.LeaseRequest, context: Any, caller: Caller) -> Any:
-        return pb.CountResponse(count=await self._run(self.store.commit, request.lease_id,
+        return pb.CountResponse(count=await self._run(self.store.sidecar.commit, request.lease_id,
                                                       caller.owner, request.checksums))
 
     @unary
     async def Abort(self, request: pb.LeaseRequest, context: Any, caller: Caller) -> Any:
-        self.store.abort(request.lease_id, caller.owner)  # dict work under the lock, as Release
+        self.store.sidecar.abort(request.lease_id, caller.owner)  # dict work under the lock, as Release
         return pb.LeaseDoneResponse()
 
     # --- sessions -------------------------------------------------------------------------

@@ -193,3 +193,35 @@ def test_the_rules_see_the_servers_modules_under_their_installed_names() -> None
     assert modules["tierkv.service.server"] == ROOT / "service" / "server.py"
     assert len(modules) == len(list((ROOT / "service").rglob("*.py")))
     assert not any(_within(name, "tierkv.service") for name, _ in _modules("tierkv.client"))
+
+
+# The sidecar's port on the store (``store.sidecar``: leases, the slab's facts, locate, event
+# restating) is the server's: only it, the command that starts it and the benchmarks of its
+# data plane reach it.
+SIDECAR_USERS = ("tierkv.service", "tierkv.store", "tierkv.bench", "tierkv.cli.serve_cmd")
+
+
+def _sidecar_uses(module: str, path: Path) -> Iterator[int]:
+    """The lines of ``path`` that reach an attribute named ``sidecar``, or import
+    ``tierkv.store.sidecar``."""
+    tree = ast.parse(path.read_text(), str(path))
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and node.attr == "sidecar":
+            yield node.lineno
+    for line, name in _imports(module, path):
+        if _within(name, "tierkv.store.sidecar"):
+            yield line
+
+
+def test_only_the_server_reaches_the_stores_sidecar_port() -> None:
+    found = [f"{path.relative_to(ROOT)}:{line}"
+             for module, path in _all_modules()
+             if not any(_within(module, user) for user in SIDECAR_USERS)
+             for line in _sidecar_uses(module, path)]
+    assert found == []
+
+
+def test_a_probe_that_reaches_the_sidecar_port_is_caught(tmp_path: Path) -> None:
+    path = tmp_path / "probe.py"
+    path.write_text("def f(store):\n    return store.sidecar.acquire\n")
+    assert list(_sidecar_uses("tierkv.client.probe", path)) == [2]

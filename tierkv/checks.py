@@ -10,6 +10,7 @@ import torch
 from tierkv.errors import InvalidArgumentError
 from tierkv.keys import BLOCK_HASH_BYTES
 from tierkv.layout import KVLayout
+from tierkv.types import PutDetail
 
 MAX_TTL_S = 30 * 24 * 3600.0
 """Longest pin TTL accepted (30 days); longer pins are a leak, not a cache."""
@@ -90,3 +91,12 @@ def check_ttl(ttl_s: float | None, max_s: float = MAX_TTL_S, name: str = "ttl_s"
     if not math.isfinite(ttl_s) or not 0 < ttl_s <= max_s:
         raise InvalidArgumentError(f"{name} must be in (0, {max_s:.0f}] seconds, got {ttl_s}")
     return float(ttl_s)
+
+
+def check_detail(detail: PutDetail | None, num_blocks: int, block_size: int) -> None:
+    """A put's ``detail``, if any: a ``PutDetail`` that fits ``num_blocks`` blocks of
+    ``block_size`` tokens (``InvalidArgumentError`` if not)."""
+    if detail is not None:
+        if not isinstance(detail, PutDetail):
+            raise InvalidArgumentError(f"detail must be a PutDetail, got {type(detail).__name__}")
+        detail.check(num_blocks, block_size)

@@ -152,7 +152,7 @@ def test_stats_report_the_server_tiers_and_counters(
 
 def test_describe_reports_the_server_and_its_slab(server: LiveServer, client: AnyClient) -> None:
     info = client.describe()
-    assert info.shm_name == server.store.host_shm_name
+    assert info.shm_name == server.store.sidecar.host_shm_name
     assert info.shm_size_bytes == 64 * BLOCK_BYTES and info.page_bytes == PAGE_BYTES
     assert info.hash_seed == default_seed() and info.max_hashes_per_call == 65536
     assert info.host_id == Path("/proc/sys/kernel/random/boot_id").read_text().strip()

@@ -63,7 +63,7 @@ from tierkv.wire import tierkv_pb2 as pb
 
 
 def test_client_context_manager_maps_the_slab_and_unmaps_it(server: LiveServer, path: str) -> None:
-    name = server.store.host_shm_name
+    name = server.store.sidecar.host_shm_name
     baseline = shm_mappings(name)  # the server's own mapping
     target, settings = path_settings(server, path)
     with Client(target, **settings) as client:
@@ -81,7 +81,7 @@ async def test_async_client_context_manager_maps_the_slab_and_unmaps_it(
     make_server: ServerFactory, path: str
 ) -> None:
     server = make_server()
-    name = server.store.host_shm_name
+    name = server.store.sidecar.host_shm_name
     baseline = shm_mappings(name)
     target, settings = path_settings(server, path)
     hashes, data = keys(3, salt="acm"), patterned_blocks(3)

@@ -102,11 +102,11 @@ def test_blocks_split_across_runs_of_free_pages_round_trip_exactly(
     namespace, hashes = ns(), keys(8, salt="split")
     data = patterned_blocks(8, seed=13)
     assert client.put(namespace, hashes, data) == 8
-    lease = server.store.acquire(Namespace("test-model", TINY_LAYOUT, tenant="alice"), hashes)
+    lease = server.store.sidecar.acquire(Namespace("test-model", TINY_LAYOUT, tenant="alice"), hashes)
     try:
         assert all(len(extents) == 2 for extents in lease.blocks)
     finally:
-        server.store.release(lease.lease_id)
+        server.store.sidecar.release(lease.lease_id)
     assert same_bytes(client.get(namespace, hashes), data)
     check_path(server, client, path)
 
@@ -441,13 +441,13 @@ def test_a_release_carried_on_a_later_call_keeps_the_pages_leased_until_then(
             flood_hashes = keys(8, salt=f"{salt}-{batch}")
             assert writer.put(namespace, flood_hashes, patterned_blocks(8, seed=batch)) == 8
 
-    assert server.store.num_leases == 1
+    assert server.store.sidecar.num_leases == 1
     flood("first")
     assert server.store.lookup(in_store, hashes) == 8  # still leased: never evicted
     assert same_bytes(server.store.get(in_store, hashes), data)
     assert server.spy.methods_of(reader.settings.client_id)["Release"] == 0
     stats = reader.stats()  # the release goes first, then the Stats that counts it
-    assert stats.num_leases == 0 and server.store.num_leases == 0
+    assert stats.num_leases == 0 and server.store.sidecar.num_leases == 0
     flood("second")
     assert server.store.lookup(in_store, hashes) == 0  # released: its pages were reused
     assert same_bytes(got, data)  # what the reader copied is its own
@@ -465,14 +465,14 @@ def test_a_queued_release_is_sent_once_due_and_at_close(
     hits_before = server.store.stats().tiers[Tier.HOST].hits
     assert len(idle.get(namespace, hashes)) == 4
     deadline = time.monotonic() + 10.0
-    while server.store.num_leases and time.monotonic() < deadline:
+    while server.store.sidecar.num_leases and time.monotonic() < deadline:
         time.sleep(0.01)
-    assert server.store.num_leases == 0
+    assert server.store.sidecar.num_leases == 0
     assert server.store.stats().tiers[Tier.HOST].hits == hits_before + 4
     closing = open_client(server, "shm", "sync", release_delay_s=30.0)
-    assert len(closing.get(namespace, hashes)) == 4 and server.store.num_leases == 1
+    assert len(closing.get(namespace, hashes)) == 4 and server.store.sidecar.num_leases == 1
     closing.close()
-    assert server.store.num_leases == 0
+    assert server.store.sidecar.num_leases == 0
 
 
 @pytest.mark.asyncio
@@ -484,14 +484,14 @@ async def test_an_async_clients_queued_release_is_sent_once_due(
     async with AsyncClient(server.unix_target, token=ALICE_TOKEN, release_delay_s=0.05) as client:
         assert await client.put(namespace, hashes, patterned_blocks(4, seed=16)) == 4
         assert len(await client.get(namespace, hashes)) == 4
-        assert server.store.num_leases == 1
+        assert server.store.sidecar.num_leases == 1
         for _ in range(1000):
-            if not server.store.num_leases:
+            if not server.store.sidecar.num_leases:
                 break
             await asyncio.sleep(0.01)
-        assert server.store.num_leases == 0
+        assert server.store.sidecar.num_leases == 0
         assert len(await client.get(namespace, hashes)) == 4
-    assert server.store.num_leases == 0  # the close sent the second get's release
+    assert server.store.sidecar.num_leases == 0  # the close sent the second get's release
 
 
 def test_a_client_dropped_without_close_takes_its_release_sender_with_it(
@@ -552,7 +552,7 @@ def test_a_server_that_does_not_carry_releases_gets_each_on_its_own(tmp_path: Pa
             assert client.put(namespace, hashes, patterned_blocks(4, seed=18)) == 4
             for _ in range(3):
                 assert len(client.get(namespace, hashes)) == 4
-                assert server.store.num_leases == 0
+                assert server.store.sidecar.num_leases == 0
             spy = server.served.server.servicer
             assert spy.methods_of(client.settings.client_id)["Release"] == 3
     finally:
@@ -580,10 +580,10 @@ def test_releases_a_failed_call_carried_are_sent_again(tmp_path: Path) -> None:
         with Client(server.unix_target, token=ALICE_TOKEN, release_delay_s=30.0) as client:
             namespace, hashes = ns(), keys(4, salt="failed-carrier")
             assert client.put(namespace, hashes, patterned_blocks(4, seed=19)) == 4
-            assert len(client.get(namespace, hashes)) == 4 and server.store.num_leases == 1
+            assert len(client.get(namespace, hashes)) == 4 and server.store.sidecar.num_leases == 1
             with pytest.raises(TierKVError, match="dropped before reading"):
                 client.get(namespace, hashes)
-            assert server.store.num_leases == 1  # the release it carried was not done
+            assert server.store.sidecar.num_leases == 1  # the release it carried was not done
             assert client.stats().num_leases == 0  # put back, sent before the Stats
     finally:
         server.close()
@@ -611,7 +611,7 @@ def test_a_stats_counts_the_releases_being_sent_on_their_own(tmp_path: Path, kin
             assert await client.put(namespace, hashes, patterned_blocks(4, seed=21)) == 4
             assert len(await client.get(namespace, hashes)) == 4
             await asyncio.sleep(0.2)  # due, taken and sent; the server is still on it
-            held = server.store.num_leases
+            held = server.store.sidecar.num_leases
             return held, (await client.stats()).num_leases
 
     try:
@@ -622,7 +622,7 @@ def test_a_stats_counts_the_releases_being_sent_on_their_own(tmp_path: Path, kin
                 assert client.put(namespace, hashes, patterned_blocks(4, seed=21)) == 4
                 assert len(client.get(namespace, hashes)) == 4
                 time.sleep(0.2)
-                held = server.store.num_leases
+                held = server.store.sidecar.num_leases
                 counted = client.stats().num_leases
         assert held == 1  # the release had not arrived when the stats was asked for
         assert counted == 0
@@ -638,6 +638,6 @@ def test_a_lease_past_the_end_of_the_slab_is_refused_before_any_copy(tmp_path: P
             assert client.put(namespace, hashes, patterned_blocks(2, seed=20)) == 2
             with pytest.raises(ServiceUnavailableError, match="past its slab"):
                 client.get(namespace, hashes)
-            assert server.store.num_leases == 0  # released at once, nothing copied
+            assert server.store.sidecar.num_leases == 0  # released at once, nothing copied
     finally:
         server.close()

@@ -71,8 +71,8 @@ class Sidecar:
 
     def truth(self, namespace: Namespace) -> dict[tuple[str, str | None], set[int]]:
         held = {WHERE[tier]: {external(h) for h in hashes}
-                for tier, hashes in self.store.blocks_by_tier(namespace).items()}
-        held[REMOTE_WHERE] = {external(h) for h in self.store.remote_hashes(namespace.id)}
+                for tier, hashes in self.store.sidecar.blocks_by_tier(namespace).items()}
+        held[REMOTE_WHERE] = {external(h) for h in self.store.sidecar.remote_hashes(namespace.id)}
         return {where: hashes for where, hashes in held.items() if hashes}
 
     def subscriber(self) -> EventIndex:

@@ -86,7 +86,7 @@ async def test_a_server_without_a_store_is_not_serving_until_attached(tmp_path: 
         assert await put(stub, keys(2), payload(2)) == 2
         assert (await get_blocks(stub, NS, keys(2)))[1] == payload(2)
         describe = await stub.Describe(pb.DescribeRequest(), metadata=ALICE)
-        assert describe.shm_name == store.host_shm_name
+        assert describe.shm_name == store.sidecar.host_shm_name
     finally:
         await channel.close()
         await server.stop()

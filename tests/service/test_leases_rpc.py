@@ -45,7 +45,7 @@ from tierkv.wire import tierkv_pb2 as pb
 async def test_describe_tells_a_same_host_client_how_to_map_the_slab(served: Served) -> None:
     stub = served.stub(unix=True)
     describe = await stub.Describe(pb.DescribeRequest(), metadata=ALICE)
-    assert describe.shm_name == served.store.host_shm_name
+    assert describe.shm_name == served.store.sidecar.host_shm_name
     assert os.path.exists(f"/dev/shm/{describe.shm_name}")
     assert describe.shm_size_bytes == 64 * BLOCK_BYTES
     assert describe.page_bytes == served.store.config.host.page_bytes

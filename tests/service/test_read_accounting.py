@@ -87,7 +87,7 @@ _slabs: dict[str, np.ndarray] = {}
 
 def slab_of(store: TieredStore) -> np.ndarray:
     """The store's HOST slab, mapped as a same-host client maps it (by name, under /dev/shm)."""
-    name = store.host_shm_name
+    name = store.sidecar.host_shm_name
     if name not in _slabs:
         fd = os.open(f"/dev/shm/{name}", os.O_RDWR)
         try:
@@ -152,10 +152,10 @@ def test_reads_serve_what_is_stored_and_count_what_they_served(
                         store.put(other, keys_, torch.stack([block_for(0)] * first))
                     except CapacityError:
                         continue
-                    held_leases.append(store.acquire(other, keys_, 60, owner="holder").lease_id)
+                    held_leases.append(store.sidecar.acquire(other, keys_, 60, owner="holder").lease_id)
                 elif name == "release_all":
                     for lease_id in held_leases:
-                        store.release(lease_id, owner="holder")
+                        store.sidecar.release(lease_id, owner="holder")
                     held_leases.clear()
                 elif name == "unpin_all":
                     store.unpin(other, pinned)
@@ -164,7 +164,7 @@ def test_reads_serve_what_is_stored_and_count_what_they_served(
                     check_read(name, shm, stream, store, namespace, own, chain, first, out)
         finally:
             for lease_id in held_leases:
-                store.release(lease_id, owner="holder")
+                store.sidecar.release(lease_id, owner="holder")
             store.unpin(other, pinned)
             store.delete(other, pinned)
 
@@ -184,7 +184,7 @@ def check_read(name: str, shm: Client, stream: Client, store: TieredStore, names
     elif name == "read_store":
         num_got = store.get_into(own, chain, out[: len(chain)])
     else:  # an embedded same-host read: lease, copy out of the mapped slab, release
-        lease = store.acquire(own, chain, 30, owner="reader")
+        lease = store.sidecar.acquire(own, chain, 30, owner="reader")
         try:
             num_got = len(lease.blocks)
             for i, extents in enumerate(lease.blocks):
@@ -194,7 +194,7 @@ def check_read(name: str, shm: Client, stream: Client, store: TieredStore, names
                 out[i].view(-1).view(torch.uint8).copy_(torch.frombuffer(bytearray(raw),
                                                                          dtype=torch.uint8))
         finally:
-            store.release(lease.lease_id, owner="reader")
+            store.sidecar.release(lease.lease_id, owner="reader")
     after = store.stats()
     for i in range(num_got):
         assert same_bytes(out[i], block_for(first + i)), f"{name}: block {i} has wrong bytes"
@@ -228,9 +228,9 @@ def test_a_release_takes_back_the_hits_of_the_blocks_the_client_did_not_keep(
     for corrupt, num_copied, kept, missed in (((), None, 4, 0), ((), 0, 0, 0), ((2,), None, 2, 1),
                                               ((), 3, 3, 0), ((1,), 3, 1, 1)):
         before = store.stats()
-        lease = store.acquire(own, chain, 30, owner="reader")
+        lease = store.sidecar.acquire(own, chain, 30, owner="reader")
         assert len(lease.blocks) == 4
-        store.release(lease.lease_id, owner="reader", corrupt_indices=corrupt,
+        store.sidecar.release(lease.lease_id, owner="reader", corrupt_indices=corrupt,
                       num_copied=num_copied)
         after = store.stats()
         assert hits(after) - hits(before) == kept, (corrupt, num_copied)
@@ -319,13 +319,13 @@ def test_an_expired_lease_is_counted_by_its_late_release_and_once_only(
     store, own, chain = stored_chain(server, "expired", 3)
     for num_copied, kept in ((None, 3), (0, 0)):
         before = store.stats()
-        lease = store.acquire(own, [*chain, key(99, own.model_id)], 0.1, owner="late")
+        lease = store.sidecar.acquire(own, [*chain, key(99, own.model_id)], 0.1, owner="late")
         assert hits(store.stats()) == hits(before)  # nothing is counted before the release
         time.sleep(0.2)
         with pytest.raises(LeaseStateError):
-            store.release(lease.lease_id, owner="late", num_copied=num_copied)
+            store.sidecar.release(lease.lease_id, owner="late", num_copied=num_copied)
         with pytest.raises(LeaseStateError):  # a second release counts nothing more
-            store.release(lease.lease_id, owner="late")
+            store.sidecar.release(lease.lease_id, owner="late")
         after = store.stats()
         assert hits(after) - hits(before) == kept
         # The lease reached the end of the run: the block after it is one miss, if kept.
@@ -337,8 +337,8 @@ def test_one_short_read_is_one_miss_whatever_ends_it(server: BackgroundServer) -
     # The lease reaches the end of the stored run (3 of 4) and the client finds block 1
     # damaged: one short read, one miss.
     before = store.stats()
-    lease = store.acquire(own, chain, 30, owner="reader")
-    store.release(lease.lease_id, owner="reader", corrupt_indices=[1])
+    lease = store.sidecar.acquire(own, chain, 30, owner="reader")
+    store.sidecar.release(lease.lease_id, owner="reader", corrupt_indices=[1])
     after = store.stats()
     assert (hits(after) - hits(before), misses_in_every_tier(before, after)) == (1, 1)
 
@@ -401,16 +401,16 @@ def test_a_block_whose_demotion_failed_is_passed_over_only_until_it_has_a_disk_c
         store.pin(namespace, d_keys)
         store.pin(namespace, x_keys)
         for _ in range(3):
-            lease = store.acquire(namespace, d_keys[:1], owner="r")
-            store.release(lease.lease_id, owner="r")
+            lease = store.sidecar.acquire(namespace, d_keys[:1], owner="r")
+            store.sidecar.release(lease.lease_id, owner="r")
             assert lease.blocks == [] and lease.num_cached == 1
         assert 1 <= store.stats().failed_demotions <= 4  # once per block, not once per read
         got = store.get(namespace, d_keys)  # served from DISK all the same
         assert len(got) == 4 and same_bytes(got, d_data)
         store.unpin(namespace, x_keys)
         store.put(namespace, w_keys, w_data, write_policy=WritePolicy.WRITE_THROUGH)
-        lease = store.acquire(namespace, d_keys[:1], owner="r")
-        store.release(lease.lease_id, owner="r")
+        lease = store.sidecar.acquire(namespace, d_keys[:1], owner="r")
+        store.sidecar.release(lease.lease_id, owner="r")
         assert len(lease.blocks) == 1
         got = store.get(namespace, w_keys)
         assert len(got) == 4 and same_bytes(got, w_data)

@@ -55,7 +55,7 @@ def test_a_full_table_turns_itself_off(table: PresenceTable) -> None:
 def test_the_store_keeps_the_table_in_step(make_store: StoreFactory, namespace: Namespace) -> None:
     store = make_store(host_blocks=4, disk_blocks=8)
     store.register(namespace)
-    name, key = store.presence_info(namespace.tenant)
+    name, key = store.sidecar.presence_info(namespace.tenant)
     view = PresenceView(name, key)
     core_id = bytes(namespace.with_tenant("").id)
     chain = keys(10)
@@ -67,7 +67,7 @@ def test_the_store_keeps_the_table_in_step(make_store: StoreFactory, namespace: 
     store.put(namespace, chain[3:4], blocks(1))
     assert view.count_leading(core_id, chain) == 10
     # Another tenant's key finds nothing of this tenant's.
-    _, other_key = store.presence_info("someone-else")
+    _, other_key = store.sidecar.presence_info("someone-else")
     other = PresenceView(name, other_key)
     assert other_key != key and other.count_leading(core_id, chain) == 0
     view.close()
@@ -76,7 +76,7 @@ def test_the_store_keeps_the_table_in_step(make_store: StoreFactory, namespace: 
 
 def test_a_store_without_a_table_says_so(make_store: StoreFactory) -> None:
     store = make_store(presence_slots=0)
-    assert store.presence_info("default") == ("", b"")
+    assert store.sidecar.presence_info("default") == ("", b"")
 
 
 def test_fingerprints_never_read_as_empty() -> None:

@@ -151,7 +151,7 @@ async def test_a_page_changed_between_the_copy_and_the_commit_is_a_miss_on_every
             assert disk.num_blocks == 3  # the damaged block was not written
             flood = keys(64, salt="flood")  # HOST's room: the flushed blocks leave HOST
             await asyncio.to_thread(store.put, namespace, flood, as_blocks(payload(64, seed=2)))
-            assert store.locate(namespace, hashes)[Tier.DISK] == 2
+            assert store.sidecar.locate(namespace, hashes)[Tier.DISK] == 2
             got = await asyncio.to_thread(store.get, namespace, hashes)
         else:
             assert await asyncio.wrap_future(store.prefetch_async(namespace, hashes, Tier.GPU)) == 2
@@ -199,7 +199,7 @@ async def test_a_writer_stalled_past_its_lease_ttl_changes_no_other_block(
     async with AsyncClient(served.unix_target, token="t" * 32) as other:
         assert await other.uses_shared_memory()
         assert await other.put(NAMESPACE, hashes, as_blocks(data)) == 32
-        quarantined = served.store.num_quarantined_pages
+        quarantined = served.store.sidecar.num_quarantined_pages
         assert (quarantined > 0) == watched
         with mapped_slab(describe.shm_name) as slab:  # the stalled client wakes up and copies
             for extents in stalled.blocks:
@@ -219,8 +219,8 @@ async def test_a_writer_stalled_past_its_lease_ttl_changes_no_other_block(
         assert lock is not None
         lock.close()  # the stalled client exits: its quarantined pages come back
         await asyncio.sleep(0.3)  # (a live client is probed again after 0.25 s)
-        served.store.expire_leases()
-        assert served.store.num_quarantined_pages == 0
+        served.store.sidecar.expire_leases()
+        assert served.store.sidecar.num_quarantined_pages == 0
     else:
         assert stats.checksum_failures > 0  # its late bytes were seen, and not served
 
@@ -290,8 +290,8 @@ async def test_a_lock_path_that_is_not_a_regular_file_never_reaps_a_lease(served
         metadata = (*ALICE, ("x-tierkv-client", "dirclient"))
         await stub.Allocate(pb.AllocateRequest(namespace=NS, hashes=keys(2, salt="dir"),
                                                slab_id=describe.slab_id), metadata=metadata)
-        served.store.expire_leases()
-        assert served.store.num_leases == 1
+        served.store.sidecar.expire_leases()
+        assert served.store.sidecar.num_leases == 1
     finally:
         path.rmdir()
 
@@ -327,9 +327,9 @@ def test_a_damaged_host_block_promoted_to_the_gpu_is_counted_once_and_never_copi
     store.register(NAMESPACE)
     hashes = keys(3, salt="promote")
     store.put(NAMESPACE, hashes, as_blocks(payload(3, seed=9)), tier=Tier.HOST)
-    lease = store.acquire(NAMESPACE, hashes, ttl_s=10.0)
-    store.release(lease.lease_id)
-    with mapped_slab(store.host_shm_name) as slab:  # a stray write into the damaged blocks
+    lease = store.sidecar.acquire(NAMESPACE, hashes, ttl_s=10.0)
+    store.sidecar.release(lease.lease_id)
+    with mapped_slab(store.sidecar.host_shm_name) as slab:  # a stray write into the damaged blocks
         for index in range(3 - num_damaged, 3):
             slab[lease.blocks[index][0][0]] ^= 0x01
     assert store.prefetch_async(NAMESPACE, hashes, Tier.GPU).result() == 3 - num_damaged

@@ -93,11 +93,11 @@ def test_pinned_and_leased_blocks_are_never_its_victims(
     for i in range(8):
         put_block(store, namespace, i)
     assert store.pin(namespace, [key(i) for i in range(4)]) == 4
-    lease = store.acquire(namespace, [key(i) for i in range(4, 8)])
+    lease = store.sidecar.acquire(namespace, [key(i) for i in range(4, 8)])
     try:
         for i in range(1000, 1600):  # ten times the tier, each used once
             put_block(store, namespace, i)
         assert all(store.lookup(namespace, [key(i)]) == 1 for i in range(8))
     finally:
-        store.release(lease.lease_id)
+        store.sidecar.release(lease.lease_id)
     assert same_bytes(store.get(namespace, [key(0)])[0], block_for(0))

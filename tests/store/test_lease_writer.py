@@ -1,5 +1,5 @@
 """A byte stream copied straight into a write lease's HOST pages by the store
-(``TieredStore.allocate_in_process`` and ``lease_writer``: the server's stream Put).
+(``TieredStore.sidecar.allocate_in_process`` and ``lease_writer``: the server's stream Put).
 
 Real stores with two pages a block, fragmented on purpose so that leased blocks lie on scattered
 pages; chunk sizes that cut pages, blocks and spans anywhere; blocks stored already (whose bytes
@@ -33,13 +33,13 @@ def stream(store: TieredStore, namespace: Namespace, hashes: list[bytes], data: 
            chunk_sizes: list[int]) -> int:
     """Allocate, feed ``data`` in chunks of ``chunk_sizes`` (cycled), commit."""
     raw = data.contiguous().view(torch.uint8).reshape(-1).numpy().tobytes()
-    lease = store.allocate_in_process(namespace, hashes)
-    with store.lease_writer(lease) as filler:
+    lease = store.sidecar.allocate_in_process(namespace, hashes)
+    with store.sidecar.lease_writer(lease) as filler:
         assert filler.total_bytes == len(raw)
         for piece in split(raw, chunk_sizes):
             filler.write(memoryview(piece))
         assert filler.complete
-    return store.commit(lease.lease_id)
+    return store.sidecar.commit(lease.lease_id)
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -60,7 +60,7 @@ def test_chunks_of_any_size_land_bit_exact(
 
     assert stream(store, namespace, hashes, data, chunk_sizes) == NUM_BLOCKS - len(stored)
     assert same_bytes(store.get(namespace, hashes), data)
-    assert store.num_leases == 0
+    assert store.sidecar.num_leases == 0
 
 
 def test_more_bytes_than_the_blocks_hold_are_refused(
@@ -69,15 +69,15 @@ def test_more_bytes_than_the_blocks_hold_are_refused(
     store = make_store()
     store.register(namespace)
     hashes = keys(2)
-    lease = store.allocate_in_process(namespace, hashes)
+    lease = store.sidecar.allocate_in_process(namespace, hashes)
     raw = memoryview(bytes(3 * BLOCK_BYTES))
-    with store.lease_writer(lease) as filler:
+    with store.sidecar.lease_writer(lease) as filler:
         assert filler.total_bytes == 2 * BLOCK_BYTES
         filler.write(raw[: BLOCK_BYTES + 1])
         assert not filler.complete
         with pytest.raises(InvalidArgumentError, match="more than"):
             filler.write(raw[: BLOCK_BYTES])
-    store.abort(lease.lease_id)
+    store.sidecar.abort(lease.lease_id)
     assert store.lookup(namespace, hashes) == 0
     assert store.stats().tiers[Tier.HOST].used_bytes == 0
 
@@ -89,13 +89,13 @@ def test_a_lease_that_does_not_expire_outlives_every_ttl(
     now = [100.0]
     store = make_store(clock=lambda: now[0])
     store.register(namespace)
-    lease = store.allocate_in_process(namespace, keys(2))
+    lease = store.sidecar.allocate_in_process(namespace, keys(2))
     assert math.isinf(lease.expires_in_s)
     now[0] += 10**9
-    assert store.expire_leases() == 0
-    assert store.num_leases == 1
-    store.abort(lease.lease_id)
-    assert store.num_leases == 0
+    assert store.sidecar.expire_leases() == 0
+    assert store.sidecar.num_leases == 1
+    store.sidecar.abort(lease.lease_id)
+    assert store.sidecar.num_leases == 0
     assert store.stats().tiers[Tier.HOST].used_bytes == 0
 
 
@@ -105,7 +105,7 @@ def test_only_an_in_process_lease_is_written_by_the_store(
     """A client's lease is written by that client alone (and checked against its checksums)."""
     store = make_store()
     store.register(namespace)
-    lease = store.allocate(namespace, keys(2))
+    lease = store.sidecar.allocate(namespace, keys(2))
     with pytest.raises(LeaseStateError, match="allocate_in_process"):
-        store.lease_writer(lease)
-    store.abort(lease.lease_id)
+        store.sidecar.lease_writer(lease)
+    store.sidecar.abort(lease.lease_id)

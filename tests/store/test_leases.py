@@ -32,7 +32,7 @@ def slab_of() -> Iterator[object]:
     maps: list[mmap.mmap] = []
 
     def open_slab(store: TieredStore) -> np.ndarray:
-        fd = os.open(f"/dev/shm/{store.host_shm_name}", os.O_RDWR)
+        fd = os.open(f"/dev/shm/{store.sidecar.host_shm_name}", os.O_RDWR)
         try:
             mapping = mmap.mmap(fd, 0)
         finally:
@@ -71,7 +71,7 @@ def test_acquire_gives_the_bytes_in_place_and_pins_them(
     store.register(namespace)
     data = blocks(3, seed=1)
     store.put(namespace, keys(3), data)
-    lease = store.acquire(namespace, keys(5), owner="a")
+    lease = store.sidecar.acquire(namespace, keys(5), owner="a")
     assert lease.num_cached == 3 and len(lease.blocks) == 3
     slab = slab_of(store)  # type: ignore[operator]
     for i, extents in enumerate(lease.blocks):
@@ -80,9 +80,9 @@ def test_acquire_gives_the_bytes_in_place_and_pins_them(
     # Leased blocks are being read: a put that needs their room cannot take it.
     with pytest.raises(CapacityError):
         store.put(namespace, keys(4, start=10), blocks(4, seed=2))
-    store.release(lease.lease_id, owner="a")
+    store.sidecar.release(lease.lease_id, owner="a")
     store.put(namespace, keys(4, start=10), blocks(4, seed=2))
-    assert store.num_leases == 0
+    assert store.sidecar.num_leases == 0
 
 
 def test_acquire_brings_disk_blocks_into_host(
@@ -92,12 +92,12 @@ def test_acquire_brings_disk_blocks_into_host(
     store.register(namespace)
     data = blocks(2, seed=3)
     store.put(namespace, keys(2), data, tier=Tier.DISK)
-    lease = store.acquire(namespace, keys(2))
+    lease = store.sidecar.acquire(namespace, keys(2))
     slab = slab_of(store)  # type: ignore[operator]
     assert [read_block(slab, e) for e in lease.blocks] == [
         data[i].contiguous().view(torch.uint8).numpy().tobytes() for i in range(2)
     ]
-    store.release(lease.lease_id)
+    store.sidecar.release(lease.lease_id)
 
 
 def test_allocate_write_commit_makes_the_blocks_visible_at_once(
@@ -107,18 +107,18 @@ def test_allocate_write_commit_makes_the_blocks_visible_at_once(
     store.register(namespace)
     data = blocks(4, seed=4)
     store.put(namespace, keys(1), data[:1])  # block 0 is stored already
-    lease = store.allocate(namespace, keys(4), owner="w", write_policy=WritePolicy.WRITE_THROUGH)
+    lease = store.sidecar.allocate(namespace, keys(4), owner="w", write_policy=WritePolicy.WRITE_THROUGH)
     assert lease.write_indices == [0, 1, 2, 3]  # 0 too: it has no disk record yet
     slab = slab_of(store)  # type: ignore[operator]
     for index, extents in zip(lease.write_indices, lease.blocks, strict=True):
         write_block(slab, extents, data[index])
     assert store.lookup(namespace, keys(4)) == 1  # nothing new is visible before the commit
     sums = checksums_of(data, lease.write_indices)
-    assert store.commit(lease.lease_id, owner="w", checksums=sums) == 3
+    assert store.sidecar.commit(lease.lease_id, owner="w", checksums=sums) == 3
     assert same_bytes(store.get(namespace, keys(4)), data)
     assert store.stats().tiers[Tier.DISK].num_blocks == 4
     with pytest.raises(LeaseStateError, match="already committed"):
-        store.commit(lease.lease_id, owner="w", checksums=sums)
+        store.sidecar.commit(lease.lease_id, owner="w", checksums=sums)
 
 
 def test_abort_stores_nothing_and_gives_the_pages_back(
@@ -126,26 +126,26 @@ def test_abort_stores_nothing_and_gives_the_pages_back(
 ) -> None:
     store = make_store(host_blocks=4)
     store.register(namespace)
-    lease = store.allocate(namespace, keys(4))
+    lease = store.sidecar.allocate(namespace, keys(4))
     assert store.stats().tiers[Tier.HOST].used_bytes == 4 * BLOCK_BYTES
-    store.abort(lease.lease_id)
+    store.sidecar.abort(lease.lease_id)
     assert store.lookup(namespace, keys(4)) == 0
     assert store.stats().tiers[Tier.HOST].used_bytes == 0
     with pytest.raises(LeaseStateError, match="aborted"):
-        store.commit(lease.lease_id)
+        store.sidecar.commit(lease.lease_id)
 
 
 def test_a_lease_belongs_to_its_owner(make_store: StoreFactory, namespace: Namespace) -> None:
     store = make_store()
     store.register(namespace)
-    lease = store.allocate(namespace, keys(1), owner="tenant-a/client-1")
+    lease = store.sidecar.allocate(namespace, keys(1), owner="tenant-a/client-1")
     with pytest.raises(LeaseNotFoundError):
-        store.commit(lease.lease_id, owner="tenant-b/client-9")
+        store.sidecar.commit(lease.lease_id, owner="tenant-b/client-9")
     with pytest.raises(LeaseNotFoundError):
-        store.release(lease.lease_id, owner="tenant-a/client-1")  # a write lease, not a read one
+        store.sidecar.release(lease.lease_id, owner="tenant-a/client-1")  # a write lease, not a read one
     with pytest.raises(LeaseNotFoundError):
-        store.commit(b"\x00" * 16, owner="tenant-a/client-1")
-    store.abort(lease.lease_id, owner="tenant-a/client-1")
+        store.sidecar.commit(b"\x00" * 16, owner="tenant-a/client-1")
+    store.sidecar.abort(lease.lease_id, owner="tenant-a/client-1")
 
 
 def test_leases_expire_and_give_their_pages_back(
@@ -154,16 +154,16 @@ def test_leases_expire_and_give_their_pages_back(
     clock = FakeClock(100.0)
     store = make_store(host_blocks=4, clock=clock)
     store.register(namespace)
-    write = store.allocate(namespace, keys(2), ttl_s=5)
+    write = store.sidecar.allocate(namespace, keys(2), ttl_s=5)
     store.put(namespace, keys(2, start=5), blocks(2))
-    read = store.acquire(namespace, keys(2, start=5), ttl_s=5)
+    read = store.sidecar.acquire(namespace, keys(2, start=5), ttl_s=5)
     clock.now_s += 6
-    assert store.expire_leases() == 2
-    assert store.num_leases == 0
+    assert store.sidecar.expire_leases() == 2
+    assert store.sidecar.num_leases == 0
     with pytest.raises(LeaseStateError, match="expired"):
-        store.commit(write.lease_id)
+        store.sidecar.commit(write.lease_id)
     with pytest.raises(LeaseStateError, match="expired"):
-        store.release(read.lease_id)
+        store.sidecar.release(read.lease_id)
     assert store.lookup(namespace, keys(2)) == 0
     assert store.stats().tiers[Tier.HOST].used_bytes == 2 * BLOCK_BYTES  # only the put's pages
 
@@ -175,12 +175,12 @@ def test_a_deleted_leased_block_keeps_its_bytes_until_release(
     store.register(namespace)
     data = blocks(1, seed=5)
     store.put(namespace, keys(1), data)
-    lease = store.acquire(namespace, keys(1))
+    lease = store.sidecar.acquire(namespace, keys(1))
     assert store.delete(namespace, keys(1)) == 1
     store.put(namespace, keys(1, start=9), blocks(1, seed=6))  # takes the other free block
     slab = slab_of(store)  # type: ignore[operator]
     assert read_block(slab, lease.blocks[0]) == data[0].contiguous().view(torch.uint8).numpy().tobytes()
-    store.release(lease.lease_id)
+    store.sidecar.release(lease.lease_id)
     assert store.stats().tiers[Tier.HOST].used_bytes == BLOCK_BYTES
 
 
@@ -191,5 +191,5 @@ def test_bad_lease_ttl_is_rejected(
     store = make_store()
     store.register(namespace)
     with pytest.raises(InvalidArgumentError, match="lease_ttl_s"):
-        store.allocate(namespace, keys(1), ttl_s=ttl_s)
-    assert store.num_leases == 0 and store.stats().tiers[Tier.HOST].used_bytes == 0
+        store.sidecar.allocate(namespace, keys(1), ttl_s=ttl_s)
+    assert store.sidecar.num_leases == 0 and store.stats().tiers[Tier.HOST].used_bytes == 0

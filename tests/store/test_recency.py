@@ -29,9 +29,9 @@ def _read_by_get_into(store: TieredStore, namespace: Namespace, hashes: list[byt
 
 
 def _read_by_lease(store: TieredStore, namespace: Namespace, hashes: list[bytes]) -> None:
-    lease = store.acquire(namespace, hashes, slab_id=store.host_slab_id)
+    lease = store.sidecar.acquire(namespace, hashes, slab_id=store.sidecar.host_slab_id)
     assert len(lease.blocks) == len(hashes)
-    store.release(lease.lease_id)
+    store.sidecar.release(lease.lease_id)
 
 
 READS: dict[str, Callable[[TieredStore, Namespace, list[bytes]], None]] = {

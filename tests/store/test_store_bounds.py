@@ -163,10 +163,10 @@ def test_a_write_lease_outlives_the_pruning_of_its_namespace(
 ) -> None:
     store = make_store()
     store.register(namespace)
-    lease = store.allocate_in_process(namespace, keys(2))
+    lease = store.sidecar.allocate_in_process(namespace, keys(2))
     assert store.prune_namespaces() == [namespace]  # no block yet: it goes
     store.register(namespace)  # takes back the state the lease holds, not a second one
-    assert store.commit(lease.lease_id) == 2
+    assert store.sidecar.commit(lease.lease_id) == 2
     assert store.lookup(namespace, keys(2)) == 2
 
 

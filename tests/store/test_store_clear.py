@@ -89,12 +89,12 @@ def test_leased_blocks_are_misses_at_once_and_their_room_comes_back_at_release(
 ) -> None:
     store = filled(make_store)
     used_bytes = store.stats().tiers[Tier.HOST].used_bytes
-    lease = store.acquire(ALICE_A, keys(2), owner="reader")
+    lease = store.sidecar.acquire(ALICE_A, keys(2), owner="reader")
     result = store.clear(tenant="alice")
     assert (result.num_blocks, result.num_busy) == (6, 2)
     assert store.lookup(ALICE_A, keys(3)) == 0
     assert store.stats().tiers[Tier.HOST].used_bytes == used_bytes - 4 * BLOCK_BYTES
-    store.release(lease.lease_id, owner="reader")
+    store.sidecar.release(lease.lease_id, owner="reader")
     assert store.stats().tiers[Tier.HOST].used_bytes == used_bytes - 6 * BLOCK_BYTES
     assert store.clear(tenant="alice") == ClearResult(2, 0, 0, 0, 0)
 
@@ -163,7 +163,7 @@ def slab_of() -> Iterator[object]:
     maps: list[mmap.mmap] = []
 
     def open_slab(store: TieredStore) -> np.ndarray:
-        fd = os.open(f"/dev/shm/{store.host_shm_name}", os.O_RDWR)
+        fd = os.open(f"/dev/shm/{store.sidecar.host_shm_name}", os.O_RDWR)
         try:
             maps.append(mmap.mmap(fd, 0))
         finally:
@@ -189,7 +189,7 @@ def test_leased_bytes_survive_a_clear_and_the_puts_that_follow_it(
     store.register(CLEARED)
     old = blocks(3, seed=1)
     store.put(CLEARED, keys(3), old, write_policy=WritePolicy.WRITE_THROUGH)
-    lease = store.acquire(CLEARED, keys(2), owner="reader")
+    lease = store.sidecar.acquire(CLEARED, keys(2), owner="reader")
     result = store.clear(namespace=CLEARED)
     assert (result.num_blocks, result.num_busy) == (3, 2)
     assert store.lookup(CLEARED, keys(3)) == 0  # misses at once, leased or not
@@ -201,7 +201,7 @@ def test_leased_bytes_survive_a_clear_and_the_puts_that_follow_it(
         leased = b"".join(slab[o : o + n].tobytes() for o, n in extents)
         assert leased == raw(old[index])
     assert same_bytes(store.get(CLEARED, keys(3)), new)
-    store.release(lease.lease_id, owner="reader")
+    store.sidecar.release(lease.lease_id, owner="reader")
     store.wait_for_background()
     assert store.clear(namespace=CLEARED).num_busy == 0
     assert store.lookup(CLEARED, keys(3)) == 0
@@ -319,7 +319,7 @@ def test_a_clear_empties_every_tier_and_pin_and_the_counts_follow(
                   write_policy=WritePolicy.WRITE_THROUGH)
     store.pin(CLEARED, keys(2))
     store.pin(CLEARED, keys(2, start=8), ttl_s=60.0)
-    located = store.locate(CLEARED, keys(12))
+    located = store.sidecar.locate(CLEARED, keys(12))
     assert located[Tier.GPU] >= 1 and sum(located.values()) == 12
     result = store.clear(namespace=CLEARED)
     assert (result.num_blocks, result.num_busy) == (12, 0)

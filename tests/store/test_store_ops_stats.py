@@ -42,13 +42,13 @@ def test_leases_open_and_expired_are_counted(make_store: StoreFactory, namespace
     store = make_store(host_blocks=8, clock=clock)
     store.register(namespace)
     store.put(namespace, keys(2), blocks(2))
-    read = store.acquire(namespace, keys(2), ttl_s=5.0, owner="a")
-    store.allocate(namespace, keys(2, start=10), ttl_s=5.0, owner="a")
+    read = store.sidecar.acquire(namespace, keys(2), ttl_s=5.0, owner="a")
+    store.sidecar.allocate(namespace, keys(2, start=10), ttl_s=5.0, owner="a")
     stats = store.stats()
-    assert (stats.num_leases, stats.leases_expired) == (2, 0) == (store.num_leases, 0)
-    store.release(read.lease_id, owner="a")
+    assert (stats.num_leases, stats.leases_expired) == (2, 0) == (store.sidecar.num_leases, 0)
+    store.sidecar.release(read.lease_id, owner="a")
     clock.now_s += 6.0
-    assert store.expire_leases() == 1  # the write lease; the read lease was released
+    assert store.sidecar.expire_leases() == 1  # the write lease; the read lease was released
     stats = store.stats()
     assert (stats.num_leases, stats.leases_expired) == (0, 1)
 
@@ -133,8 +133,8 @@ def test_a_same_host_acquire_counts_hits_and_misses_as_a_get_does(
         else:  # as a client reads: the blocks a lease could not hold in a second one
             done = 0
             while True:
-                lease = store.acquire(namespace, wanted[done:], owner="reader")
-                store.release(lease.lease_id, owner="reader")
+                lease = store.sidecar.acquire(namespace, wanted[done:], owner="reader")
+                store.sidecar.release(lease.lease_id, owner="reader")
                 done += len(lease.blocks)
                 if not lease.blocks or len(lease.blocks) >= lease.num_cached:
                     break
@@ -193,18 +193,18 @@ def test_each_lease_is_counted_expired_once_however_it_ends(
     store = make_store(host_blocks=8, clock=clock)
     store.register(namespace)
     store.put(namespace, keys(2), blocks(2))
-    released = store.acquire(namespace, keys(1), ttl_s=5.0, owner="a")
-    late = store.acquire(namespace, keys(2), ttl_s=5.0, owner="a")
-    write = store.allocate(namespace, keys(2, start=10), ttl_s=5.0, owner="a")
-    aborted = store.allocate(namespace, keys(1, start=20), ttl_s=5.0, owner="a")
-    store.release(released.lease_id, owner="a")
-    store.abort(aborted.lease_id, owner="a")
+    released = store.sidecar.acquire(namespace, keys(1), ttl_s=5.0, owner="a")
+    late = store.sidecar.acquire(namespace, keys(2), ttl_s=5.0, owner="a")
+    write = store.sidecar.allocate(namespace, keys(2, start=10), ttl_s=5.0, owner="a")
+    aborted = store.sidecar.allocate(namespace, keys(1, start=20), ttl_s=5.0, owner="a")
+    store.sidecar.release(released.lease_id, owner="a")
+    store.sidecar.abort(aborted.lease_id, owner="a")
     clock.now_s += 6.0
     with pytest.raises(LeaseStateError, match="expired"):
-        store.release(late.lease_id, owner="a")  # reaps both, reports this one expired
+        store.sidecar.release(late.lease_id, owner="a")  # reaps both, reports this one expired
     with pytest.raises(LeaseStateError, match="expired"):
-        store.commit(write.lease_id, owner="a", checksums=[0, 0])
-    assert store.expire_leases() == 0
+        store.sidecar.commit(write.lease_id, owner="a", checksums=[0, 0])
+    assert store.sidecar.expire_leases() == 0
     stats = store.stats()
     assert (stats.num_leases, stats.leases_expired) == (0, 2)
     assert store.lookup(namespace, keys(2, start=10)) == 0

@@ -195,7 +195,7 @@ class TenantMachine(RuleBasedStateMachine):
     @rule(tenant=tenants, start=starts, length=lengths)
     def acquire(self, tenant: str, start: int, length: int) -> None:
         if len(self.read_leases) < 4:
-            lease = self.s.acquire(self.namespaces[tenant], [KEYS[i] for i in chain(start, length)],
+            lease = self.s.sidecar.acquire(self.namespaces[tenant], [KEYS[i] for i in chain(start, length)],
                                    ttl_s=LEASE_TTL_S)
             self.read_leases.append(lease)
         self.step_by(tenant)
@@ -203,14 +203,14 @@ class TenantMachine(RuleBasedStateMachine):
     @rule()
     def release_oldest(self) -> None:
         if self.read_leases:
-            self.s.release(self.read_leases.pop(0).lease_id)
+            self.s.sidecar.release(self.read_leases.pop(0).lease_id)
         self.step_by(None)
 
     @rule(tenant=tenants, start=starts, length=lengths)
     def allocate(self, tenant: str, start: int, length: int) -> None:
         if len(self.write_leases) < 2:
             with contextlib.suppress(CapacityError):
-                self.write_leases.append(self.s.allocate(
+                self.write_leases.append(self.s.sidecar.allocate(
                     self.namespaces[tenant], [KEYS[(i + 4) % NUM_KEYS] for i in chain(start, length)],
                     ttl_s=LEASE_TTL_S))
         self.step_by(tenant)
@@ -218,7 +218,7 @@ class TenantMachine(RuleBasedStateMachine):
     @rule()
     def abort_oldest(self) -> None:
         if self.write_leases:
-            self.s.abort(self.write_leases.pop(0).lease_id)
+            self.s.sidecar.abort(self.write_leases.pop(0).lease_id)
         self.step_by(None)
 
     @rule(tenant=tenants, num_blocks=st.integers(1, 3))

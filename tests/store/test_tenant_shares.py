@@ -200,7 +200,7 @@ def test_evicted_blocks_are_demoted_into_their_owners_share_below(
     assert store.put(ns_of(BOB), bob_disk, blocks(8, seed=1), tier=Tier.DISK) == 8
     assert store.put(ns_of(BOB), bob_host, blocks(4, seed=2)) == 4
     flood(store, ALICE, 64)
-    assert store.locate(ns_of(BOB), bob_host)[Tier.HOST] == 4
+    assert store.sidecar.locate(ns_of(BOB), bob_host)[Tier.HOST] == 4
     assert held(store, BOB, bob_disk) == 8
     assert same_bytes(store.get(ns_of(BOB), bob_disk), blocks(8, seed=1))
     for tier in (Tier.HOST, Tier.DISK):
@@ -320,11 +320,11 @@ def test_pins_and_read_leases_together_stop_at_the_share(make_store: StoreFactor
     alice_keys = keys(6, start=100)
     store.put(ns_of(ALICE), alice_keys, blocks(6, seed=1))
     assert store.pin(ns_of(ALICE), alice_keys[:2]) == 2
-    lease = store.acquire(ns_of(ALICE), alice_keys[2:], ttl_s=600)
+    lease = store.sidecar.acquire(ns_of(ALICE), alice_keys[2:], ttl_s=600)
     assert (len(lease.blocks), lease.num_cached) == (2, 4)
-    more = store.acquire(ns_of(ALICE), alice_keys[4:], ttl_s=600)
+    more = store.sidecar.acquire(ns_of(ALICE), alice_keys[4:], ttl_s=600)
     assert len(more.blocks) == 0
-    store.release(more.lease_id)
+    store.sidecar.release(more.lease_id)
     assert store.pin(ns_of(ALICE), alice_keys[4:]) == 0
     bob_keys = keys(6)
     store.put(ns_of(BOB), bob_keys, blocks(6, seed=10))  # B borrows C's idle share
@@ -332,7 +332,7 @@ def test_pins_and_read_leases_together_stop_at_the_share(make_store: StoreFactor
     assert held(store, ALICE, alice_keys[:4]) == 4  # pinned and read: kept
     assert held(store, ALICE, alice_keys[4:]) == 0  # its own, recycled
     assert held(store, BOB, bob_keys) == 6 and share(store, BOB).evicted_by_others == 0
-    store.release(lease.lease_id)
+    store.sidecar.release(lease.lease_id)
     assert store.unpin(ns_of(ALICE), alice_keys[:2]) == 2
 
 
@@ -356,14 +356,14 @@ def test_acquires_at_once_never_lease_past_the_share_together(
     monkeypatch.setattr(Mover, "promote", slow_promote)
     leases: list[ReadLease] = []
     threads = [threading.Thread(target=lambda part=part: leases.append(
-        store.acquire(ns_of(ALICE), part, ttl_s=600))) for part in (alice_keys[:8], alice_keys[8:])]
+        store.sidecar.acquire(ns_of(ALICE), part, ttl_s=600))) for part in (alice_keys[:8], alice_keys[8:])]
     for thread in threads:
         thread.start()
     for thread in threads:
         thread.join()
     assert sum(len(lease.blocks) for lease in leases) == 8
     for lease in leases:
-        store.release(lease.lease_id)
+        store.sidecar.release(lease.lease_id)
     assert store.put(ns_of(BOB), keys(8, start=100), blocks(8, seed=1)) == 8
 
 
@@ -396,20 +396,20 @@ def test_a_tenant_read_leases_no_more_than_its_share(make_store: StoreFactory) -
     alice_keys = keys(16)
     for start in range(0, 16, 4):
         store.put(ns_of(ALICE), alice_keys[start : start + 4], blocks(4, seed=start))
-    first = store.acquire(ns_of(ALICE), alice_keys)
+    first = store.sidecar.acquire(ns_of(ALICE), alice_keys)
     assert (len(first.blocks), first.num_cached) == (8, 16)  # its share of HOST
     gets = store.stats().gets
-    second = store.acquire(ns_of(ALICE), alice_keys[8:])
+    second = store.sidecar.acquire(ns_of(ALICE), alice_keys[8:])
     assert (len(second.blocks), second.num_cached) == (0, 8)  # none past its share
     assert store.stats().gets == gets  # the read that serves them counts it (the stream)
-    store.release(second.lease_id)
+    store.sidecar.release(second.lease_id)
     assert store.put(ns_of(BOB), keys(8, start=100), blocks(8, seed=1)) == 8
     assert held(store, BOB, keys(8, start=100)) == 8
     assert share(store, BOB).used_bytes == 8 * BLOCK_BYTES
-    store.release(first.lease_id)
-    third = store.acquire(ns_of(ALICE), alice_keys[:8])
+    store.sidecar.release(first.lease_id)
+    third = store.sidecar.acquire(ns_of(ALICE), alice_keys[:8])
     assert len(third.blocks) == 8  # the room came back with the release
-    store.release(third.lease_id)
+    store.sidecar.release(third.lease_id)
 
 
 def test_without_guarantees_pins_are_unbounded(make_store: StoreFactory) -> None:

@@ -215,16 +215,16 @@ def commit_after_a_late_write(store: TieredStore, namespace: Namespace,
     """Write ``data`` into a write lease of ``store`` through its mapped slab, as a same-host
     client does, flip a bit of block ``changed`` after the client's hash, and commit the
     checksums of ``data``: the pages then differ from what the client hashed."""
-    lease = store.allocate(namespace, hashes, slab_id=store.host_slab_id)
+    lease = store.sidecar.allocate(namespace, hashes, slab_id=store.sidecar.host_slab_id)
     raw = data.contiguous().view(torch.uint8).reshape(len(hashes), -1).numpy()
-    with mapped_slab(store.host_shm_name) as slab:
+    with mapped_slab(store.sidecar.host_shm_name) as slab:
         for index, extents in zip(lease.write_indices, lease.blocks, strict=True):
             start = 0
             for offset, length in extents:
                 slab[offset : offset + length] = raw[index, start : start + length].tobytes()
                 start += length
         slab[lease.blocks[lease.write_indices.index(changed)][0][0]] ^= 0x40
-    store.commit(lease.lease_id, checksums=[checksum(raw[i]) for i in lease.write_indices])
+    store.sidecar.commit(lease.lease_id, checksums=[checksum(raw[i]) for i in lease.write_indices])
 
 
 def read_extents(slab: mmap.mmap, block: pb.BlockExtents) -> bytes:

@@ -224,7 +224,7 @@ def test_a_damaged_record_is_a_counted_miss_and_never_reaches_host(
         if (after.corrupt - before.corrupt, after.misses - before.misses) != (1, 1):
             failures.append(f"{label}: corrupt +{after.corrupt - before.corrupt}, misses "
                             f"+{after.misses - before.misses} (want +1, +1)")
-        where = reader.locate(namespace, chain)
+        where = reader.sidecar.locate(namespace, chain)
         if where[Tier.HOST] != 1 or where[Tier.DISK] or where[Tier.GPU]:
             failures.append(f"{label}: held locally as {where}")
     assert not failures, "\n".join(failures)
@@ -260,7 +260,7 @@ def test_tenants_never_share_remote_blocks(backend: Backend, make_store: StoreFa
     reader.register(as_y)
     assert reader.lookup(as_y, hashes) == 0
     assert len(reader.get(as_y, hashes)) == 0
-    assert reader.locate(as_y, hashes)[Tier.HOST] == 0
+    assert reader.sidecar.locate(as_y, hashes)[Tier.HOST] == 0
 
     write_through(writer, as_y, hashes, data_y)  # y's own blocks under the same hashes
     reader.register(as_x)

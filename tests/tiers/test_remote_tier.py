@@ -235,9 +235,9 @@ def test_a_redis_that_is_not_there_leaves_the_store_local(make_store: StoreFacto
     got = store.get(namespace, hashes)
     assert len(got) == 4 and same_bytes(got, data[:4])
     assert store.prefetch_async(namespace, hashes).result(5) == 4
-    lease = store.acquire(namespace, hashes, slab_id=store.host_slab_id)
+    lease = store.sidecar.acquire(namespace, hashes, slab_id=store.sidecar.host_slab_id)
     assert len(lease.blocks) == 4
-    store.release(lease.lease_id)
+    store.sidecar.release(lease.lease_id)
     assert store.flush_remote(5.0)
     stats = remote_stats(store)
     assert not stats.connected and stats.hits == 0 and stats.bytes_written == 0
@@ -356,7 +356,7 @@ def test_lookup_counts_local_then_remote_blocks(cluster: RedisCluster, make_stor
     assert reader.lookup(namespace, chain(5, 0, 2)) == 0  # first absent
     assert reader.lookup(namespace, chain(13, 14, 12, 7)) == 3  # remote first
     assert remote_stats(reader).lookups > lookups
-    assert reader.locate(namespace, chain(0, 1, 2))[Tier.HOST] == 2  # lookups bring nothing in
+    assert reader.sidecar.locate(namespace, chain(0, 1, 2))[Tier.HOST] == 2  # lookups bring nothing in
     got = reader.get(namespace, chain(0, 1, 2, 3, 4, 5, 6))
     assert len(got) == 5 and same_bytes(got, data[[0, 1, 2, 3, 4]])
 
@@ -375,7 +375,7 @@ def test_disk_evictions_are_demoted_to_remote(cluster: RedisCluster, make_store:
     assert small.flush_remote(30.0)
     stats = remote_stats(small)
     assert stats.demoted > 0 and stats.written == 0 and stats.queue_drops == 0
-    gone = [i for i in range(32) if sum(small.locate(namespace, [hashes[i]]).values()) == 0]
+    gone = [i for i in range(32) if sum(small.sidecar.locate(namespace, [hashes[i]]).values()) == 0]
     assert gone and stats.demoted >= len(gone)
 
     reader = connected(make_store(host_blocks=40, disk_blocks=8, disk_path=tmp_path / "reader",
@@ -419,22 +419,22 @@ def test_prefetch_and_acquire_bring_remote_blocks_into_host(
     writer, reader = writer_and_reader(make_store, tmp_path, cluster.url)
     publish(writer, namespace, hashes, data)
     reader.register(namespace)
-    assert sum(reader.locate(namespace, hashes).values()) == 0
+    assert sum(reader.sidecar.locate(namespace, hashes).values()) == 0
 
     assert reader.prefetch_async(namespace, hashes[:4]).result(10) == 4
-    assert reader.locate(namespace, hashes[:4])[Tier.HOST] == 4
+    assert reader.sidecar.locate(namespace, hashes[:4])[Tier.HOST] == 4
 
-    lease = reader.acquire(namespace, hashes[4:8], slab_id=reader.host_slab_id)
+    lease = reader.sidecar.acquire(namespace, hashes[4:8], slab_id=reader.sidecar.host_slab_id)
     try:
         assert lease.num_cached == 4 and len(lease.blocks) == 4
         expected = [checksum(data[i].contiguous().view(torch.uint8).flatten().numpy())
                     for i in range(4, 8)]
         assert lease.checksums == expected
-        assert reader.locate(namespace, hashes[4:8])[Tier.HOST] == 4
+        assert reader.sidecar.locate(namespace, hashes[4:8])[Tier.HOST] == 4
     finally:
-        reader.release(lease.lease_id)
+        reader.sidecar.release(lease.lease_id)
 
-    assert reader.locate(namespace, hashes)[Tier.HOST] == 8
+    assert reader.sidecar.locate(namespace, hashes)[Tier.HOST] == 8
     got = reader.get(namespace, hashes)
     assert len(got) == 10 and same_bytes(got, data)
     assert remote_stats(reader).hits == 10
@@ -486,7 +486,7 @@ def test_concurrent_fills_of_one_chain_evict_nothing_with_room_to_spare(
         futures = [pool.submit(reader.get, namespace, hashes[16:]) for _ in range(4)]
         assert all(same_bytes(future.result(30), data[16:]) for future in futures)
     stats = reader.stats()
-    assert reader.locate(namespace, hashes)[Tier.HOST] == 32, "blocks were evicted for nothing"
+    assert reader.sidecar.locate(namespace, hashes)[Tier.HOST] == 32, "blocks were evicted for nothing"
     assert stats.tiers[Tier.HOST].evictions == 0
     assert stats.remote is not None and stats.remote.hits == 32
 
@@ -516,8 +516,8 @@ def test_a_remote_fill_into_a_host_full_of_pins_is_a_counted_miss_then_a_hit(
 
     before = counts()
     assert len(reader.get(namespace, hashes)) == 0
-    lease = reader.acquire(namespace, hashes, slab_id=reader.host_slab_id)
-    reader.release(lease.lease_id)
+    lease = reader.sidecar.acquire(namespace, hashes, slab_id=reader.sidecar.host_slab_id)
+    reader.sidecar.release(lease.lease_id)
     assert lease.blocks == [] and lease.num_cached == 0
     hits, misses, remote_hits, remote_misses = (a - b for a, b in zip(counts(), before, strict=True))
     assert (hits, misses, remote_hits) == (0, 2, 0) and remote_misses == 2
@@ -648,12 +648,12 @@ def test_a_fill_waits_seconds_for_busy_host_pages(
     reader = connected(make_store(host_blocks=4, remote=remote(server.url, timeout_s=0.5)))
     reader.register(namespace)
     assert reader.put(namespace, hashes[:4], data[:4]) == 4
-    lease = reader.acquire(namespace, hashes[:4], slab_id=reader.host_slab_id)
+    lease = reader.sidecar.acquire(namespace, hashes[:4], slab_id=reader.sidecar.host_slab_id)
     assert len(lease.blocks) == 4  # every HOST page is being read
     started = time.monotonic()
     got = reader.get(namespace, hashes)
     elapsed = time.monotonic() - started
-    reader.release(lease.lease_id)
+    reader.sidecar.release(lease.lease_id)
     assert len(got) == 4 and same_bytes(got, data[:4])
     assert elapsed < 1.5, f"a get of 4 local blocks took {elapsed:.2f} s (REMOTE timeout 0.5 s)"
 

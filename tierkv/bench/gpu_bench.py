@@ -68,7 +68,7 @@ def bench_gpu(repeats: int, progress: Progress) -> list[Row]:
                                                    device_blocks, tier=Tier.GPU))
         store.put(namespace, on_gpu, device_blocks, tier=Tier.GPU)
         gpu_get, gpu_get_s = gbs(lambda: store.get_into(namespace, on_gpu, device_out))
-        pinned_ok = store.host_pinned
+        pinned_ok = store.sidecar.host_pinned
     progress("store copies")
     return [
         Row("HOST get into CUDA buffer (H2D)", "GB/s", host_get, raw_h2d, "pinned copy_",

@@ -72,7 +72,7 @@ def _utilisation(store: TieredStore) -> float:
 
 def _copies(store: TieredStore, namespace: Namespace, hashes: list[bytes]) -> int:
     """Runs of adjacent slab bytes among the extents of a read lease of ``hashes``."""
-    lease = store.acquire(namespace, hashes)
+    lease = store.sidecar.acquire(namespace, hashes)
     try:
         runs, end = 0, -1
         for extents in lease.blocks:
@@ -81,7 +81,7 @@ def _copies(store: TieredStore, namespace: Namespace, hashes: list[bytes]) -> in
                 end = offset + length
         return runs
     finally:
-        store.release(lease.lease_id)
+        store.sidecar.release(lease.lease_id)
 
 
 def bench_utilisation(progress: Progress, seed: int = 1) -> list[Row]:

@@ -397,7 +397,7 @@ async def _serve(settings: Resolved, config: StoreConfig, service_config: Servic
         "tiers": tiers,
         "disk_path": str(config.disk.path) if config.disk else None,
         "recovered_blocks": store.num_recovered_blocks,
-        "host_shm_name": store.host_shm_name,
+        "host_shm_name": store.sidecar.host_shm_name,
         "page_bytes": config.host.page_bytes,
         "remote": _remote_label(config),
         "events_endpoint": publisher.endpoint if publisher is not None else None,

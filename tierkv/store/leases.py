@@ -256,7 +256,7 @@ class Leases:
     ) -> WriteLease:
         """Reserve HOST pages for the blocks of ``keys`` that need bytes (see the module
         docstring; ``in_process``: filled through ``lease_writer``, never reaped, see
-        ``TieredStore.allocate_in_process``). Raises ``CapacityError`` when they do not fit;
+        ``TieredStore.sidecar.allocate_in_process``). Raises ``CapacityError`` when they do not fit;
         nothing is then reserved."""
         ttl = math.inf if in_process else _check_lease_ttl(ttl_s)
         host = self.core.paged[Tier.HOST]
@@ -481,7 +481,7 @@ def _check_lease_ttl(ttl_s: float | None) -> float:
 class LeaseWriter:
     """Routes ``total_bytes`` of stream, in order, into the pages of one write lease.
 
-    Handed out by ``TieredStore.lease_writer``. It holds a view of the HOST slab, which cannot
+    Handed out by ``TieredStore.sidecar.lease_writer``. It holds a view of the HOST slab, which cannot
     be unmapped while the view lives: use it in a ``with`` block (``checksums``, ``complete``
     and ``received_bytes`` stay readable after it).
     """

@@ -21,12 +21,17 @@ from typing import ParamSpec, TypeVar
 import torch
 
 from tierkv.block_store import DEFAULT_PUBLISH_WAIT_S
-from tierkv.checks import check_blocks, check_hashes, check_lookup_hashes, check_ttl
+from tierkv.checks import (
+    check_blocks,
+    check_detail,
+    check_hashes,
+    check_lookup_hashes,
+    check_ttl,
+)
 from tierkv.config import Priority, StoreConfig, TenantShares, Tier, WritePolicy
 from tierkv.errors import (
     ConfigError,
     InvalidArgumentError,
-    StaleSlabError,
     StoreClosedError,
     TierKVError,
     UnknownNamespaceError,
@@ -41,10 +46,11 @@ from tierkv.store.clearing import Clearer, Progress, namespace_filter
 from tierkv.store.core import Spill, StoreCore
 from tierkv.store.events import EventLog
 from tierkv.store.index import NamespaceState, PagedLedger
-from tierkv.store.leases import Leases, LeaseWriter, ReadLease, WriteLease
+from tierkv.store.leases import Leases
 from tierkv.store.migrate import Mover
 from tierkv.store.reads import Reader
 from tierkv.store.sessions import SessionTable, TokenIds
+from tierkv.store.sidecar import SidecarPort
 from tierkv.store.stats import namespace_snapshot, snapshot, tenant_snapshot, tenant_view
 from tierkv.store.writes import Writer
 from tierkv.tiers.disk import DiskTier
@@ -116,7 +122,7 @@ class TieredStore:
         self._retired = namespaces.RetiredNamespaces()
         self._clearer = Clearer(self._core, self._sessions)
         self._leases = Leases(self._core, mover, self._writer,
-                              ClientWatch(self.client_lock_prefix, clock), clock)
+                              ClientWatch(f"{self._host.shm_name}-client-", clock), clock)
         self._remote: Spill | None = None  # REMOTE, called through the Spill protocol only
         if config.remote is not None:  # connects in the background: never blocks the start
             # Imported here: a store without a REMOTE tier never loads redis-py.
@@ -126,6 +132,9 @@ class TieredStore:
             remote = RemoteLink(self._core, mover, self._writer, RemoteTier(config.remote))
             self._core.attach_spill(remote)
             self._remote = remote
+        self.sidecar = SidecarPort(config, self._core, self._leases, self._host, self._presence,
+                                   self._remote, self._state, self._check_open)
+        """The calls only a server makes (leases, the slab's facts, event restating...)."""
 
     # --- namespaces -----------------------------------------------------------------------
 
@@ -236,7 +245,7 @@ class TieredStore:
         if policy is WritePolicy.WRITE_THROUGH and not self._writes_through():
             raise ConfigError("put: write_through needs a disk tier (--disk-path) or a REMOTE "
                               "tier (--remote)")
-        _check_detail(detail, state, len(keys))
+        check_detail(detail, len(keys), state.namespace.layout.block_size)
         return self._writer.put(state, keys, flat, Priority(priority), policy, target, detail)
 
     def _default_tier(self, flat: torch.Tensor) -> Tier:
@@ -285,35 +294,6 @@ class TieredStore:
         """Whether a REMOTE tier is configured (lookups and reads may then go past the local
         tiers)."""
         return self._remote is not None
-
-    def extend_lookup(self, namespace: Namespace, hashes: Sequence[bytes], num_local: int) -> int:
-        """``lookup`` given that the first ``num_local`` hashes are held locally: how many
-        leading ``hashes`` are held locally or in REMOTE (``num_local`` without REMOTE)."""
-        if self._remote is None or num_local >= len(hashes):
-            return num_local
-        return self._remote.lookup_suffix(self._state(namespace), check_hashes(hashes), num_local)
-
-    def locate(self, namespace: Namespace, hashes: Sequence[bytes]) -> dict[Tier, int]:
-        """How many of the leading stored blocks of ``hashes`` have their fastest copy in each
-        tier (their sum is ``lookup``)."""
-        state = self._state(namespace)
-        if isinstance(hashes, bytes | bytearray | memoryview | str):
-            check_lookup_hashes(hashes)
-        find = state.blocks.get
-        num_gpu = num_host = num_disk = 0
-        with self._core.lock:  # one tight loop: every remote lookup runs it
-            for block_hash in hashes:
-                entry = find(block_hash)
-                if entry is None:
-                    break
-                if entry.gpu is not None:
-                    num_gpu += 1
-                elif entry.host is not None:
-                    num_host += 1
-                else:
-                    num_disk += 1
-        check_lookup_hashes(hashes, num_gpu + num_host + num_disk)
-        return {Tier.GPU: num_gpu, Tier.HOST: num_host, Tier.DISK: num_disk}
 
     def get_into(self, namespace: Namespace, hashes: Sequence[bytes], out: torch.Tensor, *,
                  missed_after: bool = False) -> int:
@@ -485,41 +465,6 @@ class TieredStore:
         self._check_open()
         return namespace_snapshot(self._core, self._sessions.counts_by_namespace(), tenant)
 
-    def restate_events(self, namespace_ids: Sequence[bytes] | None = None) -> list[Namespace]:
-        """Record the whole holding of the namespaces ``namespace_ids`` (None: every one
-        registered) in the event log, each at one instant under the store lock, so that a
-        publisher restates them (a resync); returns the namespaces restated. Needs ``events``."""
-        self._check_open()
-        core = self._core
-        if core.events is None:
-            raise ConfigError("restate_events: this store records no events")
-        restated: list[Namespace] = []
-        with core.lock:
-            ids = list(core.namespaces) if namespace_ids is None else list(namespace_ids)
-        for namespace_id in ids:  # one lock hold a namespace: others' puts go on in between
-            with core.lock:
-                state = core.namespaces.get(bytes(namespace_id))
-                if state is not None:
-                    core.snapshot_events_locked(state)
-                    restated.append(state.namespace)
-        return restated
-
-    def blocks_by_tier(self, namespace: Namespace) -> dict[Tier, list[bytes]]:
-        """The hashes of ``namespace``'s blocks each local tier holds a readable copy of now
-        (a block may be in several), at one instant. O(blocks of the namespace)."""
-        state = self._state(namespace)
-        with self._core.lock:
-            return {Tier(tier): hashes
-                    for tier, hashes in self._core.holding_locked(state).items()}
-
-    def remote_hashes(self, namespace_id: bytes) -> list[bytes]:
-        """The block hashes REMOTE holds now under ``namespace_id`` (a scan of every node:
-        O(keys); nodes that are down are skipped); empty without a REMOTE tier."""
-        self._check_open()
-        if self._remote is None:
-            return []
-        return self._remote.hashes_in(namespace_id)
-
     def clear(
         self, *, tenant: str | None = None, model_id: str | None = None,
         namespace: Namespace | None = None, progress: Progress | None = None,
@@ -596,144 +541,7 @@ class TieredStore:
     def _writes_through(self) -> bool:
         return self._core.disk is not None or self._remote is not None
 
-    def acquire(
-        self, namespace: Namespace, hashes: Sequence[bytes], ttl_s: float | None = None,
-        owner: str = "", *, slab_id: bytes = b"", client_id: str = "",
-    ) -> ReadLease:
-        """Lease the leading stored blocks of ``hashes`` in the HOST slab for reading in place;
-        ``release`` it when done (it expires after ``ttl_s``, default 30 s). The lease gives
-        each block's checksum: verify the bytes copied out against it.
-
-        ``slab_id``: the slab the caller has mapped (``host_slab_id``); another one raises
-        ``StaleSlabError``. ``client_id``: names the caller's lock file (see
-        ``tierkv.shm.liveness``), so that its leases end at once when it dies."""
-        state = self._state(namespace)
-        self._check_slab(slab_id)
-        keys = check_hashes(hashes)
-        self._fill_remote(state, keys)
-        return self._leases.acquire(state, keys, ttl_s, owner, client_id)
-
-    def release(self, lease_id: bytes, owner: str = "", corrupt_indices: Sequence[int] = (),
-                num_copied: int | None = None) -> None:
-        """End a read lease (``LeaseNotFoundError`` / ``LeaseStateError`` if it is not live);
-        ``corrupt_indices``: leased blocks whose copy failed its checksum (checked again here,
-        deleted if damaged); ``num_copied``: how many leading blocks the caller kept (None: all
-        before the first corrupt one); only those stay counted as hits."""
-        self._check_open()
-        self._leases.release(lease_id, owner, corrupt_indices, num_copied)
-
-    def allocate(
-        self, namespace: Namespace, hashes: Sequence[bytes], ttl_s: float | None = None,
-        owner: str = "", *, priority: Priority = Priority.NORMAL,
-        write_policy: WritePolicy | None = None, slab_id: bytes = b"", client_id: str = "",
-        detail: PutDetail | None = None,
-    ) -> WriteLease:
-        """Reserve HOST pages for writing the blocks of ``hashes`` in place; ``commit`` (with
-        the checksum of each block written) or ``abort`` before the lease expires. Same errors
-        as ``put``; ``slab_id`` and ``client_id`` as for ``acquire``; ``detail`` as ``put``'s."""
-        state = self._state(namespace)
-        keys = check_hashes(hashes)
-        self._check_slab(slab_id)
-        _check_detail(detail, state, len(keys))
-        return self._leases.allocate(state, keys, ttl_s, owner, Priority(priority),
-                                     self._lease_policy(write_policy), client_id=client_id,
-                                     detail=detail)
-
-    def allocate_in_process(
-        self, namespace: Namespace, hashes: Sequence[bytes], owner: str = "", *,
-        priority: Priority = Priority.NORMAL, write_policy: WritePolicy | None = None,
-        detail: PutDetail | None = None,
-    ) -> WriteLease:
-        """A write lease that this process fills itself through ``lease_writer`` (the server's
-        stream Put). It never expires (``expires_in_s`` is infinite), so its pages cannot be
-        handed to another block while the writer is still copying: end it yourself, ``commit``
-        or ``abort`` in a ``finally``. Its commit takes the writer's checksums (or, given none,
-        hashes the pages). Otherwise as ``allocate``."""
-        state = self._state(namespace)
-        keys = check_hashes(hashes)
-        _check_detail(detail, state, len(keys))
-        return self._leases.allocate(state, keys, None, owner, Priority(priority),
-                                     self._lease_policy(write_policy), in_process=True,
-                                     detail=detail)
-
-    def lease_writer(self, lease: WriteLease, owner: str = "") -> LeaseWriter:
-        """A ``LeaseWriter`` that copies the blocks of ``lease`` (of ``allocate_in_process``),
-        given as one byte stream in block order, into their pages, hashing each block as it
-        lands; use it in a ``with`` block, then ``commit(lease.lease_id, owner,
-        writer.checksums)``. ``LeaseNotFoundError`` if the lease is not live, ``LeaseStateError``
-        for a client's lease (only its client writes its pages)."""
-        self._check_open()
-        return self._leases.lease_writer(lease.lease_id, owner)
-
-    def _lease_policy(self, write_policy: WritePolicy | None) -> WritePolicy:
-        policy = write_policy or self.config.write_policy
-        if policy is WritePolicy.WRITE_THROUGH and not self._writes_through():
-            raise ConfigError("allocate: write_through needs a disk tier (--disk-path) or a "
-                              "REMOTE tier (--remote)")
-        return policy
-
-    def commit(self, lease_id: bytes, owner: str = "", checksums: Sequence[int] | None = None
-               ) -> int:
-        """Make a write lease's blocks visible at once; returns the blocks newly stored.
-        ``checksums``: one per written block, in ``write_indices`` order (``tierkv.checksums``
-        of the bytes written); ``IntegrityError`` and nothing stored when the pages differ."""
-        self._check_open()
-        return self._leases.commit(lease_id, owner, checksums)
-
-    def _check_slab(self, slab_id: bytes) -> None:
-        if slab_id and slab_id != self._host.slab_id:
-            raise StaleSlabError(
-                "the lease names a slab this server does not have: the client's mapping is of "
-                "an earlier server; describe the server again and remap"
-            )
-
-    def abort(self, lease_id: bytes, owner: str = "") -> None:
-        """Drop a write lease: none of its blocks becomes visible."""
-        self._check_open()
-        self._leases.abort(lease_id, owner)
-
-    def expire_leases(self) -> int:
-        """End every lease past its deadline (a server calls this periodically)."""
-        self._check_open()
-        return self._leases.expire()
-
-    @property
-    def num_leases(self) -> int:
-        """Leases granted and not yet ended."""
-        return len(self._leases)
-
     # --- the slab --------------------------------------------------------------------------
-
-    @property
-    def host_slab_id(self) -> bytes:
-        """The HOST slab's identity: new for every store (leases name it)."""
-        return self._host.slab_id
-
-    @property
-    def client_lock_prefix(self) -> str:
-        """Same-host clients hold ``/dev/shm/<this><client id>`` locked while they map the slab
-        (``tierkv.shm.liveness``)."""
-        return f"{self._host.shm_name}-client-"
-
-    @property
-    def num_quarantined_pages(self) -> int:
-        """HOST pages held back from expired write leases of clients that are still alive."""
-        return self._leases.num_quarantined_pages
-
-    @property
-    def host_capacity_bytes(self) -> int:
-        """The HOST slab's size (what a same-host client maps)."""
-        return self._core.paged[Tier.HOST].capacity_bytes
-
-    @property
-    def host_shm_name(self) -> str:
-        """Name of the HOST slab's shared-memory segment (for same-host clients)."""
-        return self._host.shm_name
-
-    @property
-    def host_pinned(self) -> bool:
-        """Whether the HOST slab is page-locked for CUDA copies (only when CUDA is present)."""
-        return self._host.pinned
 
     # --- chat sessions (the table: tierkv.store.sessions) --------------------------------
 
@@ -827,13 +635,6 @@ class TieredStore:
             self._closed = True
             self._release_resources()
 
-    def presence_info(self, tenant: str) -> tuple[str, bytes]:
-        """``(shared-memory name, tenant key)`` of the presence table, or ``("", b"")`` when it
-        is off (see ``tierkv.shm.presence``)."""
-        if self._presence is None or not self._presence.enabled:
-            return "", b""
-        return self._presence.name, self._presence.tenant_key(tenant)
-
     def _release_resources(self) -> None:
         if self._presence is not None:
             self._presence.close()
@@ -852,10 +653,3 @@ class TieredStore:
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
-
-
-def _check_detail(detail: PutDetail | None, state: NamespaceState, num_blocks: int) -> None:
-    if detail is not None:
-        if not isinstance(detail, PutDetail):
-            raise InvalidArgumentError(f"detail must be a PutDetail, got {type(detail).__name__}")
-        detail.check(num_blocks, state.namespace.layout.block_size)

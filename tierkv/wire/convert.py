@@ -150,7 +150,7 @@ class LookupDetail:
 
 def lookup_to(counts: Mapping[Tier, int], num_pinned: int = 0, num_remote: int = 0
               ) -> pb.LookupResponse:
-    """The wire form of ``TieredStore.locate``'s counts (and the pins a lookup took, and the
+    """The wire form of ``TieredStore.sidecar.locate``'s counts (and the pins a lookup took, and the
     blocks after them only the REMOTE tier holds)."""
     return pb.LookupResponse(
         num_cached=sum(counts.values()) + num_remote, num_gpu=counts[Tier.GPU],

@@ -227,12 +227,12 @@ def test_a_block_whose_pages_were_changed_in_the_slab_is_a_load_error_from_there
     source = random_caches(GEOMETRY, seed=8)
     hashes, ids = fresh_hashes(4), [3, 9, 15, 21]
     put_blocks(target, NAMESPACE, hashes, blocks_of(source, GEOMETRY, [0, 1, 2, 3]))
-    lease = server.store.acquire(NAMESPACE, hashes)
+    lease = server.store.sidecar.acquire(NAMESPACE, hashes)
     try:
         offset = lease.blocks[2][0][0]
     finally:
-        server.store.release(lease.lease_id)
-    with mapped_slab(server.store.host_shm_name) as slab:
+        server.store.sidecar.release(lease.lease_id)
+    with mapped_slab(server.store.sidecar.host_shm_name) as slab:
         slab[offset + 100] ^= 0x04
     dest = filled_caches(GEOMETRY, 0x4444)
     loader = new_worker(target, load_mode="async" if asynchronous else "sync")
