@@ -133,10 +133,11 @@ class ShareBook:
         cap = max(share, int(units * self._plan.cap_fraction(tenant)) * unit)
         return share, cap
 
-    def turn(self, share: TenantShare) -> None:
-        """``share`` gave up blocks: the next victims come from the tenants after it."""
-        if self.over.pop(share.tenant, None) is not None:
-            self.over[share.tenant] = share
+    def turn(self, tenant: str) -> None:
+        """``tenant`` gave up blocks: the next victims come from the tenants after it."""
+        share = self.over.pop(tenant, None)
+        if share is not None:
+            self.over[tenant] = share
 
     def lrus(self) -> Iterator[PriorityLru[Entry]]:
         """Every tenant's LRU of this tier."""
