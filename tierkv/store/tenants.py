@@ -1,7 +1,8 @@
 """Tenants' shares of one tier: what each tenant is guaranteed there and may hold at most, what it
 holds (stored and reserved), and the LRU of its blocks there. One ``ShareBook`` per tier, owned
-by that tier's ledger; guarded by the store's lock. Victims are chosen from these books by
-``StoreCore.pick_victims_locked``. Design: docs/design/tenants.md
+by that tier's ledger; guarded by the store's lock. Victims are chosen from these books by the
+eviction policy (``tierkv.eviction.EvictionPolicy.ask_tenants``, which reads them as ``Share`` and
+``Book``). Design: docs/design/tenants.md
 """
 from __future__ import annotations
 
