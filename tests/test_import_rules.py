@@ -10,6 +10,8 @@
   store's modules, the tiers or the page allocator, and never the client.
 - ``tierkv.wire`` and ``tierkv.shm`` are below both sides: they import neither.
 - The store and the tiers never import the server or the client.
+- The eviction policies (``tierkv.eviction``, with the frequencies and the filter it reads) sit
+  below the store: the store gives them its books, they import neither it nor the tiers.
 
 Every ``import`` counts, including those inside functions.
 """
@@ -147,6 +149,13 @@ def test_the_result_types_the_checks_and_the_protocol_sit_below_both_sides(modul
             if any(_within(name, p) for p in BELOW_BOTH_SIDES)] == []
 
 
+@pytest.mark.parametrize("module", ["tierkv.eviction", "tierkv.admission", "tierkv.frequency"])
+def test_the_eviction_policies_sit_below_the_store(module: str) -> None:
+    path = ROOT / "tierkv" / (module.split(".")[1] + ".py")
+    assert [name for _, name in _imports(module, path)
+            if any(_within(name, p) for p in BELOW_BOTH_SIDES)] == []
+
+
 @pytest.mark.parametrize("package", ["tierkv.wire", "tierkv.shm"])
 def test_the_wire_and_the_shared_memory_layouts_sit_below_both_sides(package: str) -> None:
     assert _forbidden(package, BELOW_BOTH_SIDES) == []
@@ -171,6 +180,7 @@ def test_the_rules_see_imports_inside_functions_and_from_imports_of_modules(
     ("tierkv.client.probe", "from tierkv.types import StoreStats\nimport tierkv.tiers.disk", "client"),
     ("tierkv.service.probe", "from tierkv.store.leases import Leases", "service"),
     ("tierkv.types", "from tierkv.store import TieredStore", "below"),
+    ("tierkv.eviction", "from tierkv.store.tenants import TenantShare", "below"),
 ])
 def test_a_probe_that_breaks_a_rule_is_caught(tmp_path: Path, module: str, line: str,
                                               rule: str) -> None:

@@ -2,19 +2,23 @@
 tenant in each tier.
 
 One ``Residency`` node per block resident in a tier, linked into an intrusive list per priority
-class; insert, remove and touch are O(1). ``EvictionPolicy.pick_victims`` chooses victims from
-them (the LRU end of the lowest class first); the store marks, demotes and frees what it returns.
-``TinyLfuEviction`` (``--eviction adaptive``) reads two segments of the lists, a small window
-for new copies and the main lists, and lets a copy from the window into main by frequency
-(``tierkv.admission``). Not thread-safe: the store's lock guards them.
-Design: docs/design/eviction.md#the-lru, #the-adaptive-policy
+class; insert, remove and touch are O(1). ``EvictionPolicy.pick_tier_victims`` chooses a tier's
+victims for one tenant's write: which tenants give up blocks (``ask_tenants``: caps, guaranteed
+shares, borrowing, turns) and, within each, which blocks (``pick_victims``: the LRU end of the
+lowest class first); the store gathers the books under its lock and marks, demotes and frees
+what it returns. ``TinyLfuEviction`` (``--eviction adaptive``) reads two segments of the lists,
+a small window for new copies and the main lists, and lets a copy from the window into main by
+frequency (``tierkv.admission``). The policies see the store's books only through ``Share``,
+``Book`` and ``Blocks``, so plain objects stand in for them. Not thread-safe: the store's lock
+guards them.
+Design: docs/design/eviction.md#the-lru, #the-adaptive-policy, docs/design/tenants.md
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Hashable, Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Generic, TypeVar
+from typing import Generic, Protocol, TypeVar
 
 from tierkv.admission import Admission, window_room
 from tierkv.config import Priority
@@ -181,12 +185,13 @@ class PriorityLru(Generic[T]):
 
 @dataclass(slots=True)
 class Victims(Generic[T]):
-    """What ``EvictionPolicy.pick_victims`` chose: ``owners`` freeing ``size`` (enough when
+    """What ``EvictionPolicy.pick_victims`` chose in one list (or ``pick_tier_victims`` in a
+    tier, summed over the lists it asked): ``owners`` freeing ``size`` (enough when
     ``size >= needed``), and of the nodes it walked past, the size held by readers now
     (``busy_size``: evictable once they finish) and the size of every node walked
     (``walked_size``: all linked nodes when it did not find enough). ``admitted``: window nodes
-    the adaptive policy lets into main (the store moves them, ``PriorityLru.admit``, once the
-    pick is done)."""
+    the adaptive policy lets into main (``pick_victims`` only: ``pick_tier_victims`` moves them
+    through ``Blocks.admit`` once each list's pick is done)."""
 
     owners: list[T] = field(default_factory=list)
     size: int = 0
@@ -195,11 +200,155 @@ class Victims(Generic[T]):
     admitted: list[Residency[T]] = field(default_factory=list)
 
 
+class Share(Protocol[T]):
+    """One tenant's share of one tier, as a pick reads it (``tierkv.store.tenants.TenantShare``
+    in the store): its lists and, in the tier's bytes, what it is guaranteed
+    (``share_bytes``), may hold at most (``cap_bytes``), holds (``used_bytes``) and, of that,
+    what victims picked earlier and not dropped yet hold (``leaving_bytes``)."""
+
+    @property
+    def tenant(self) -> str: ...
+    @property
+    def lru(self) -> PriorityLru[T]: ...
+    @property
+    def used_bytes(self) -> int: ...
+    @property
+    def leaving_bytes(self) -> int: ...
+    @property
+    def share_bytes(self) -> int: ...
+    @property
+    def cap_bytes(self) -> int: ...
+
+
+class Book(Protocol[T]):
+    """Every tenant's share of one tier, as a pick reads it (``tierkv.store.tenants.ShareBook``
+    in the store): the tier's unit (a page, or 1 on DISK) and the tenants over their share
+    now, oldest turn first."""
+
+    @property
+    def unit_bytes(self) -> int: ...
+    @property
+    def over(self) -> Mapping[str, Share[T]]: ...
+
+    def turn(self, tenant: str) -> None:
+        """``tenant`` gave up blocks: the next victims come from the tenants after it."""
+
+
+class Blocks(Protocol[T]):
+    """What a pick asks of the blocks of one tier (the store's books answer for its entries)."""
+
+    def size_of(self, node: Residency[T]) -> int:
+        """The size of a copy, in the units of the pick (pages, or record bytes)."""
+
+    def node_of(self, owner: T) -> Residency[T]:
+        """``owner``'s copy in the tier."""
+
+    def busy(self, owner: T) -> bool:
+        """Whether a reader holds ``owner`` now (it may not go until the reader is done)."""
+
+    def admit(self, lru: PriorityLru[T], node: Residency[T]) -> None:
+        """Let a window copy the adaptive policy admitted into main (``PriorityLru.admit``;
+        the store lets its chain's window ancestors in with it)."""
+
+    def key(self, owner: T) -> Hashable:
+        """What names ``owner`` in its chain (a block hash)."""
+
+    def parent(self, owner: T) -> Hashable | None:
+        """The ``key`` of the block ``owner`` continues (None: it starts its chain)."""
+
+    def held_children(self, owner: T) -> int:
+        """How many held blocks continue ``owner``, if its copy in this tier is its last (0
+        if it has one in a tier above)."""
+
+
 class EvictionPolicy:
-    """Which blocks leave a tier to make room. The store calls ``pick_victims`` with its lock
-    held, once per reservation that does not fit; subclass and override it to change the policy
-    (as ``cachetools`` caches override ``popitem``). It must be pure: read the nodes, change
-    nothing. Pinned blocks are never offered (they are unlinked while pinned)."""
+    """Which blocks leave a tier to make room. The store calls ``pick_tier_victims`` with its
+    lock held, once per reservation that does not fit: tenants give up blocks in the order
+    ``ask_tenants`` asks them (caps, guaranteed shares, borrowing, turns), each from its lists in
+    the order ``pick_victims`` walks them (LRU, lowest priority class first). Subclass and
+    override one of the two to change the policy (as ``cachetools`` caches override
+    ``popitem``), and pass it to ``TieredStore(eviction=...)``. ``pick_victims`` must be pure:
+    read the nodes, change nothing. Pinned blocks are never offered (they are unlinked while
+    pinned)."""
+
+    def pick_tier_victims(
+        self,
+        book: Book[T],
+        requester: Share[T],
+        needed: int,
+        free: int,
+        blocks: Blocks[T],
+        excluded: Callable[[T], bool],
+        spare: frozenset[T] = frozenset(),
+        last_copies: bool = False,
+    ) -> tuple[Victims[T], int]:
+        """Victims that make room for ``needed`` units held by ``requester``'s tenant in a tier
+        with ``free`` units free, and how many units are still missing with them (0: enough), as
+        ``ask_tenants`` takes them; never ``excluded`` owners (a put's own chain, blocks whose
+        demotion failed lately). With ``last_copies`` (the lowest tier, where a victim's copy is
+        its last), first without the blocks whose children are held (a block is not evicted
+        before its descendants: docs/design/eviction.md#chains) and without ``spare`` (the
+        blocks a put continues: its children are on their way), then, were that not enough,
+        with them. Admitted window copies are moved through ``blocks.admit`` and turns through
+        ``book.turn`` as the pick goes; nothing else is changed."""
+        if not last_copies:
+            return self._pick_in_turn(book, requester, needed, free, blocks, excluded)
+        # Children taken by this pick, by their parent's key: the walk meets a chain's tail
+        # before its parent (tail first), so the parent goes next, as with no children. A block
+        # neither excluded nor busy is taken at once (``pick_victims``' order; a policy that
+        # orders otherwise only makes this rule spare less).
+        taken: dict[Hashable, int] = {}
+
+        def spared(owner: T) -> bool:
+            if excluded(owner) or owner in spare:
+                return True
+            if blocks.held_children(owner) > taken.get(blocks.key(owner), 0):
+                return True  # it leads on to held blocks
+            parent = blocks.parent(owner)
+            if parent is not None and not blocks.busy(owner):  # the picker takes it now
+                taken[parent] = taken.get(parent, 0) + 1
+            return False
+
+        picked, missing = self._pick_in_turn(book, requester, needed, free, blocks, spared)
+        if missing:
+            picked, missing = self._pick_in_turn(book, requester, needed, free, blocks, excluded)
+        return picked, missing
+
+    def _pick_in_turn(
+        self, book: Book[T], requester: Share[T], needed: int, free: int, blocks: Blocks[T],
+        excluded: Callable[[T], bool],
+    ) -> tuple[Victims[T], int]:
+        pick = TierPick(self, book, requester, needed, free, blocks, excluded)
+        missing = self.ask_tenants(pick)
+        return pick.victims, missing
+
+    def ask_tenants(self, pick: TierPick[T]) -> int:
+        """Take ``pick``'s victims tenant by tenant; how many units are still missing. Override
+        it to change who gives up blocks. This one takes, in this order (docs/design/tenants.md,
+        2):
+
+        1. the requester's own blocks, as many as its cap asks for;
+        2. for room still missing, up to what it is guaranteed and does not hold yet: blocks of
+           the tenants over their share, from each in turn, never below its share;
+        3. then its own blocks (it is at or past its share: it pays with its own room);
+        4. then, its own being pinned or in use, other tenants' blocks beyond their share.
+
+        So a tenant at or under its share never loses a block to another's write."""
+        share, unit = pick.requester, pick.unit
+        everything = (share.used_bytes - share.leaving_bytes) // unit
+        over_cap = -(-(share.used_bytes + pick.needed * unit - share.cap_bytes) // unit)
+        if over_cap > 0:
+            own = pick.take(share, over_cap, everything)
+            if own < over_cap:
+                return over_cap - own
+        missing = pick.needed - pick.free - pick.victims.size
+        if missing > 0:
+            missing -= pick.from_others(min(missing, (share.share_bytes - share.used_bytes) // unit))
+        if missing > 0:
+            missing -= pick.take(share, missing, everything)
+        if missing > 0:
+            missing -= pick.from_others(missing)
+        return max(0, missing)
 
     def pick_victims(
         self,
@@ -228,6 +377,78 @@ class EvictionPolicy:
             if victims.size >= needed:
                 break
         return victims
+
+
+class TierPick(Generic[T]):
+    """One ``pick_tier_victims`` under way: victims in one tier for a write of ``requester``'s
+    tenant that needs ``needed`` units with ``free`` free (``unit``: the bytes of one), chosen
+    so far (``victims``). ``ask_tenants`` makes its moves, ``take`` and ``from_others``; each
+    takes from a tenant's lists in its policy's ``pick_victims`` order, and never takes a
+    victim twice."""
+
+    def __init__(self, policy: EvictionPolicy, book: Book[T], requester: Share[T], needed: int,
+                 free: int, blocks: Blocks[T], excluded: Callable[[T], bool]) -> None:
+        self.requester = requester
+        self.needed = needed
+        self.free = free
+        self.unit = book.unit_bytes
+        self.victims: Victims[T] = Victims()
+        self._policy = policy
+        self._book = book
+        self._blocks = blocks
+        self._excluded = excluded
+        self._chosen: set[T] = set()
+        self._taken: dict[str, int] = {}  # units taken from each tenant
+
+    def take(self, owner: Share[T], units: int, limit: int) -> int:
+        """Up to ``units`` of ``owner``'s blocks, never more than ``limit`` units from it in this
+        pick (what was taken from it before counts); how many units it took."""
+        limit -= self._taken.get(owner.tenant, 0)
+        if units <= 0 or limit <= 0:
+            return 0
+        blocks = self._blocks
+        got = self._policy.pick_victims(owner.lru, min(units, limit), blocks.size_of,
+                                        self._passed_over, blocks.busy)
+        for admitted in got.admitted:  # the adaptive policy's window copies let into main
+            blocks.admit(owner.lru, admitted)
+        victims = self.victims
+        size = 0
+        for victim in got.owners:
+            num = blocks.size_of(blocks.node_of(victim))
+            if size + num > limit:
+                break  # never below its share
+            size += num
+            self._chosen.add(victim)
+            victims.owners.append(victim)
+        victims.size += size
+        victims.busy_size += got.busy_size
+        victims.walked_size += got.walked_size
+        self._taken[owner.tenant] = self._taken.get(owner.tenant, 0) + size
+        return size
+
+    def from_others(self, units: int) -> int:
+        """Up to ``units`` of the blocks of the tenants over their share but the requester,
+        oldest turn first, each never below its share (it gives at most its excess less what is
+        leaving it already); a tenant that gave goes to the end of the turns. How many units it
+        took."""
+        # O(1) a tenant visited: the set, which may hold every tenant, is not copied.
+        got = 0
+        gave: list[str] = []
+        for other in self._book.over.values():
+            if got >= units:
+                break
+            if other is not self.requester:
+                spare_bytes = other.used_bytes - other.leaving_bytes - other.share_bytes
+                from_other = self.take(other, units - got, spare_bytes // self.unit)
+                if from_other:
+                    got += from_other
+                    gave.append(other.tenant)
+        for tenant in gave:
+            self._book.turn(tenant)
+        return got
+
+    def _passed_over(self, owner: T) -> bool:
+        return owner in self._chosen or self._excluded(owner)
 
 
 class TinyLfuEviction(EvictionPolicy):

@@ -20,7 +20,14 @@ from tierkv.buffers import BufferPool
 from tierkv.config import Eviction, StoreConfig, TenantShares, Tier
 from tierkv.copy_engine import CopyEngine
 from tierkv.errors import CapacityError, TierKVError
-from tierkv.eviction import WINDOW, EvictionPolicy, Residency, TinyLfuEviction, Victims
+from tierkv.eviction import (
+    WINDOW,
+    EvictionPolicy,
+    PriorityLru,
+    Residency,
+    TinyLfuEviction,
+    Victims,
+)
 from tierkv.frequency import FrequencySketch
 from tierkv.paging import Location, location_num_pages
 from tierkv.shm.presence import Fingerprinter, PresenceTable
@@ -44,6 +51,38 @@ SizeOf = Callable[[Residency[Entry]], int]
 def _record_bytes(node: Residency[Entry]) -> int:
     return node.owner.ns.record_bytes
 
+
+
+class _TierBlocks:
+    """The blocks of one tier as the eviction policy asks about them (``tierkv.eviction.Blocks``;
+    made for each pick, with the lock held)."""
+
+    __slots__ = ("_core", "size_of", "tier")
+    busy = staticmethod(is_busy)
+
+    def __init__(self, core: StoreCore, tier: Tier, size_of: SizeOf) -> None:
+        self._core = core
+        self.tier = tier
+        self.size_of = size_of
+
+    def node_of(self, owner: Entry) -> Residency[Entry]:
+        node = owner.residency(self.tier)
+        assert node is not None
+        return node
+
+    def admit(self, lru: PriorityLru[Entry], node: Residency[Entry]) -> None:
+        self._core.admit_locked(lru, node, self.tier)
+
+    @staticmethod
+    def key(owner: Entry) -> bytes:
+        return owner.block_hash
+
+    @staticmethod
+    def parent(owner: Entry) -> bytes | None:
+        return owner.parent
+
+    def held_children(self, owner: Entry) -> int:
+        return owner.num_children if owner.top_tier() is self.tier else 0
 
 
 class Spill(Protocol):
@@ -621,11 +660,11 @@ class StoreCore:
 
     # --- reserving room -------------------------------------------------------------------
 
-    def admit_locked(self, share: TenantShare, node: Residency[Entry], tier: Tier) -> None:
+    def admit_locked(self, lru: PriorityLru[Entry], node: Residency[Entry], tier: Tier) -> None:
         """Let a window copy into main, and its chain's ancestors in the window after it
         (newer: a chain still leaves main tail first), so that no block whose descendants
         are in main waits in the window (the adaptive policy is prefix-aware)."""
-        share.lru.admit(node)
+        lru.admit(node)
         entry = node.owner
         blocks = entry.ns.blocks
         while entry.parent is not None:
@@ -635,123 +674,24 @@ class StoreCore:
             above = parent.residency(tier)
             if above is None or above.prev is None or above.segment != WINDOW:
                 return
-            share.lru.admit(above)
+            lru.admit(above)
             entry = parent
 
     def pick_victims_locked(
         self, ledger: Ledger, share: TenantShare, needed: int, size_of: SizeOf,
         excluded: Callable[[Entry], bool], spare: frozenset[Entry] = frozenset(),
     ) -> tuple[Victims[Entry], int]:
-        """``_pick_victims_locked``; in the lowest tier, where a victim's copy is its last, first
-        without the blocks whose children are held (a block is not evicted before its
-        descendants: docs/design/eviction.md#chains) and without ``spare`` (the blocks a put
-        continues: its children are on their way), then, were that not enough, with them."""
-        if self.tier_below(ledger.tier) is not None:
-            return self._pick_victims_locked(ledger, share, needed, size_of, excluded)
-        tier = ledger.tier
-        # Children taken by this pick, by their parent's hash: the walk meets a chain's tail
-        # before its parent (tail first), so the parent goes next, as with no children. A block
-        # neither excluded nor busy is taken at once (``EvictionPolicy.pick_victims``' order; a
-        # policy that orders otherwise only makes this rule spare less).
-        taken: dict[bytes, int] = {}
-
-        def spared(entry: Entry) -> bool:
-            if excluded(entry) or entry in spare:
-                return True
-            if entry.num_children > taken.get(entry.block_hash, 0) and entry.top_tier() is tier:
-                return True  # it leads on to held blocks
-            if entry.parent is not None and not is_busy(entry):  # the picker takes it now
-                taken[entry.parent] = taken.get(entry.parent, 0) + 1
-            return False
-
-        picked, missing = self._pick_victims_locked(ledger, share, needed, size_of, spared)
-        if missing:
-            picked, missing = self._pick_victims_locked(ledger, share, needed, size_of, excluded)
-        return picked, missing
-
-    def _pick_victims_locked(
-        self, ledger: Ledger, share: TenantShare, needed: int, size_of: SizeOf,
-        excluded: Callable[[Entry], bool],
-    ) -> tuple[Victims[Entry], int]:
         """Victims (not marked yet) that make room for ``needed`` units (pages of a paged tier,
         record bytes on DISK) held by ``share``'s tenant, and how many units are still missing
-        with them (0: enough), in this order:
-
-        1. its own blocks, as many as its cap asks for;
-        2. for room still missing, up to what it is guaranteed and does not hold yet: blocks of
-           the tenants over their share, from each in turn, never below its share;
-        3. then its own blocks (it is at or past its share: it pays with its own room);
-        4. then, its own being pinned or in use, other tenants' blocks beyond their share.
-
-        A tenant at or under its share never loses a block to another's write. Within a tenant,
-        the eviction policy's order (LRU, lowest priority class first). ``Victims.busy_size``:
-        units readers hold now among those it may take (evictable once they finish)."""
-        book = ledger.shares
-        unit = book.unit_bytes
-        free = ledger.capacity_bytes // unit - ledger.used_bytes // unit
-        picked: Victims[Entry] = Victims()
-        chosen: set[Entry] = set()
-        taken: dict[str, int] = {}  # units taken from each tenant
-
-        def passed_over(entry: Entry) -> bool:
-            return entry in chosen or excluded(entry)
-
-        def take(owner: TenantShare, units: int, limit: int) -> int:
-            """Up to ``units`` of ``owner``'s blocks (``limit``: never more than that)."""
-            limit -= taken.get(owner.tenant, 0)
-            if units <= 0 or limit <= 0:
-                return 0
-            got = self.eviction.pick_victims(owner.lru, min(units, limit), size_of,
-                                             passed_over, is_busy)
-            for admitted in got.admitted:  # the adaptive policy's window copies let into main
-                self.admit_locked(owner, admitted, ledger.tier)
-            size = 0
-            for entry in got.owners:
-                node = entry.residency(ledger.tier)
-                assert node is not None
-                units_of = size_of(node)
-                if size + units_of > limit:
-                    break  # never below its share
-                size += units_of
-                chosen.add(entry)
-                picked.owners.append(entry)
-            picked.size += size
-            picked.busy_size += got.busy_size
-            picked.walked_size += got.walked_size
-            taken[owner.tenant] = taken.get(owner.tenant, 0) + size
-            return size
-
-        def from_others(units: int) -> int:
-            # Oldest turn first (O(1) a tenant visited: the set, which may hold every tenant,
-            # is not copied); a tenant that gave up blocks goes to the end of the turns.
-            got = 0
-            gave: list[TenantShare] = []
-            for other in book.over.values():
-                if got >= units:
-                    break
-                if other is not share:
-                    from_other = take(other, units - got, other.spare_bytes // unit)
-                    if from_other:
-                        got += from_other
-                        gave.append(other)
-            for other in gave:
-                book.turn(other)
-            return got
-
-        everything = (share.used_bytes - share.leaving_bytes) // unit
-        over_cap = -(-(share.used_bytes + needed * unit - share.cap_bytes) // unit)
-        if over_cap > 0:
-            own = take(share, over_cap, everything)
-            if own < over_cap:
-                return picked, over_cap - own
-        missing = needed - free - picked.size
-        if missing > 0:
-            missing -= from_others(min(missing, -share.excess_bytes // unit))
-        if missing > 0:
-            missing -= take(share, missing, everything)
-        if missing > 0:
-            missing -= from_others(missing)
-        return picked, max(0, missing)
+        with them (0: enough), as the eviction policy chooses them from this tier's books
+        (``EvictionPolicy.pick_tier_victims``: tenants' caps, shares and turns; in the lowest
+        tier, blocks whose children are held and ``spare`` go only when nothing else can)."""
+        unit = ledger.shares.unit_bytes
+        return self.eviction.pick_tier_victims(
+            ledger.shares, share, needed,
+            ledger.capacity_bytes // unit - ledger.used_bytes // unit,
+            _TierBlocks(self, ledger.tier, size_of), excluded, spare,
+            last_copies=self.tier_below(ledger.tier) is None)
 
     def reserve_disk_locked(
         self, num_records: int, record_bytes: int, share: TenantShare,

@@ -1,7 +1,8 @@
 """Tenants' shares of one tier: what each tenant is guaranteed there and may hold at most, what it
 holds (stored and reserved), and the LRU of its blocks there. One ``ShareBook`` per tier, owned
-by that tier's ledger; guarded by the store's lock. Victims are chosen from these books by
-``StoreCore.pick_victims_locked``. Design: docs/design/tenants.md
+by that tier's ledger; guarded by the store's lock. Victims are chosen from these books by the
+eviction policy (``tierkv.eviction.EvictionPolicy.ask_tenants``, which reads them as ``Share`` and
+``Book``). Design: docs/design/tenants.md
 """
 from __future__ import annotations
 
@@ -133,10 +134,11 @@ class ShareBook:
         cap = max(share, int(units * self._plan.cap_fraction(tenant)) * unit)
         return share, cap
 
-    def turn(self, share: TenantShare) -> None:
-        """``share`` gave up blocks: the next victims come from the tenants after it."""
-        if self.over.pop(share.tenant, None) is not None:
-            self.over[share.tenant] = share
+    def turn(self, tenant: str) -> None:
+        """``tenant`` gave up blocks: the next victims come from the tenants after it."""
+        share = self.over.pop(tenant, None)
+        if share is not None:
+            self.over[tenant] = share
 
     def lrus(self) -> Iterator[PriorityLru[Entry]]:
         """Every tenant's LRU of this tier."""
