@@ -6,6 +6,8 @@ Design: docs/design/eviction.md#entries-and-busy-marks
 from __future__ import annotations
 
 import abc
+import itertools
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from functools import cached_property
 
@@ -227,6 +229,25 @@ class DiskLedger(Ledger):
         self._used_bytes -= num_bytes
         assert self._used_bytes >= 0
         share.credit(num_bytes)
+
+
+def leading_run(blocks: Mapping[bytes, Entry], keys: Iterable[bytes],
+                readable: bool = False) -> list[Entry]:
+    """The entries of the leading stored run of ``keys`` (the store's lock held): up to the
+    first key not stored or, ``readable``, the first whose entry has no copy left (going)."""
+    run: list[Entry] = []
+    find = blocks.get
+    for key in keys:
+        entry = find(key)
+        if entry is None or (readable and entry.top_tier() is None):
+            break
+        run.append(entry)
+    return run
+
+
+def leading_count(blocks: Mapping[bytes, Entry], keys: Iterable[bytes]) -> int:
+    """``len(leading_run(blocks, keys))``, without a Python loop (every lookup runs it)."""
+    return len(list(itertools.takewhile(blocks.__contains__, keys)))
 
 
 def is_busy(entry: Entry) -> bool:

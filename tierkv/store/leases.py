@@ -26,7 +26,7 @@ from tierkv.errors import (
 from tierkv.paging import BlockExtents, CopySpan, Location, block_extents, copy_spans, location_num_pages
 from tierkv.shm.liveness import ClientWatch, Liveness
 from tierkv.store.core import StoreCore
-from tierkv.store.index import DOOMED, Entry, NamespaceState
+from tierkv.store.index import DOOMED, Entry, NamespaceState, leading_run
 from tierkv.store.migrate import Mover
 from tierkv.store.writes import Reservation, Writer
 from tierkv.types import PutDetail
@@ -158,23 +158,20 @@ class Leases:
         block_room = self._block_room(state)
         planned: list[Entry] = []
         tiers: list[Tier] = []  # where each planned block's fastest copy was
-        num_cached = 0
         with core.lock:
             self._expire_locked()
             share = core.share_of_locked(state, Tier.HOST)
             room = core.unevictable_room_locked(state)
             if room is not None:
                 max_blocks = min(max_blocks, max(0, room[Tier.HOST] // block_room))
-            for key in keys:
-                entry = state.blocks.get(key)
-                tier = entry.top_tier() if entry is not None else None
-                if entry is None or tier is None:
-                    break
-                num_cached += 1
-                if len(planned) < max_blocks:
-                    core.mark_busy_locked(entry)
-                    planned.append(entry)
-                    tiers.append(tier)
+            run = leading_run(state.blocks, keys, readable=True)
+            num_cached = len(run)
+            for entry in run[:max_blocks]:
+                tier = entry.top_tier()
+                assert tier is not None  # (readable)
+                core.mark_busy_locked(entry)
+                planned.append(entry)
+                tiers.append(tier)
             share.read_bytes += len(planned) * block_room
         try:
             self.mover.promote(planned, Tier.HOST)

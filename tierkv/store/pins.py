@@ -7,9 +7,10 @@ from __future__ import annotations
 import heapq
 import itertools
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from tierkv.config import Tier
 from tierkv.store.index import Entry
 
 # Heap items tolerated beyond twice the live pins before a rebuild (keeps small tables cheap).
@@ -77,6 +78,23 @@ class PinTable:
             return False
         del self._pins[entry]
         return True
+
+    def num_affordable(self, run: Sequence[Entry], room: dict[Tier, int],
+                       held_bytes: Callable[[Entry], dict[Tier, int]]) -> int:
+        """How many leading entries of ``run`` a tenant may pin with ``room`` left of its
+        guaranteed share in each tier (an entry pinned already costs nothing; ``held_bytes``:
+        what an entry's copies take in each tier). ``room`` is charged for those."""
+        charged: set[Entry] = set()  # (a key named twice is charged once)
+        for num_pinned, entry in enumerate(run):
+            if entry in self._pins or entry in charged:
+                continue
+            held = held_bytes(entry)
+            if any(num_bytes > room[tier] for tier, num_bytes in held.items()):
+                return num_pinned
+            for tier, num_bytes in held.items():
+                room[tier] -= num_bytes
+            charged.add(entry)
+        return len(run)
 
     def entries(self) -> list[Entry]:
         """Every pinned entry."""

@@ -16,7 +16,7 @@ from tierkv.checks import check_out
 from tierkv.checksums import block_checksums
 from tierkv.config import Tier
 from tierkv.store.core import BusyMarks, StoreCore
-from tierkv.store.index import Entry, NamespaceState, PagedLedger
+from tierkv.store.index import Entry, NamespaceState, PagedLedger, leading_run
 from tierkv.store.migrate import Mover
 
 log = logging.getLogger(__name__)
@@ -58,14 +58,13 @@ class Reader:
         with core.lock:
             if served:
                 core.count_get_locked(state)
-            for index, key in enumerate(keys):
-                entry = state.blocks.get(key)
-                tier = entry.top_tier() if entry is not None else None
-                if entry is None or tier is None:
-                    break
+            run = leading_run(state.blocks, keys, readable=True)
+            for index, entry in enumerate(run):
+                tier = entry.top_tier()
+                assert tier is not None  # (readable)
                 marks.add_locked(entry)
                 plan.append((index, entry, tier))
-            core.touch_run_locked([entry for _, entry, _ in plan])
+            core.touch_run_locked(run)
         return plan
 
     def count_served(self, state: NamespaceState, served: Sequence[Planned],
@@ -204,21 +203,13 @@ class Reader:
         core = self.core
         by_source: dict[Tier, list[Entry]] = {}
         with core.lock:
-            for key in keys:
-                entry = state.blocks.get(key)
-                top = entry.top_tier() if entry is not None else None
-                if entry is None or top is None:
-                    break
-                if top > tier:
+            for entry in leading_run(state.blocks, keys, readable=True):
+                top = entry.top_tier()
+                if top is not None and top > tier:
                     by_source.setdefault(top, []).append(entry)
         for entries in by_source.values():
             self._promote(entries, tier)
-        num_ready = 0
         with core.lock:
-            for key in keys:
-                entry = state.blocks.get(key)
-                top = entry.top_tier() if entry is not None else None
-                if top is None or top > tier:
-                    break
-                num_ready += 1
-        return num_ready
+            run = leading_run(state.blocks, keys, readable=True)
+            tops = [entry.top_tier() for entry in run]
+        return next((i for i, top in enumerate(tops) if top is None or top > tier), len(tops))

@@ -18,7 +18,7 @@ from tierkv.errors import ConfigError, StaleSlabError
 from tierkv.keys import Namespace
 from tierkv.shm.presence import PresenceTable
 from tierkv.store.core import Spill, StoreCore
-from tierkv.store.index import NamespaceState
+from tierkv.store.index import NamespaceState, leading_run
 from tierkv.store.leases import Leases, LeaseWriter, ReadLease, WriteLease
 from tierkv.tiers.host import HostSlab
 from tierkv.types import PutDetail
@@ -49,20 +49,12 @@ class SidecarPort:
         state = self._state_of(namespace)
         if isinstance(hashes, bytes | bytearray | memoryview | str):
             check_lookup_hashes(hashes)
-        find = state.blocks.get
-        num_gpu = num_host = num_disk = 0
-        with self._core.lock:  # one tight loop: every remote lookup runs it
-            for block_hash in hashes:
-                entry = find(block_hash)
-                if entry is None:
-                    break
-                if entry.gpu is not None:
-                    num_gpu += 1
-                elif entry.host is not None:
-                    num_host += 1
-                else:
-                    num_disk += 1
-        check_lookup_hashes(hashes, num_gpu + num_host + num_disk)
+        with self._core.lock:
+            run = leading_run(state.blocks, hashes)
+            num_gpu = sum(entry.gpu is not None for entry in run)
+            num_host = sum(entry.gpu is None and entry.host is not None for entry in run)
+        num_disk = len(run) - num_gpu - num_host
+        check_lookup_hashes(hashes, len(run))
         return {Tier.GPU: num_gpu, Tier.HOST: num_host, Tier.DISK: num_disk}
 
     def restate_events(self, namespace_ids: Sequence[bytes] | None = None) -> list[Namespace]:

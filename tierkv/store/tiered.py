@@ -45,7 +45,7 @@ from tierkv.store import namespaces, recovery
 from tierkv.store.clearing import Clearer, Progress, namespace_filter
 from tierkv.store.core import Spill, StoreCore
 from tierkv.store.events import EventLog
-from tierkv.store.index import NamespaceState, PagedLedger
+from tierkv.store.index import NamespaceState, PagedLedger, leading_count, leading_run
 from tierkv.store.leases import Leases
 from tierkv.store.migrate import Mover
 from tierkv.store.reads import Reader
@@ -256,13 +256,8 @@ class TieredStore:
         state = self._state(namespace)
         if isinstance(hashes, bytes | bytearray | memoryview | str):
             check_lookup_hashes(hashes)
-        blocks = state.blocks
-        num_found = 0
         with self._core.lock:
-            for block_hash in hashes:
-                if block_hash not in blocks:
-                    break
-                num_found += 1
+            num_found = leading_count(state.blocks, hashes)
         check_lookup_hashes(hashes, num_found)
         if self._remote is None or num_found >= len(hashes):
             return num_found
@@ -357,24 +352,16 @@ class TieredStore:
         keys = check_hashes(hashes)
         ttl = check_ttl(ttl_s)
         core = self._core
-        num_pinned = 0
         with core.lock:
             core.expire_pins_locked()  # expired pins go now, not only under eviction
+            run = leading_run(state.blocks, keys)
             room = core.unevictable_room_locked(state)
-            for key in keys:
-                entry = state.blocks.get(key)
-                if entry is None:
-                    break
-                if room is not None and entry not in core.pins:
-                    held = core.held_bytes(entry)
-                    if any(num_bytes > room[tier] for tier, num_bytes in held.items()):
-                        break
-                    for tier, num_bytes in held.items():
-                        room[tier] -= num_bytes
+            if room is not None:
+                run = run[:core.pins.num_affordable(run, room, core.held_bytes)]
+            for entry in run:
                 if core.pins.pin(entry, ttl):
                     core.unlink_all_locked(entry)
-                num_pinned += 1
-        return num_pinned
+        return len(run)
 
     def unpin(self, namespace: Namespace, hashes: Sequence[bytes]) -> int:
         """Drop one pin from each stored block of ``hashes``; returns how many were pinned."""
@@ -592,13 +579,7 @@ class TieredStore:
         """Touch the leading stored blocks of ``keys`` tail first, as a read does (a resumed
         session is read next: its history must not be the next victim)."""
         with self._core.lock:
-            run = []
-            for key in keys:
-                entry = state.blocks.get(key)
-                if entry is None:
-                    break
-                run.append(entry)
-            self._core.touch_run_locked(run)
+            self._core.touch_run_locked(leading_run(state.blocks, keys))
 
     def delete_session(self, session_id: str, *, tenant: str = DEFAULT_TENANT) -> bool:
         """Delete ``tenant``'s session (durably, with a disk tier); True if it existed and had not
