@@ -57,7 +57,7 @@ class Landing(Protocol):
     def scatter_layer(self, index: int, fetched: Future[int]) -> None:
         """On the engine's thread, before its forward reads layer ``index``: that layer of the
         blocks ``fetched`` (the future of ``receive``) counted is in vLLM's blocks by the time
-        the engine's work reads it. Returns too for a fetch cancelled at close (CPU)."""
+        the engine's work reads it."""
         ...
 
     def scatter_all(self, count: int) -> None:
