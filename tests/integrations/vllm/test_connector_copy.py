@@ -21,6 +21,7 @@ from tests.support.harness import BackgroundServer
 from tests.support.service_fixtures import mapped_slab
 from tierkv import Client, ConfigError, KVLayout, Namespace
 from tierkv.bench.report import fresh_hashes
+from tierkv.integrations.vllm.copies import CpuCopies
 from tierkv.integrations.vllm.geometry import BlockGeometry
 from tierkv.integrations.vllm.scheduler import BlockOp, StepMetadata
 from tierkv.integrations.vllm.settings import ConnectorSettings
@@ -179,19 +180,14 @@ def test_no_layer_is_waited_for_before_the_whole_load_landed_and_was_checked(
     hashes, ids = fresh_hashes(3), [4, 12, 20]
     put_blocks(target, NAMESPACE, hashes, blocks_of(source, GEOMETRY, [1, 2, 3]))
     gate, entered = threading.Event(), threading.Event()
-    scatterer = WorkerSide._scatterer
+    scatter = CpuCopies.scatter
 
-    def held(self: WorkerSide, op: BlockOp, namespace: Namespace) -> Any:
-        scatter = scatterer(self, op, namespace)
+    def gated(self: CpuCopies, block_ids: Sequence[int], blocks: torch.Tensor) -> None:
+        scatter(self, block_ids, blocks)
+        entered.set()
+        assert gate.wait(30.0)
 
-        def gated(indices: Sequence[int], blocks: torch.Tensor) -> None:
-            scatter(indices, blocks)
-            entered.set()
-            assert gate.wait(30.0)
-
-        return gated
-
-    monkeypatch.setattr(WorkerSide, "_scatterer", held)
+    monkeypatch.setattr(CpuCopies, "scatter", gated)
     dest = filled_caches(GEOMETRY, 0x2222)
     loader = new_worker(target)
     waited = threading.Event()
@@ -463,15 +459,15 @@ def test_a_save_is_gathered_into_the_sidecars_pages_and_the_next_step_waits_for_
     ids, hashes = [5, 1, 17, 9], fresh_hashes(4)
     expected = blocks_of(caches, GEOMETRY, ids).clone()
     entered, gate = threading.Event(), threading.Event()
-    original = WorkerSide._gather
+    original = CpuCopies.gather
 
-    def gather(worker: WorkerSide, *args: Any) -> torch.Tensor:
+    def gather(copies: CpuCopies, block_ids: Sequence[int], out: torch.Tensor) -> None:
         if threading.current_thread().name == "tierkv-save":
             entered.set()
             assert gate.wait(30.0), "the test never opened the gate"
-        return original(worker, *args)
+        original(copies, block_ids, out)
 
-    monkeypatch.setattr(WorkerSide, "_gather", gather)
+    monkeypatch.setattr(CpuCopies, "gather", gather)
     worker = new_worker(target)
     stepped = threading.Event()
     try:

@@ -5,26 +5,29 @@ order: ``[L, H, N, C]`` as vLLM's standardized per-layer view ``[B, H, N, C]`` h
 physical layout is read from the tensors' strides by the index operations; C packs K and V as
 the backend does, which is why the namespace names the backend's layout and device).
 
+How blocks are copied is one of two strategies (``copies.py``), chosen once when vLLM registers
+its caches: on the CPU straight through the sidecar's leased slab pages, on the GPU through
+pinned staging and a side stream. The rest is written once over them.
+
 * Loads (``load_mode="sync"``): ``start_load`` fetches each request's blocks from the sidecar
-  on a worker thread. On the CPU that thread scatters them out of the sidecar's leased slab
-  pages straight into vLLM's blocks (``Client.get_with``: one ``index_copy_`` per layer, then
-  the checksums of the pages it read; no staging copy), and ``wait_for_layer`` waits for that
-  load: a layer is never used before every block's checksum held. On the GPU they are
-  fetched into pinned staging and ``wait_for_layer`` issues its layer's copy on the side
-  stream. A block the sidecar no longer has, one whose checksum fails, or a sidecar that
-  fails, makes that block and every later one of the request a load error: reported to vLLM
-  (which recomputes them over whatever the scatter left), never left looking loaded.
-  Asynchronous loads fetch and scatter every layer on another thread while the request
-  waits, and report the request received when done.
+  on a worker thread, into where its copies land them (``Copies.step_landings``). On the CPU
+  that thread scatters them out of the sidecar's leased slab pages straight into vLLM's
+  blocks, and ``wait_for_layer`` waits for that load: a layer is never used before every
+  block's checksum held. On the GPU they are fetched into pinned staging and
+  ``wait_for_layer`` issues its layer's copy on the side stream. A block the sidecar no longer
+  has, one whose checksum fails, or a sidecar that fails, makes that block and every later one
+  of the request a load error: reported to vLLM (which recomputes them over whatever the
+  scatter left), never left looking loaded. Asynchronous loads fetch and scatter every layer
+  on another thread while the request waits, and report the request received when done.
 * Saves: ``save`` queues one put of the blocks vLLM computed in this step (all the step's
-  requests) for a saver thread. On the CPU the saver gathers them (one ``index_select`` per
-  layer) straight into the sidecar's leased slab pages (``Client.put_with``: one pass over the
-  bytes, then a hash pass over the pages); vLLM may overwrite a block from its next step on,
-  and it calls ``handle_preemptions`` (``before_step``) before anything of that step writes a
-  block, so ``before_step`` waits for a gather under way and gathers any save not gathered yet
-  into a staging buffer itself (what a slow sidecar costs the engine: the gather it would have
-  done anyway, never a call). On the GPU ``save`` gathers into pinned staging before the step
-  ends. The queue is bounded by ``save_queue_bytes``: the
+  requests) for a saver thread. On the CPU (``Copies.gathers_in_step`` False) the saver
+  gathers them straight into the sidecar's leased slab pages (``Client.put_with``: one pass
+  over the bytes, then a hash pass over the pages); vLLM may overwrite a block from its next
+  step on, and it calls ``handle_preemptions`` (``before_step``) before anything of that step
+  writes a block, so ``before_step`` waits for a gather under way and gathers any save not
+  gathered yet into a staging buffer itself (what a slow sidecar costs the engine: the gather
+  it would have done anyway, never a call). On the GPU ``save`` gathers into pinned staging
+  before the step ends. The queue is bounded by ``save_queue_bytes``: the
   leading blocks of a request that fit are kept and the rest of it is dropped (a block after a
   missing one could never be found), counted; saves the sidecar refuses are dropped too. The
   engine never waits for the sidecar, and a sidecar that failed a load is not asked again for
@@ -36,12 +39,9 @@ the backend does, which is why the namespace names the backend's layout and devi
   blocks vLLM held for a last save is released (``finished_sending``) once the next step's
   ``before_step`` has copied them out.
 * Staging buffers are reused (a fresh one page-faults once a 4 KiB page, as long as the copy
-  itself takes): GPU loads land in one buffer per loading thread; a save's buffer is the saver's
-  until its put has returned, then kept (at most ``IDLE_SAVE_BUFFERS``) for a later save.
-* On the CPU, the index operations see each block's page as one row of 16-byte (else 8-byte)
-  elements when the caches' layout allows: torch moves those bytes unchanged, and faster than
-  2-byte elements (``index_copy_`` of a 4K-token prompt of the bench model's 8 layers here:
-  1.7-3.2 ms instead of 4.0-4.7; see the info rows of ``tierkv bench connector``).
+  itself takes): GPU loads land in one buffer per loading thread (``GpuCopies``); a save's
+  buffer is the saver's until its put has returned, then kept (at most ``IDLE_SAVE_BUFFERS``)
+  for a later save.
 """
 
 from __future__ import annotations
@@ -52,13 +52,13 @@ import threading
 import time
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from concurrent.futures import wait as wait_until_done
 from dataclasses import dataclass, field, replace
 
 import torch
 
-from tierkv.client import BlockUse, Client
+from tierkv.client import Client
 from tierkv.errors import ConfigError
+from tierkv.integrations.vllm.copies import Copies, Landing, as_store_blocks, copies_for
 from tierkv.integrations.vllm.geometry import BlockGeometry, EngineGeometry
 from tierkv.integrations.vllm.handoff import TICKET_NAMESPACE, TicketStatus
 from tierkv.integrations.vllm.scheduler import BlockOp, StepMetadata, TicketOp
@@ -69,7 +69,6 @@ from tierkv.types import PutDetail
 log = logging.getLogger("tierkv.integrations.vllm")
 
 IDLE_SAVE_BUFFERS = 2  # saves' staging buffers kept between saves (two: gather beside a put)
-_WIDE_DTYPES = (torch.complex128, torch.int64)  # element types of a page's row, widest first
 
 
 @dataclass(slots=True)
@@ -88,9 +87,7 @@ class WorkerCounters:
 @dataclass(frozen=True, slots=True)
 class _Load:
     op: BlockOp
-    # [n, L, H, N, C] on the GPU, where ``wait_for_layer`` issues each layer's copy out of it
-    # on the side stream; None on the CPU, where the fetch scatters every layer itself.
-    staging: torch.Tensor | None
+    landing: Landing  # where the fetch lands it; ``wait_for_layer`` has each layer scattered
     fetched: Future[int]  # how many leading blocks arrived (counted and errors noted by then)
 
 
@@ -105,8 +102,8 @@ class _Save:
     ``block_ids`` holding them. On the CPU the saver gathers the blocks straight into the
     sidecar's leased pages while ``window_open`` (until the next step begins: vLLM may then
     reuse the blocks); a save not gathered by then is gathered into ``staging`` by the engine's
-    thread first. On the GPU every save is gathered into ``staging`` within its step. The
-    mutable fields are the worker's lock's."""
+    thread first. On the GPU (``Copies.gathers_in_step``) every save is gathered into
+    ``staging`` within its step. The mutable fields are the worker's lock's."""
 
     group: int
     namespace: Namespace
@@ -124,22 +121,13 @@ class _Save:
 
 @dataclass(slots=True)
 class _Group:
-    """One KV cache group's layers as registered, and its staging buffers (a group's block ids
-    are its own: layers of two groups share memory, each block id belongs to one group)."""
+    """One KV cache group as registered: how its blocks are copied, and its saves' idle staging
+    buffers (a group's block ids are its own: layers of two groups share memory, each block id
+    belongs to one group)."""
 
     geometry: BlockGeometry
-    layers: list[torch.Tensor] = field(default_factory=list)
-    rows: list[torch.Tensor] = field(default_factory=list)  # each layer as [B, page] (CPU)
-    wide: torch.dtype | None = None
-    load_buffer: torch.Tensor | None = None
-    async_buffer: torch.Tensor | None = None
+    copies: Copies
     save_buffers: list[torch.Tensor] = field(default_factory=list)
-
-    def as_rows(self, blocks: torch.Tensor) -> torch.Tensor:
-        """``blocks`` ([n, H, N, C], each page contiguous) as [n, page] of ``wide`` elements
-        (itself when the layout allows none); a view: the same bytes."""
-        rows = None if self.wide is None else _rows_of(blocks, self.wide)
-        return blocks if rows is None else rows
 
 
 class WorkerSide:
@@ -157,7 +145,7 @@ class WorkerSide:
         self._async_client = self._new_client()
         self._save_client = self._new_client()
         self._down_until = 0.0  # after a failed fetch, fetches fail at once until then
-        self._groups = [_Group(g) for g in self.engine.groups]
+        self._groups: list[_Group] = []  # as registered (``register``)
         self._registered = False
         self._layer_index: dict[str, tuple[int, int]] = {}  # name -> (group, layer in group)
         self._namespaces: tuple[Namespace, ...] | None = None
@@ -184,11 +172,6 @@ class WorkerSide:
         self._saves: queue.Queue[_Save | TicketOp | frozenset[str] | None] = queue.Queue()
         self._saver = threading.Thread(target=self._save_loop, name="tierkv-save", daemon=True)
         self._saver.start()
-        self._stream: torch.cuda.Stream | None = None
-        # On the GPU each group's synchronous loads of a step land in its pinned buffer, kept
-        # for the next steps: a fresh one each step costs a page fault per 4 KiB (as much as
-        # the copy itself). Asynchronous loads (one thread) have their own; saves take idle
-        # buffers (under the lock). CPU loads need none.
 
     @property
     def geometry(self) -> BlockGeometry:
@@ -207,16 +190,17 @@ class WorkerSide:
         refuses to start. An engine the connector does not serve registers nothing."""
         if not self.engine.serves:
             return
-        for g, group in enumerate(self._groups):
-            self._register_group(g, group, kv_caches)
+        layers = [self._layers_of(g, geometry, kv_caches)
+                  for g, geometry in enumerate(self.engine.groups)]
+        # The CPU's copies or the GPU's, chosen here once (by where vLLM's caches are).
+        copies = copies_for(list(zip(self.engine.groups, layers, strict=True)))
+        self._groups = [_Group(geometry, group_copies)
+                        for geometry, group_copies in zip(self.engine.groups, copies, strict=True)]
         self._registered = True
-        if self._groups and self._groups[0].layers[0].device.type == "cuda":
-            self._stream = torch.cuda.Stream(  # type: ignore[no-untyped-call]
-                device=self._groups[0].layers[0].device)
 
-    def _register_group(self, g: int, group: _Group, kv_caches: dict[str, torch.Tensor]) -> None:
-        geometry = group.geometry
-        layout = geometry.layout
+    def _layers_of(self, g: int, geometry: BlockGeometry, kv_caches: dict[str, torch.Tensor]
+                   ) -> list[torch.Tensor]:
+        """Group ``g``'s caches, each layer's checked against its geometry, in layer order."""
         want = geometry.page_shape
         missing = [name for name in geometry.layer_names if name not in kv_caches]
         if missing:
@@ -232,53 +216,24 @@ class WorkerSide:
         if len({t.data_ptr() for t in layers}) != len(layers):
             raise ConfigError("TierKVConnector: layers of one group that share one cache are "
                               "not supported")
-        group.layers = layers
         for i, name in enumerate(geometry.layer_names):
             self._layer_index[name] = (g, i)
-        page_bytes = layout.bytes_per_block // max(1, len(layers))
-        group.wide = next((wide for wide in _WIDE_DTYPES
-                           if page_bytes % wide.itemsize == 0
-                           and all(_rows_of(t, wide) is not None for t in layers)), None)
-        group.rows = [group.as_rows(t) for t in layers]
-        log.debug("tierkv: vLLM's pages of group %d %s", geometry.group_index,
-                  f"move as rows of {group.wide}" if group.wide
-                  else "are moved through their own strides (no row view of them)")
-
-    def _reused(self, group: _Group, buffer: torch.Tensor | None, num_blocks: int
-                ) -> torch.Tensor:
-        """``buffer``, or a new one when it holds fewer than ``num_blocks`` blocks (at least
-        twice its size: a few growths, then none)."""
-        if buffer is not None and buffer.shape[0] >= num_blocks:
-            return buffer
-        return self._staging(group, max(num_blocks,
-                                        0 if buffer is None else 2 * int(buffer.shape[0])))
-
-    def _staging(self, group: _Group, num_blocks: int) -> torch.Tensor:
-        geometry = group.geometry
-        shape = (num_blocks, geometry.layout.num_layers, *geometry.page_shape)
-        pinned = self._stream is not None  # so that copies to and from the GPU are async
-        return torch.empty(shape, dtype=group.geometry.cache_dtype, pin_memory=pinned)
-
-    def _blocks_of(self, staging: torch.Tensor, namespace: Namespace, num_blocks: int
-                   ) -> torch.Tensor:
-        """``staging``'s first ``num_blocks`` as the store's blocks: the same bytes, viewed in
-        the layout's dtype (an fp8 cache's ``uint8`` pages as ``float8``, never converted)."""
-        layout = namespace.layout
-        return staging.view(layout.torch_dtype).view((num_blocks, *layout.block_shape))
+        return layers
 
     def _adopt(self, meta: StepMetadata) -> tuple[Namespace, ...] | None:
         """The step's namespaces (one per group) as this rank's: a replicated group's are
         rank 0's on every rank."""
         if meta.namespaces is not None:
-            if len(meta.namespaces) != len(self._groups):
+            groups = self.engine.groups
+            if len(meta.namespaces) != len(groups):
                 raise ConfigError(f"TierKVConnector: the scheduler has {len(meta.namespaces)} "
-                                  f"KV cache groups, the worker {len(self._groups)}")
+                                  f"KV cache groups, the worker {len(groups)}")
             adopted = []
-            for ns, group in zip(meta.namespaces, self._groups, strict=True):
-                if ns.layout != group.geometry.layout:
+            for ns, geometry in zip(meta.namespaces, groups, strict=True):
+                if ns.layout != geometry.layout:
                     raise ConfigError(f"TierKVConnector: scheduler layout {ns.layout} differs "
-                                      f"from the worker's {group.geometry.layout}")
-                rank = 0 if group.geometry.replicated else self.tp_rank
+                                      f"from the worker's {geometry.layout}")
+                rank = 0 if geometry.replicated else self.tp_rank
                 adopted.append(Namespace(ns.model_id, ns.layout, tp_rank=rank,
                                          tp_size=ns.tp_size))
             self._namespaces = tuple(adopted)
@@ -298,21 +253,10 @@ class WorkerSide:
             ops = [op for op in meta.loads if op.group == g]
             if not ops:
                 continue
-            if self._stream is None:
-                for op in ops:
-                    fetched = self._fetcher.submit(self._load_in_step, namespaces[g], op,
-                                                   deadline)
-                    self._loads.append(_Load(op, None, fetched))
-                continue
-            group.load_buffer = self._reused(group, group.load_buffer,
-                                             sum(len(op.hashes) for op in ops))
-            first = 0
-            for op in ops:
-                staging = group.load_buffer[first : first + len(op.hashes)]
-                first += len(op.hashes)
+            for op, landing in zip(ops, group.copies.step_landings(ops), strict=True):
                 fetched = self._fetcher.submit(self._load_in_step, namespaces[g], op, deadline,
-                                               staging)
-                self._loads.append(_Load(op, staging, fetched))
+                                               landing)
+                self._loads.append(_Load(op, landing, fetched))
         by_request: dict[str, list[BlockOp]] = {}
         for op in meta.async_loads:
             by_request.setdefault(op.req_id, []).append(op)
@@ -320,14 +264,15 @@ class WorkerSide:
             self._async_loader.submit(self._load_between_steps, namespaces, ops)
 
     def _load_in_step(self, namespace: Namespace, op: BlockOp, deadline: float,
-                      staging: torch.Tensor | None = None) -> int:
-        """A synchronous load (an engine of one group) on the fetching thread: into ``staging``
-        (GPU), else scattered out of the slab into vLLM's blocks, every layer, checked. The
+                      landing: Landing) -> int:
+        """A synchronous load (an engine of one group) on the fetching thread: into ``landing``
+        (pinned staging on the GPU; on the CPU scattered out of the slab into vLLM's blocks,
+        every layer, checked). The
         blocks that did not arrive, and every block of it when anything else fails (a bug must
         not leave the forward half loaded), are load errors: vLLM recomputes from the first."""
         count = 0
         try:
-            count = self._fetch(self._load_client, namespace, op, deadline, staging)
+            count = self._fetch(self._load_client, namespace, op, deadline, landing)
         except Exception as exc:
             log.exception("tierkv: a load failed (%s); vLLM recomputes it", exc)
         self._note_failure(op, count, per_request=False)
@@ -340,7 +285,7 @@ class WorkerSide:
         it recomputes the request, or fails it alone), with one as block ids (vLLM recomputes
         from the first). Recorded before the request is reported received."""
         deadline = time.monotonic() + self.settings.load_timeout_s
-        per_request = len(self._groups) > 1
+        per_request = len(self.engine.groups) > 1
         failed = False  # (several groups: the rest of a failed request is not fetched)
         try:
             for op in ops:
@@ -358,14 +303,9 @@ class WorkerSide:
 
     def _load_op(self, namespace: Namespace, op: BlockOp, deadline: float) -> int:
         """One group's blocks of an asynchronous load, every layer; the leading count there."""
-        if self._stream is None:  # scattered out of the slab as it is fetched
-            return self._fetch(self._async_client, namespace, op, deadline)
-        group = self._groups[op.group]
-        group.async_buffer = self._reused(group, group.async_buffer, len(op.hashes))
-        staging = group.async_buffer[: len(op.hashes)]
-        count = self._fetch(self._async_client, namespace, op, deadline, staging)
-        for index in range(len(group.layers)):
-            self._scatter(op, staging, count, index, wait=True)
+        landing = self._groups[op.group].copies.async_landing(op)
+        count = self._fetch(self._async_client, namespace, op, deadline, landing)
+        landing.scatter_all(count)
         return count
 
     def _note_failure(self, op: BlockOp, count: int, *, per_request: bool) -> None:
@@ -384,22 +324,15 @@ class WorkerSide:
                 self._load_errors.update(op.block_ids[count:])
 
     def _fetch(self, client: Client, namespace: Namespace, op: BlockOp, deadline: float,
-               staging: torch.Tensor | None = None) -> int:
-        """How many leading blocks of ``op`` arrived by ``deadline``, in ``staging`` or, without
-        it, scattered into vLLM's blocks (0 when the sidecar failed, or failed a moment ago:
-        the rest of the step does not wait for it); the caller notes the rest as failed."""
+               landing: Landing) -> int:
+        """How many leading blocks of ``op`` arrived by ``deadline`` in ``landing`` (0 when the
+        sidecar failed, or failed a moment ago: the rest of the step does not wait for it); the
+        caller notes the rest as failed."""
         count = 0
         now = time.monotonic()
         if self._down_until <= now < deadline:
             try:
-                if staging is None:
-                    count = client.get_with(namespace, list(op.hashes),
-                                            self._scatterer(op, namespace),
-                                            timeout_s=deadline - now)
-                else:
-                    count = client.get_into(namespace, list(op.hashes),
-                                            self._blocks_of(staging, namespace, len(op.hashes)),
-                                            timeout_s=deadline - now)
+                count = landing.receive(client, namespace, deadline - now)
             except Exception as exc:  # whatever it is, the blocks are reported, never raised
                 self._down_until = time.monotonic() + max(1.0, self.settings.lookup_timeout_s * 4)
                 log.warning("tierkv load of %d blocks failed (%s); vLLM recomputes them",
@@ -408,22 +341,6 @@ class WorkerSide:
             self.counters.blocks_loaded += count
             self.counters.bytes_loaded += count * namespace.layout.bytes_per_block
         return count
-
-    def _scatterer(self, op: BlockOp, namespace: Namespace) -> BlockUse:
-        """What ``get_with`` hands ``op``'s blocks to: each layer of them into vLLM's blocks
-        (the same bytes, viewed in the cache's dtype: an fp8 cache's pages are never
-        converted)."""
-        group = self._groups[op.group]
-        page_shape = (namespace.layout.num_layers, *group.geometry.page_shape)
-        dtype = group.geometry.cache_dtype
-
-        def scatter(indices: Sequence[int], blocks: torch.Tensor) -> None:
-            source = blocks.view(dtype).view((len(indices), *page_shape))
-            ids = torch.tensor([op.block_ids[i] for i in indices], dtype=torch.long)
-            for index, rows in enumerate(group.rows):
-                rows.index_copy_(0, ids, group.as_rows(source[:, index]))
-
-        return scatter
 
     def wait_for_layer(self, layer_name: str) -> None:
         """Scatter layer ``layer_name`` of every load of this step (of its group) into vLLM's
@@ -434,33 +351,10 @@ class WorkerSide:
         self._loaded_layers.add(position)
         g, index = position
         for load in self._loads:
-            if load.op.group != g:
-                continue
-            if load.staging is None:  # the fetching thread scatters every layer (CPU)
-                wait_until_done([load.fetched])  # (returns too for a fetch cancelled at close)
-                continue
-            self._scatter(load.op, load.staging, load.fetched.result(), index, wait=False)
-            assert self._stream is not None  # (staging: a GPU load)
-            device = self._groups[g].layers[index].device  # the forward pass reads it next
-            torch.cuda.current_stream(device).wait_stream(self._stream)
+            if load.op.group == g:
+                load.landing.scatter_layer(index, load.fetched)
         if len(self._loaded_layers) == len(self._layer_index):
             self._loads = []
-
-    def _scatter(self, op: BlockOp, staging: torch.Tensor, count: int, index: int, *,
-                 wait: bool) -> None:
-        """Layer ``index`` of the ``count`` leading blocks fetched into pinned ``staging`` into
-        vLLM's blocks on the GPU, on the side stream; ``wait`` for the copy to finish (an
-        asynchronous load is done only when its bytes are)."""
-        if count == 0:
-            return
-        assert self._stream is not None  # (the CPU scatters out of the slab: ``_scatterer``)
-        layer = self._groups[op.group].layers[index]
-        source = staging[:count, index]
-        with torch.cuda.stream(self._stream):  # the index tensor is made (and freed) on it too
-            ids = torch.tensor(op.block_ids[:count], dtype=torch.long, device=layer.device)
-            layer.index_copy_(0, ids, source.to(layer.device, non_blocking=True))
-        if wait:
-            self._stream.synchronize()
 
     def finish_loads(self) -> None:
         """Scatter whatever a step's forward did not ask for (a model that skipped
@@ -528,7 +422,7 @@ class WorkerSide:
         item = _Save(g, namespace, tuple(hashes), tuple(block_ids),
                      _joined(details, group.geometry.layout.block_size),
                      frozenset(op.req_id for op in ops))
-        if self._stream is None:  # the saver gathers it, straight into the sidecar's pages
+        if not group.copies.gathers_in_step:  # the saver gathers it, into the sidecar's pages
             item.window_open = True
             with self._lock:
                 self._open_saves.append(item)
@@ -544,12 +438,13 @@ class WorkerSide:
     def _stage(self, group: _Group, item: _Save) -> None:
         """Gather ``item``'s blocks out of vLLM's into a staging buffer (taken for it)."""
         buffer = self._take_save_buffer(group, len(item.hashes))
+        staging = buffer[: len(item.hashes)]
         try:
-            item.staging = self._gather(group, list(item.block_ids), buffer[: len(item.hashes)])
+            group.copies.gather(item.block_ids, staging)
         except BaseException:
             self._give_back(group, buffer)
             raise
-        item.buffer = buffer
+        item.staging, item.buffer = staging, buffer
 
     def before_step(self) -> None:
         """vLLM is about to start a step, which may overwrite any block it does not hold for a
@@ -581,17 +476,13 @@ class WorkerSide:
     def _fill(self, item: _Save, indices: Sequence[int], out: torch.Tensor) -> None:
         """``put_with``'s fill of ``item``: its blocks ``indices`` into ``out`` (uint8, a row a
         block), out of vLLM's blocks while they are kept for it, else out of its staging."""
-        group = self._groups[item.group]
-        geometry = group.geometry
         with self._lock:
             self._gathered.wait_for(lambda: not item.staging_pending)
             direct = item.window_open
             item.gathering = direct
         if direct:
             try:
-                typed = out.view(geometry.cache_dtype).view(
-                    len(indices), geometry.layout.num_layers, *geometry.page_shape)
-                self._gather(group, [item.block_ids[i] for i in indices], typed)
+                self._groups[item.group].copies.gather([item.block_ids[i] for i in indices], out)
             finally:
                 with self._lock:
                     item.gathering, item.gathered = False, True
@@ -612,7 +503,7 @@ class WorkerSide:
                 # By identity: ``list.remove`` would compare tensors elementwise.
                 group.save_buffers = [b for b in group.save_buffers if b is not buffer]
                 return buffer
-        return self._staging(group, num_blocks)
+        return group.copies.staging(num_blocks)
 
     def _give_back(self, group: _Group, buffer: torch.Tensor) -> None:
         """Keep ``buffer`` for a later save; the smallest idle one goes beyond the limit."""
@@ -621,23 +512,6 @@ class WorkerSide:
             if len(group.save_buffers) > IDLE_SAVE_BUFFERS:
                 smallest = min(group.save_buffers, key=lambda b: int(b.shape[0]))
                 group.save_buffers = [b for b in group.save_buffers if b is not smallest]
-
-    def _gather(self, group: _Group, block_ids: list[int], staging: torch.Tensor
-                ) -> torch.Tensor:
-        """vLLM's blocks ``block_ids`` of ``group`` into ``staging`` ([n, L, H, N, C])."""
-        device = group.layers[0].device
-        if self._stream is None:
-            ids = torch.tensor(block_ids, dtype=torch.long)
-            for index, rows in enumerate(group.rows):
-                torch.index_select(rows, 0, ids, out=group.as_rows(staging[:, index]))
-            return staging
-        self._stream.wait_stream(torch.cuda.current_stream(device))  # after the step's writes
-        with torch.cuda.stream(self._stream):
-            ids = torch.tensor(block_ids, dtype=torch.long, device=device)
-            for index, layer in enumerate(group.layers):
-                staging[:, index].copy_(layer.index_select(0, ids), non_blocking=True)
-        self._stream.synchronize()
-        return staging
 
     def _save_loop(self) -> None:
         while True:
@@ -659,7 +533,7 @@ class WorkerSide:
                     staging = item.staging
                 if staging is not None:
                     self._save_client.put(
-                        namespace, list(hashes), self._blocks_of(staging, namespace, len(hashes)),
+                        namespace, list(hashes), as_store_blocks(staging, namespace, len(hashes)),
                         priority=self.settings.priority, write_policy=self.settings.write_policy,
                         detail=item.detail,
                     )
@@ -686,7 +560,7 @@ class WorkerSide:
         """``item``'s queued blocks are saved, or dropped: off the queue, counted (a drop
         fails its requests' tickets)."""
         num_blocks = len(item.hashes)
-        block_bytes = self._groups[item.group].geometry.layout.bytes_per_block
+        block_bytes = self.engine.groups[item.group].layout.bytes_per_block
         with self._lock:
             self._queued_bytes -= num_blocks * block_bytes
             if self._drained_locked():
@@ -713,7 +587,7 @@ class WorkerSide:
             for g, hashes in op.publish:
                 if failed:
                     break
-                if self._groups[g].geometry.replicated and rank != 0:
+                if self.engine.groups[g].replicated and rank != 0:
                     continue  # rank 0 saves (and publishes) a replicated group
                 assert namespaces is not None
                 failed = bool(hashes) and self._save_client.publish(
@@ -768,15 +642,6 @@ class WorkerSide:
         self._async_loader.shutdown(wait=False, cancel_futures=True)
         for client in (self._load_client, self._async_client, self._save_client):
             client.close()
-
-
-def _rows_of(blocks: torch.Tensor, wide: torch.dtype) -> torch.Tensor | None:
-    """``blocks`` ([n, ...], each block's page contiguous) viewed as [n, page] of ``wide``
-    elements, or None when its strides or offset do not allow it."""
-    try:
-        return blocks.view(blocks.shape[0], -1).view(wide)
-    except RuntimeError:
-        return None
 
 
 def _joined(details: list[tuple[PutDetail | None, int]], block_size: int) -> PutDetail | None:
