@@ -83,14 +83,8 @@ def status_of_refusal(exc: BaseException) -> tuple[grpc.StatusCode, str]:
 
 
 def end_call(context: grpc.aio.ServicerContext, status: tuple[grpc.StatusCode, str]) -> None:
-    """End a refused call with ``status``.
-
-    Not ``context.abort``: grpc keeps the AbortError that abort raises in a reference cycle
-    with the handler's frame, so every refused request (a Put's chunks, 65,536 hashes) would
-    live until the cyclic collector ran (1,500 refused Puts grew a server by 390 MiB). Callers
-    take the status inside their ``except`` block and call this after it, so that no exception
-    (whose traceback holds the handler's frames) outlives the block either.
-    """
+    """End a refused call with ``status``; call it after the ``except`` block that took the
+    status (not ``context.abort``: docs/design/operations.md#refused-calls-hold-no-memory)."""
     context.set_code(status[0])
     context.set_details(status[1])
 

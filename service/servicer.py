@@ -288,15 +288,8 @@ class TierKVServicer(pb_grpc.TierKVServicer):
             self._close_after_answer(chunks)
 
     def _close_after_answer(self, chunks: AsyncIterator[RawPutChunk]) -> None:
-        """Close a Put's request iterator once the call has answered.
-
-        grpc's request iterator left suspended (a Put refused before its last message) keeps
-        the call and every message it received alive in the C core: 1,500 refused headers of
-        70,000 hashes grew a server by over 1 GiB. Closing it inside the handler, before the
-        status is sent, answers a client that is still sending with INTERNAL ("Internal error
-        from Core", 2 runs in 15 of the wrong-size test) instead of that status; so it is
-        closed on the loop's next turn, after the handler has returned its answer.
-        """
+        """Close a Put's request iterator on the loop's next turn, after the call has answered
+        (docs/design/operations.md#refused-calls-hold-no-memory)."""
         close = getattr(chunks, "aclose", None)
         if close is None:
             return

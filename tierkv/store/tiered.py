@@ -77,9 +77,11 @@ class TieredStore:
     Open it with a ``StoreConfig``; with a disk tier, blocks written there by an earlier process
     (``write_through``, or flushed at close) are served again. Close it (or use ``with``) to
     flush HOST-only blocks to disk and release the shared-memory slab. ``eviction``: the policy
-    that picks victims in every tier (default ``tierkv.eviction.EvictionPolicy``: LRU within
-    priority classes, lowest class first). ``events``: where every copy that becomes readable
-    or goes is recorded, for a KV-event publisher (``tierkv.store.events``; None: nowhere).
+    that picks victims in every tier (default ``tierkv.eviction.EvictionPolicy``: tenants asked
+    in ``ask_tenants``' order, LRU within priority classes, lowest class first). ``events``:
+    where every copy that becomes readable or goes is recorded, for a KV-event publisher
+    (``tierkv.store.events``; None: nowhere). A ``tierkv.BlockStore``; the calls only a server
+    makes are on ``sidecar``.
     """
 
     def __init__(
