@@ -6,10 +6,13 @@ Design: docs/design/eviction.md#entries-and-busy-marks
 from __future__ import annotations
 
 import abc
+import functools
 import itertools
-from collections.abc import Iterable, Mapping
+import operator
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from functools import cached_property
+from typing import cast
 
 import numpy as np
 
@@ -231,15 +234,20 @@ class DiskLedger(Ledger):
         share.credit(num_bytes)
 
 
+_IS_NOT_NONE = functools.partial(operator.is_not, None)
+
+
 def leading_run(blocks: Mapping[bytes, Entry], keys: Iterable[bytes],
                 readable: bool = False) -> list[Entry]:
     """The entries of the leading stored run of ``keys`` (the store's lock held): up to the
     first key not stored or, ``readable``, the first whose entry has no copy left (going)."""
+    find: Callable[[bytes], Entry | None] = blocks.get
+    if not readable:  # (no Python loop: every remote lookup's locate runs this)
+        return cast("list[Entry]", list(itertools.takewhile(_IS_NOT_NONE, map(find, keys))))
     run: list[Entry] = []
-    find = blocks.get
     for key in keys:
         entry = find(key)
-        if entry is None or (readable and entry.top_tier() is None):
+        if entry is None or entry.top_tier() is None:
             break
         run.append(entry)
     return run

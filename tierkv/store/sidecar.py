@@ -51,8 +51,12 @@ class SidecarPort:
             check_lookup_hashes(hashes)
         with self._core.lock:
             run = leading_run(state.blocks, hashes)
-            num_gpu = sum(entry.gpu is not None for entry in run)
-            num_host = sum(entry.gpu is None and entry.host is not None for entry in run)
+            num_gpu = num_host = 0
+            for entry in run:  # one pass: every remote lookup runs it
+                if entry.gpu is not None:
+                    num_gpu += 1
+                elif entry.host is not None:
+                    num_host += 1
         num_disk = len(run) - num_gpu - num_host
         check_lookup_hashes(hashes, len(run))
         return {Tier.GPU: num_gpu, Tier.HOST: num_host, Tier.DISK: num_disk}
