@@ -25,6 +25,7 @@ import contextlib
 import tempfile
 from pathlib import Path
 
+import pytest
 import torch
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
@@ -56,6 +57,7 @@ from tierkv import (
 )
 from tierkv.config import Eviction
 from tierkv.hashing import block_hashes
+from tierkv.store import migrate
 
 TENANTS = ("alice", "bob", "carol")
 NUM_KEYS = 8
@@ -278,6 +280,15 @@ class TenantMachine(RuleBasedStateMachine):
             if not self.reloaded:
                 for s in charged:
                     assert s.used_bytes <= s.cap_bytes, s
+
+
+@pytest.fixture(autouse=True)
+def short_reserve_wait(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A put waits up to 5 s (``migrate._RESERVE_WAIT_S``) for HOST room that read leases
+    hold; here no lease ends within an example (``LEASE_TTL_S``) and nothing runs beside the
+    machine, so every such wait ends in the same refusal: 0.2 s (a run took 1-131 s by its
+    draws)."""
+    monkeypatch.setattr(migrate, "_RESERVE_WAIT_S", 0.2)
 
 
 TestTenantMachine = TenantMachine.TestCase
