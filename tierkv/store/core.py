@@ -17,9 +17,9 @@ from typing import TYPE_CHECKING, Protocol
 
 from tierkv.admission import Admission, count_uses
 from tierkv.buffers import BufferPool
-from tierkv.config import Eviction, StoreConfig, TenantShares, Tier
+from tierkv.config import Eviction, StoreConfig, TenantShares, Tier, WritePolicy
 from tierkv.copy_engine import CopyEngine
-from tierkv.errors import CapacityError, TierKVError
+from tierkv.errors import CapacityError, ConfigError, TierKVError
 from tierkv.eviction import (
     WINDOW,
     EvictionPolicy,
@@ -258,6 +258,15 @@ class StoreCore:
         """Make ``spill`` the tier below the lowest local one (once, before any call)."""
         assert self.spill is None
         self.spill = spill
+
+    def write_policy(self, asked: WritePolicy | None, call: str) -> WritePolicy:
+        """The policy a write of ``call`` ("put", "allocate") runs under: ``asked``, else the
+        store's; ``ConfigError`` for ``write_through`` without a disk tier or a spill tier."""
+        policy = asked or self.config.write_policy
+        if policy is WritePolicy.WRITE_THROUGH and self.disk is None and self.spill is None:
+            raise ConfigError(f"{call}: write_through needs a disk tier (--disk-path) or a "
+                              "REMOTE tier (--remote)")
+        return policy
 
     # --- books ----------------------------------------------------------------------------
 

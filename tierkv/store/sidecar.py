@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 from tierkv.checks import check_detail, check_hashes, check_lookup_hashes
-from tierkv.config import Priority, StoreConfig, Tier, WritePolicy
+from tierkv.config import Priority, Tier, WritePolicy
 from tierkv.errors import ConfigError, StaleSlabError
 from tierkv.keys import Namespace
 from tierkv.shm.presence import PresenceTable
@@ -27,11 +27,10 @@ from tierkv.types import PutDetail
 class SidecarPort:
     """The server's calls on one ``TieredStore`` (see the module docstring)."""
 
-    def __init__(self, config: StoreConfig, core: StoreCore, leases: Leases, host: HostSlab,
+    def __init__(self, core: StoreCore, leases: Leases, host: HostSlab,
                  presence: PresenceTable | None, remote: Spill | None,
                  state_of: Callable[[Namespace], NamespaceState],
                  check_open: Callable[[], None]) -> None:
-        self.config = config
         self._core, self._leases, self._host = core, leases, host
         self._presence, self._remote = presence, remote
         self._state_of, self._check_open = state_of, check_open
@@ -137,7 +136,7 @@ class SidecarPort:
         self._check_slab(slab_id)
         check_detail(detail, len(keys), state.namespace.layout.block_size)
         return self._leases.allocate(state, keys, ttl_s, owner, Priority(priority),
-                                     self._lease_policy(write_policy), client_id=client_id,
+                                     self._core.write_policy(write_policy, "allocate"), client_id=client_id,
                                      detail=detail)
 
     def allocate_in_process(
@@ -154,7 +153,7 @@ class SidecarPort:
         keys = check_hashes(hashes)
         check_detail(detail, len(keys), state.namespace.layout.block_size)
         return self._leases.allocate(state, keys, None, owner, Priority(priority),
-                                     self._lease_policy(write_policy), in_process=True,
+                                     self._core.write_policy(write_policy, "allocate"), in_process=True,
                                      detail=detail)
 
     def lease_writer(self, lease: WriteLease, owner: str = "") -> LeaseWriter:
@@ -165,14 +164,6 @@ class SidecarPort:
         for a client's lease (only its client writes its pages)."""
         self._check_open()
         return self._leases.lease_writer(lease.lease_id, owner)
-
-    def _lease_policy(self, write_policy: WritePolicy | None) -> WritePolicy:
-        policy = write_policy or self.config.write_policy
-        writes_through = self._core.disk is not None or self._remote is not None
-        if policy is WritePolicy.WRITE_THROUGH and not writes_through:
-            raise ConfigError("allocate: write_through needs a disk tier (--disk-path) or a "
-                              "REMOTE tier (--remote)")
-        return policy
 
     def commit(self, lease_id: bytes, owner: str = "", checksums: Sequence[int] | None = None
                ) -> int:

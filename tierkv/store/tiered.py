@@ -134,7 +134,7 @@ class TieredStore:
             remote = RemoteLink(self._core, mover, self._writer, RemoteTier(config.remote))
             self._core.attach_spill(remote)
             self._remote = remote
-        self.sidecar = SidecarPort(config, self._core, self._leases, self._host, self._presence,
+        self.sidecar = SidecarPort(self._core, self._leases, self._host, self._presence,
                                    self._remote, self._state, self._check_open)
         """The calls only a server makes (leases, the slab's facts, event restating...)."""
 
@@ -240,13 +240,10 @@ class TieredStore:
         state = self._state(namespace)
         keys = check_hashes(hashes)
         flat = check_blocks(state.namespace.layout, blocks, len(keys))
-        policy = write_policy or self.config.write_policy
         target = tier if tier is not None else self._default_tier(flat)
         if target not in self._core.ledgers:
             raise ConfigError(f"put: the {target.label} tier is not configured")
-        if policy is WritePolicy.WRITE_THROUGH and not self._writes_through():
-            raise ConfigError("put: write_through needs a disk tier (--disk-path) or a REMOTE "
-                              "tier (--remote)")
+        policy = self._core.write_policy(write_policy, "put")
         check_detail(detail, len(keys), state.namespace.layout.block_size)
         return self._writer.put(state, keys, flat, Priority(priority), policy, target, detail)
 
@@ -524,11 +521,6 @@ class TieredStore:
     async def alookup(self, namespace: Namespace, hashes: Sequence[bytes]) -> int:
         """``lookup`` on a worker thread (it takes the store lock)."""
         return await asyncio.wrap_future(self._submit(self.lookup, namespace, hashes))
-
-    # --- the same-host data plane: leases on HOST pages (the table: tierkv.store.leases) --
-
-    def _writes_through(self) -> bool:
-        return self._core.disk is not None or self._remote is not None
 
     # --- the slab --------------------------------------------------------------------------
 
