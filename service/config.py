@@ -42,12 +42,17 @@ _TOPIC_FIELDS = {"node": "n", "tenant": "t", "namespace": "0" * 32, "model": "m"
 class EventsConfig:
     """The KV-event publisher (``tierkv.service.events``).
 
-    ``endpoint``: the PUB socket, ``ipc:///path`` or ``tcp://host:port`` (port 0: any free
-    one); ``replay_endpoint``: the ROUTER socket that replays and resyncs (default: the
-    endpoint's path with ``-replay``, or its port plus one; port 0: any free one). ``topic``:
-    a template of ``{node}``, ``{tenant}``, ``{model}`` and ``{namespace}``, which it must name
+    ``mode``: ``router`` (what routers consume unchanged: each namespace on sockets of its
+    own, ``namespace_endpoints``, one sequence each; a namespace's clear said as removals;
+    int hashes) or ``tierkv`` (every namespace on ``endpoint``, one sequence a topic, clears
+    as ``AllBlocksCleared``). ``ownership``: the ``ownership`` field of every event (None:
+    none; Dynamo drops events that carry one). ``endpoint``: the PUB socket, ``ipc:///path``
+    or ``tcp://host:port`` (port 0: any free one); ``replay_endpoint``: the ROUTER socket that
+    replays and resyncs (default: the endpoint's path with ``-replay``, or its port plus one;
+    port 0: any free one). ``topic``: a template of ``{node}``, ``{tenant}``, ``{model}`` and
+    ``{namespace}``, which it must name
     (one topic a namespace: tenants and layouts never share one). ``node``: this sidecar's
-    name in topics and ``ownership``. ``token_ids``: publish the token ids writers give (prompt
+    name in topics. ``token_ids``: publish the token ids writers give (prompt
     content: both endpoints must then be a Unix socket or loopback). ``hash_form``: ``int``
     (the last 8 bytes, vLLM's default external form) or ``bytes``. A batch goes every
     ``interval_s`` or at ``batch_events`` events, an empty one on every topic quiet for
@@ -61,6 +66,8 @@ class EventsConfig:
 
     endpoint: str
     replay_endpoint: str = ""
+    mode: str = "router"
+    ownership: str | None = None
     topic: str = DEFAULT_EVENTS_TOPIC
     node: str = "localhost"
     token_ids: bool = True
@@ -99,6 +106,11 @@ class EventsConfig:
                               "topic a namespace, so that tenants never share one")
         if self.hash_form not in ("int", "bytes"):
             raise ConfigError(f"--events-hash-form must be int or bytes, got {self.hash_form!r}")
+        if self.mode not in ("router", "tierkv"):
+            raise ConfigError(f"--events-mode must be router or tierkv, got {self.mode!r}")
+        if self.mode == "router" and self.hash_form != "int":
+            raise ConfigError("--events-hash-form bytes needs --events-mode tierkv: routers "
+                              "(Dynamo) cannot decode a batch with 32-byte hashes")
         counts = (self.batch_events, self.ring_batches, self.ring_bytes, self.hwm,
                   self.max_pending)
         if not self.interval_s > 0 or not self.heartbeat_s > 0 or min(counts) < 1:

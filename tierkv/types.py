@@ -263,6 +263,8 @@ class PutDetail:
             raise InvalidArgumentError(
                 f"token_ids: {len(self.token_ids)} tokens for {num_blocks} blocks of "
                 f"{block_size} tokens (give every block's tokens, or none)")
+        if self.token_ids and not 0 <= min(self.token_ids) <= max(self.token_ids) < 1 << 32:
+            raise InvalidArgumentError("token_ids: every token id is in [0, 2**32)")
         if self.extra_keys and len(self.extra_keys) != num_blocks:
             raise InvalidArgumentError(
                 f"extra_keys: {len(self.extra_keys)} entries for {num_blocks} blocks (one a "

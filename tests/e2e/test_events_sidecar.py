@@ -42,7 +42,8 @@ def pool(tmp_path: Path) -> SidecarPool:
 def start(pool: SidecarPool, root: Path, *flags: str) -> Sidecar:
     return pool.start("--host-bytes", "1MiB", "--page-bytes", "256", "--tokens-file",
                       str(root / "tokens"), "--admin-tenants", "alice", "--events-endpoint",
-                      f"ipc://{root}/events", "--events-heartbeat-s", "0.2", *flags,
+                      f"ipc://{root}/events", "--events-heartbeat-s", "0.2", "--events-mode",
+                      "tierkv", *flags,
                       disk_path=root / "disk")
 
 

@@ -46,7 +46,10 @@ class Sidecar:
         self.config = dataclasses.replace(
             store_config(root, host_blocks=8, disk_blocks=12),
             remote=RemoteTierConfig.from_url(remote_url))
-        events = {"interval_s": 0.01, "heartbeat_s": 0.2, **events}
+        # tierkv's own mode, every namespace on one endpoint: what this subscriber reads
+        # (the router mode is tested against Dynamo's indexer, test_dynamo_events.py).
+        events = {"interval_s": 0.01, "heartbeat_s": 0.2, "mode": "tierkv",
+                  "ownership": f"tierkv@{NODE}", **events}
         self.events_config = EventsConfig(f"ipc://{root}/events", node=NODE,
                                           max_pending=max_pending, **events)
         self.store: TieredStore
@@ -201,15 +204,16 @@ def test_token_ids_and_parents_reach_the_event(sidecar: Sidecar) -> None:
     sidecar.store.put(namespace, chain, blocks(3), detail=PutDetail(tokens, keys(1, 99)[0],
                                                                     lora_name="adapter"))
     assert_index_is_truth(index, sidecar)
-    stored = {event.block_hashes[0]: event for name, event in index.stored
-              if name == topic(namespace) and event.medium == "CPU"}
-    for number, block_hash in enumerate(chain):
-        event = stored[external(block_hash)]
-        assert event.token_ids == list(tokens[number * 4 : number * 4 + 4])
-        parent = keys(1, 99)[0] if number == 0 else chain[number - 1]
-        assert event.parent_block_hash == external(parent)
-        assert event.block_size == 4 and event.lora_name == "adapter"
-        assert event.ownership == f"tierkv@{NODE}"
+    # One event for the chain, parent first, as vLLM's publisher says a chain: every block's
+    # hash in order, the head's parent, all the tokens.
+    [event] = [event for name, event in index.stored
+               if name == topic(namespace) and event.medium == "CPU"
+               and external(chain[0]) in event.block_hashes]
+    assert event.block_hashes == [external(block_hash) for block_hash in chain]
+    assert event.token_ids == list(tokens)
+    assert event.parent_block_hash == external(keys(1, 99)[0])
+    assert event.block_size == 4 and event.lora_name == "adapter"
+    assert event.ownership == f"tierkv@{NODE}"
     index.close()
 
 

@@ -257,6 +257,7 @@ def _events_config(settings: Resolved) -> EventsConfig | None:
         return None
     return EventsConfig(
         settings["events_endpoint"], settings["events_replay_endpoint"],
+        mode=settings["events_mode"], ownership=settings["events_ownership"] or None,
         topic=settings["events_topic"], node=settings["events_node"],
         token_ids=settings["events_token_ids"] == "on", hash_form=settings["events_hash_form"],
         interval_s=settings["events_interval_s"], heartbeat_s=settings["events_heartbeat_s"],

@@ -161,10 +161,17 @@ SETTINGS: tuple[Setting, ...] = (
              "the ROUTER socket that replays recent event batches and restates a topic "
              "(resync) (empty: events_endpoint's path with -replay, or its port plus one)",
              metavar="ENDPOINT"),
+    _setting("events_mode", Kind.CHOICE, "router",
+             "router: what routers (Dynamo, llm-d) consume unchanged, each namespace on sockets "
+             "of its own (events_endpoint's path or host plus the namespace); tierkv: every "
+             "namespace on events_endpoint, a topic each", choices=("router", "tierkv")),
+    _setting("events_ownership", Kind.STR, "",
+             "the ownership field of every event (empty: none; Dynamo drops events that carry "
+             "one)", metavar="NAME"),
     _setting("events_topic", Kind.STR, "kv@{node}:{tenant}:{namespace}@{model}",
              "topic of each namespace's events: a template of {node}, {tenant}, {model} and "
              "{namespace} (which it must name: one topic a namespace)", metavar="TEMPLATE"),
-    _setting("events_node", Kind.STR, None, "this sidecar's name in topics and ownership",
+    _setting("events_node", Kind.STR, None, "this sidecar's name in topics",
              computed="the host name", metavar="NAME"),
     _setting("events_token_ids", Kind.CHOICE, "on",
              "publish the token ids writers give with their puts (off: hashes only)",

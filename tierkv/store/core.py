@@ -31,7 +31,7 @@ from tierkv.eviction import (
 from tierkv.frequency import FrequencySketch
 from tierkv.paging import Location, location_num_pages
 from tierkv.shm.presence import Fingerprinter, PresenceTable
-from tierkv.store.events import BlockDetail, EventLog, Snapshot
+from tierkv.store.events import EventLog, Snapshot
 from tierkv.store.index import DOOMED, DiskLedger, Entry, Ledger, NamespaceState, PagedLedger, is_busy
 from tierkv.store.pins import PinTable
 from tierkv.store.tenants import TenantShare
@@ -242,16 +242,16 @@ class StoreCore:
         assert self.events is not None
         self.events.snapshot(state, Snapshot(self.holding_locked(state), self.spill is not None))
 
-    def holding_locked(self, state: NamespaceState) -> dict[int, list[bytes]]:
-        """The hashes of ``state``'s blocks with a copy in each local tier, by tier."""
-        by_tier: dict[int, list[bytes]] = {tier: [] for tier in self.ledgers}
-        for block_hash, entry in state.blocks.items():
+    def holding_locked(self, state: NamespaceState) -> dict[int, list[Entry]]:
+        """``state``'s entries with a copy in each local tier, by tier."""
+        by_tier: dict[int, list[Entry]] = {tier: [] for tier in self.ledgers}
+        for entry in state.blocks.values():
             if entry.gpu is not None:
-                by_tier[Tier.GPU].append(block_hash)
+                by_tier[Tier.GPU].append(entry)
             if entry.host is not None:
-                by_tier[Tier.HOST].append(block_hash)
+                by_tier[Tier.HOST].append(entry)
             if entry.disk is not None:
-                by_tier[Tier.DISK].append(block_hash)
+                by_tier[Tier.DISK].append(entry)
         return by_tier
 
     def attach_spill(self, spill: Spill) -> None:
@@ -323,11 +323,11 @@ class StoreCore:
 
     def link_locked(
         self, entry: Entry, tier: Tier, location: Location, checksum: int | None = None,
-        detail: BlockDetail | None = None, parent: Entry | None = None,
+        parent: Entry | None = None,
     ) -> None:
         """Give ``entry`` a (complete) copy in ``tier`` at ``location``; a HOST copy comes with
-        the checksum of its bytes (computed by the caller, outside the lock). ``detail``: what
-        a put's writer said of the block, for its KV event; ``parent``: its chain's stored
+        the checksum of its bytes (computed by the caller, outside the lock). Its KV event
+        carries the entry's parent and tokens. ``parent``: its chain's stored
         block before it, which it is linked just behind (evicted before it; docs/design/
         eviction.md#chains), else it is the most recently used."""
         node: Residency[Entry] = Residency(entry, location)
@@ -359,7 +359,7 @@ class StoreCore:
             else:
                 share.lru.push_before(node, anchor, main)
         if self.events is not None:
-            self.events.stored(entry.ns, tier, entry.block_hash, detail)
+            self.events.stored(entry.ns, tier, entry.block_hash, entry)
 
     def drop_locked(self, entry: Entry, tier: Tier) -> None:
         """Remove ``entry``'s copy in ``tier`` and free its room; forget the entry if it was the
@@ -371,7 +371,7 @@ class StoreCore:
         share.lru.remove(node)
         entry.set_residency(tier, None)
         if self.events is not None and entry.priority != DOOMED:  # a doom said so already
-            self.events.removed(entry.ns, tier, entry.block_hash)
+            self.events.removed(entry.ns, tier, entry.block_hash, entry)
         ledger.num_blocks -= 1
         ledger.stored_bytes -= entry.ns.block_bytes
         share.num_blocks -= 1
@@ -445,7 +445,7 @@ class StoreCore:
             if node is not None:
                 self.share_of_locked(entry.ns, tier).lru.remove(node)
                 if self.events is not None and entry.priority != DOOMED:
-                    self.events.removed(entry.ns, tier, entry.block_hash)
+                    self.events.removed(entry.ns, tier, entry.block_hash, entry)
         entry.priority = DOOMED
         if entry.disk is not None:
             # At once, even under readers (LMDB reads see a snapshot): a deferred delete could
@@ -621,12 +621,14 @@ class StoreCore:
     def submit_disk_locked(
         self, puts: Sequence[tuple[bytes, bytes | bytearray]] = (),
         namespace_puts: Sequence[tuple[bytes, bytes]] = (),
+        token_puts: Sequence[tuple[bytes, bytes]] = (),
     ) -> DiskWrite:
         """Queue a disk write carrying every pending delete (order matters:
-        docs/design/data-path.md, the write path, 3)."""
+        docs/design/data-path.md, the write path, 3); ``token_puts``: the parent and tokens of
+        blocks of ``puts`` (``tierkv.store.tokens``)."""
         assert self.disk is not None
         job = DiskWrite(puts, self._pending_deletes, namespace_puts,
-                        block_takes=self._pending_takes)
+                        block_takes=self._pending_takes, token_puts=token_puts)
         self._pending_deletes = []
         self._pending_takes = []
         spill = self.spill

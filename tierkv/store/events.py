@@ -19,10 +19,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from tierkv.types import PutDetail
-
 if TYPE_CHECKING:
-    from tierkv.store.index import NamespaceState
+    from tierkv.store.index import Entry, NamespaceState
 
 REMOTE_TIER = 3
 """The REMOTE tier's code in records (``Tier`` names the local tiers 0-2)."""
@@ -38,16 +36,14 @@ class Snapshot:
     publisher must add REMOTE's (read from the cluster when it reaches this record, so that
     every REMOTE change after it comes after it too)."""
 
-    by_tier: dict[int, list[bytes]]
+    by_tier: dict[int, list[Entry]]
     with_remote: bool
 
 
-BlockDetail = tuple[PutDetail, int, "bytes | None"]
-"""What a put's writer said of one block: its put's ``PutDetail``, its index in that put, and
-its parent's hash (the put's previous block's, or the detail's ``parent_hash`` for the first)."""
-
-EventRecord = tuple[int, int, "NamespaceState", object, "BlockDetail | None"]
-"""``(kind, tier code, namespace, block hash | Snapshot | None, BlockDetail | None)``."""
+EventRecord = tuple[int, int, "NamespaceState", object, "Entry | None"]
+"""``(kind, tier code, namespace, block hash | Snapshot | None, entry | None)``: a ``STORED``
+or ``REMOVED`` record of a local tier names the block's entry, whose ``parent`` and ``tokens``
+its event carries (fixed once set: the publisher reads them on its own thread)."""
 
 
 class EventLog:
@@ -67,27 +63,29 @@ class EventLog:
         self._lost: dict[bytes, NamespaceState] = {}
 
     def stored(self, state: NamespaceState, tier: int, block_hash: bytes,
-               detail: BlockDetail | None = None) -> None:
-        """``block_hash``'s copy in ``tier`` is readable now (``detail``: what its writer said
-        of it)."""
+               entry: Entry | None = None) -> None:
+        """``block_hash``'s copy in ``tier`` is readable now (``entry``: its index entry, for
+        its parent and tokens; None for a REMOTE copy)."""
         # Spelled out, as ``removed``: it runs for every copy linked.
         records = self._records
         size = len(records)
         if size >= self.max_pending:
             self._drop(state)
             return
-        records.append((STORED, tier, state, block_hash, detail))
+        records.append((STORED, tier, state, block_hash, entry))
         if size + 1 == self.wake_at:
             self.wake.set()
 
-    def removed(self, state: NamespaceState, tier: int, block_hash: bytes) -> None:
-        """``block_hash``'s copy in ``tier`` is gone (no reader gets it any more)."""
+    def removed(self, state: NamespaceState, tier: int, block_hash: bytes,
+                entry: Entry | None = None) -> None:
+        """``block_hash``'s copy in ``tier`` is gone (no reader gets it any more; ``entry``: its
+        index entry, for the order of removals, children first)."""
         records = self._records
         size = len(records)
         if size >= self.max_pending:
             self._drop(state)
             return
-        records.append((REMOVED, tier, state, block_hash, None))
+        records.append((REMOVED, tier, state, block_hash, entry))
         if size + 1 == self.wake_at:
             self.wake.set()
 

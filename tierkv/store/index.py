@@ -22,6 +22,7 @@ from tierkv.keys import Namespace, NamespaceId
 from tierkv.paging import Location, PageAllocator, first_page, location_num_pages
 from tierkv.shm.presence import Fingerprinter
 from tierkv.store.tenants import ShareBook, TenantShare
+from tierkv.store.tokens import BlockTokens
 from tierkv.tiers.paged import PagedSlab
 
 DOOMED = -1
@@ -34,10 +35,10 @@ class Entry:
     """One stored key and where its copies are."""
 
     __slots__ = ("block_hash", "disk", "gpu", "host", "key", "ns", "num_children", "parent",
-                 "priority", "readers")
+                 "priority", "readers", "tokens")
 
     def __init__(self, block_hash: bytes, ns: NamespaceState, priority: int,
-                 parent: bytes | None = None) -> None:
+                 parent: bytes | None = None, tokens: BlockTokens | None = None) -> None:
         self.block_hash = block_hash
         # Its key in the adaptive policy's frequency sketch, -1 until that policy first asks
         # (``StoreCore``'s ``_key_of``).
@@ -47,6 +48,9 @@ class Entry:
         # The hash of the block before it in its chain, when its writer said (else the put's
         # previous key): a copy it gets in another tier is linked behind its parent's there.
         self.parent = parent
+        # Its tokens, when its writer gave them (``tierkv.store.tokens``): every KV event of
+        # the block carries them, so that a router can place it (docs/events.md).
+        self.tokens = tokens
         # How many entries held now name it as their parent (kept by the store): its last copy
         # is not evicted while it has any, unless nothing else can go.
         self.num_children = 0

@@ -21,6 +21,7 @@ from tierkv.paging import Location, location_num_pages
 from tierkv.store.core import StoreCore
 from tierkv.store.index import DOOMED, Entry, NamespaceState, PagedLedger
 from tierkv.store.tenants import TenantShare
+from tierkv.store.tokens import encode as encode_tokens
 from tierkv.tiers.paged import PagedSlab
 from tierkv.tiers.records import RecordStatus, encode_record
 
@@ -508,7 +509,8 @@ class Mover:
                 for state, count in reserved:
                     self.core.release_records_locked(state, count)
                 raise
-            job = self.core.submit_disk_locked(records)
+            job = self.core.submit_disk_locked(records, token_puts=[
+                (entry.raw_key, encode_tokens(entry.parent, entry.tokens)) for entry in entries])
         try:
             self.core.wait_disk(job)
         except TierKVError as exc:

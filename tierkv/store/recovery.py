@@ -15,10 +15,18 @@ from tierkv.keys import BlockKey
 from tierkv.store.core import StoreCore
 from tierkv.store.index import Entry
 from tierkv.store.namespaces import namespace_state, parse_descriptor
+from tierkv.store.tokens import BlockTokens
+from tierkv.store.tokens import decode as decode_tokens
 
 log = logging.getLogger(__name__)
 PROGRESS_FROM_BLOCKS = 10_000
 """Fewer blocks recover in well under a second: no progress bar for them."""
+
+
+def _told(record: bytes | None, block_size: int) -> tuple[bytes | None, BlockTokens | None]:
+    """A block's parent and tokens, as its writer said them (a bad or missing record: none)."""
+    told = None if record is None else decode_tokens(record, block_size)
+    return (None, None) if told is None else told
 
 
 def recover(core: StoreCore, show_progress: bool = False) -> int:
@@ -41,6 +49,7 @@ def recover(core: StoreCore, show_progress: bool = False) -> int:
             continue
         core.namespaces[ns_id] = namespace_state(namespace)
     num_recovered = 0
+    said = disk.take_tokens()
     surplus: list[bytes] = []
     orphans: dict[bytes, int] = {}  # namespace id -> blocks whose descriptor is lost
     num_found = disk.num_found_blocks
@@ -68,7 +77,8 @@ def recover(core: StoreCore, show_progress: bool = False) -> int:
                 surplus.append(raw_key)
                 continue
             block_hash = bytes(key.block_hash)
-            entry = Entry(block_hash, state, Priority.NORMAL)
+            entry = Entry(block_hash, state, Priority.NORMAL,
+                          *_told(said.get(raw_key), state.namespace.layout.block_size))
             core.index_locked(entry)
             core.link_locked(entry, Tier.DISK, 0)
             num_recovered += 1

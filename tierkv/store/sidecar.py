@@ -84,8 +84,8 @@ class SidecarPort:
         (a block may be in several), at one instant. O(blocks of the namespace)."""
         state = self._state_of(namespace)
         with self._core.lock:
-            return {Tier(tier): hashes
-                    for tier, hashes in self._core.holding_locked(state).items()}
+            return {Tier(tier): [entry.block_hash for entry in entries]
+                    for tier, entries in self._core.holding_locked(state).items()}
 
     def remote_hashes(self, namespace_id: bytes) -> list[bytes]:
         """The block hashes REMOTE holds now under ``namespace_id`` (a scan of every node:

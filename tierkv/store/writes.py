@@ -17,9 +17,10 @@ from tierkv.config import Priority, Tier, WritePolicy
 from tierkv.errors import IntegrityError, TierKVError
 from tierkv.paging import Location
 from tierkv.store.core import StoreCore
-from tierkv.store.events import BlockDetail
 from tierkv.store.index import DOOMED, Entry, NamespaceState
 from tierkv.store.migrate import Mover
+from tierkv.store.tokens import BlockTokens, pack_put
+from tierkv.store.tokens import encode as encode_tokens
 from tierkv.tiers.records import encode_records
 from tierkv.types import PutDetail
 
@@ -156,7 +157,7 @@ class Writer:
         state, keys, plan = reservation.state, reservation.keys, reservation.plan
         if plan.disk_indices:
             assert payload_of is not None
-            self.write_records(state, keys, plan, payload_of, expected)
+            self.write_records(state, keys, plan, payload_of, expected, reservation.detail)
         locations, reservation.locations = reservation.locations, {}  # published: not ours
         return self.publish(state, keys, reservation.priority, reservation.target, plan,
                             locations, checksums, count_put, reservation.detail)
@@ -213,6 +214,7 @@ class Writer:
     def write_records(
         self, state: NamespaceState, keys: list[bytes], plan: PutPlan,
         payload_of: Callable[[int], np.ndarray], expected: dict[int, int] | None = None,
+        detail: PutDetail | None = None,
     ) -> dict[int, int]:
         """Write-through: durable disk records of the plan's ``disk_indices`` (bytes from
         ``payload_of``) before returning; their disk room is reserved, and given back on failure.
@@ -221,6 +223,7 @@ class Writer:
         ``expected``: the checksum each block's bytes must have (a client's, checked at
         commit). Each record is checked against it on its own copy of the bytes, so that what
         is written is exactly what was verified; ``IntegrityError`` (nothing written) if not.
+        ``detail``: each record's parent and tokens (``tierkv.store.tokens``) ride beside it.
 
         Blocks that got a disk copy since the plan was made (making room for the put can demote
         the chain's own blocks to disk) are dropped from ``plan.disk_indices`` and not written
@@ -264,7 +267,8 @@ class Writer:
         with core.lock:
             core.reserve_disk_locked(len(records), state.record_bytes,
                                      core.share_of_locked(state, Tier.DISK), own, plan.parents)
-            job = core.submit_disk_locked(records)
+            job = core.submit_disk_locked(records, token_puts=_token_records(
+                state, keys, indices, raw_keys, detail))
         try:
             core.wait_disk(job)
         except TierKVError:
@@ -286,6 +290,7 @@ class Writer:
         core = self.core
         new, blocks = plan.new_set, state.blocks
         with_records = bool(plan.disk_indices) and core.disk is not None
+        said = pack_put(detail, len(keys), state.namespace.layout.block_size)
         with core.lock:
             core.count_put_locked(state, count_put)
             num_stored = 0
@@ -301,11 +306,11 @@ class Writer:
                 parent = anchors[index] if anchors else None
                 if location is not None:
                     if index in new and (entry is None or entry.residency(target) is None):
-                        if entry is None:
+                        if entry is None or (entry.tokens is None and said[index] is not None):
                             entry = self._entry_locked(state, keys[index], priority,
-                                                       _parent_hash(detail, keys, index))
-                        core.link_locked(entry, target, location, checksums.get(index),
-                                         _block_detail(detail, keys, index), parent)
+                                                       _parent_hash(detail, keys, index),
+                                                       said[index])
+                        core.link_locked(entry, target, location, checksums.get(index), parent)
                         num_stored += 1
                         if ((entry.gpu is not None) + (entry.host is not None)
                                 + (entry.disk is not None)) > 1:
@@ -317,7 +322,7 @@ class Writer:
                     core.touch_locked(entry, parent)
             if with_records:
                 num_on_disk = self._publish_disk(state, keys, priority, plan.disk_indices,
-                                                 detail)
+                                                 detail, said)
                 if target is Tier.DISK:
                     num_stored = num_on_disk
                 for index in range(len(keys) - 1, -1, -1):  # the records' blocks, tail first
@@ -330,24 +335,28 @@ class Writer:
         return num_stored
 
     def _entry_locked(self, state: NamespaceState, key: bytes, priority: Priority,
-                      parent: bytes | None) -> Entry:
+                      parent: bytes | None, tokens: BlockTokens | None) -> Entry:
+        """``key``'s entry, made if new; tokens a writer gives now fill in an entry's unknown
+        ones (a block first stored without them)."""
         entry = state.blocks.get(key)
         if entry is None:
-            entry = Entry(key, state, priority, parent)
+            entry = Entry(key, state, priority, parent, tokens)
             self.core.index_locked(entry)
+        elif entry.tokens is None:
+            entry.tokens = tokens
         return entry
 
     def _publish_disk(
         self, state: NamespaceState, keys: list[bytes], priority: Priority, indices: list[int],
-        detail: PutDetail | None,
+        detail: PutDetail | None, said: list[BlockTokens | None],
     ) -> int:
         core = self.core
         num_linked = 0
         for index in indices:
             entry = self._entry_locked(state, keys[index], priority,
-                                       _parent_hash(detail, keys, index))
+                                       _parent_hash(detail, keys, index), said[index])
             if entry.disk is None:
-                core.link_locked(entry, Tier.DISK, 0, None, _block_detail(detail, keys, index))
+                core.link_locked(entry, Tier.DISK, 0)
                 num_linked += 1
             else:
                 core.release_records_locked(state, 1)
@@ -379,11 +388,12 @@ class Writer:
         return num_written
 
 
-def _block_detail(detail: PutDetail | None, keys: list[bytes], index: int) -> BlockDetail | None:
-    """Block ``index``'s part of a put's detail."""
-    if detail is None:
-        return None
-    return detail, index, detail.parent_of(index, keys)
+def _token_records(state: NamespaceState, keys: list[bytes], indices: list[int],
+                   raw_keys: list[bytes], detail: PutDetail | None) -> list[tuple[bytes, bytes]]:
+    """What rides beside the records of ``indices``: each block's parent and tokens."""
+    said = pack_put(detail, len(keys), state.namespace.layout.block_size)
+    return [(raw_key, encode_tokens(_parent_hash(detail, keys, index), said[index]))
+            for index, raw_key in zip(indices, raw_keys, strict=True)]
 
 
 def _parent_hash(detail: PutDetail | None, keys: list[bytes], index: int) -> bytes | None:

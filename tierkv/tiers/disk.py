@@ -52,6 +52,9 @@ class DiskWrite:
     session_puts: Sequence[tuple[bytes, bytes]] = ()
     session_deletes: Sequence[bytes] = ()
     namespace_deletes: Sequence[bytes] = ()
+    token_puts: Sequence[tuple[bytes, bytes]] = ()
+    """The parent and tokens of blocks of ``block_puts`` (``TOKENS_DB``); a block's are deleted
+    with its record."""
     block_takes: Sequence[tuple[bytes, float]] = ()
     """Deleted block keys (each with a time the caller gets back) whose records are read just
     before the delete, into ``taken``: a caller that hands evicted records on (a lower tier)."""
@@ -63,9 +66,9 @@ class DiskWrite:
     @property
     def num_bytes(self) -> int:
         """Bytes of block and session records this job writes."""
-        return sum(len(value) for _, value in self.block_puts) + sum(
-            len(value) for _, value in self.session_puts
-        )
+        return (sum(len(value) for _, value in self.block_puts)
+                + sum(len(value) for _, value in self.session_puts)
+                + sum(len(value) for _, value in self.token_puts))
 
     @property
     def has_puts(self) -> bool:
@@ -100,6 +103,9 @@ class DiskTier:
         self._found_blocks: list[tuple[bytes, int]] | None = opened.blocks
         self._found_namespaces = opened.namespaces
         self._found_sessions = opened.sessions
+        self._found_tokens: dict[bytes, bytes] | None = opened.tokens
+        assert opened.tokens_db is not None
+        self._tokens = opened.tokens_db
         self.num_unreadable_records = opened.num_unreadable_records
         """Namespace and session records found at open that failed their checksum."""
         self.moved_aside_to = opened.moved_aside_to
@@ -134,6 +140,12 @@ class DiskTier:
     def load_namespaces(self) -> dict[bytes, bytes]:
         """Every namespace descriptor found at open whose checksum held, by namespace id."""
         return dict(self._found_namespaces)
+
+    def take_tokens(self) -> dict[bytes, bytes]:
+        """Every block's parent-and-tokens body found at open whose checksum held, by block key
+        (``TOKENS_DB``); given out once."""
+        found, self._found_tokens = self._found_tokens or {}, None
+        return found
 
     def load_sessions(self) -> dict[bytes, bytes]:
         """Every session record found at open whose checksum held, by session key."""
@@ -258,7 +270,8 @@ class DiskTier:
         """Resolve a job that did not commit. Its deletes are retried alone, a few per
         transaction (a nearly full map still has room for small ones): a delete-only job then
         succeeds; a job with puts still fails (its deletes are idempotent if queued again)."""
-        salvaged = self._salvage_deletes(job.block_deletes, self._blocks, self._heads)
+        salvaged = self._salvage_deletes(job.block_deletes, self._blocks, self._heads,
+                                         self._tokens)
         salvaged = self._salvage_deletes(job.session_deletes, self._sessions) and salvaged
         if salvaged and not job.has_puts:
             job.future.set_result(None)
@@ -286,6 +299,7 @@ class DiskTier:
                 for key in job.block_deletes:
                     txn.delete(key, db=self._blocks)
                     txn.delete(key, db=self._heads)
+                    txn.delete(key, db=self._tokens)
                 for key, value in job.block_puts:
                     head, body = split_record(value, self._page_bytes)
                     txn.put(key, body, db=self._blocks)
@@ -293,6 +307,9 @@ class DiskTier:
                         txn.put(key, head, db=self._heads)
                     else:  # stored whole: no head, not even one of the key's last record
                         txn.delete(key, db=self._heads)
+                    txn.delete(key, db=self._tokens)  # the last record's, if any
+                for key, value in job.token_puts:
+                    txn.put(key, seal(key, value), db=self._tokens)
                 for key in job.namespace_deletes:
                     txn.delete(key, db=self._namespaces)
                 for key, value in job.namespace_puts:

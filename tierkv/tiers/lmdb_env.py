@@ -35,6 +35,10 @@ block record is stored split (``tierkv.tiers.records.split_record``): its body u
 ``blocks``, its head under the same key in ``heads``. A ``blocks`` value without a head is a
 record stored whole, as stores written before the split hold them (still read, and verified the
 same way)."""
+TOKENS_DB = b"tokens"
+"""Beside ``DB_NAMES``: a block's parent hash and tokens (``tierkv.store.tokens``), sealed, under
+the block's key, written with its record and deleted with it (stores written before it have
+none: their blocks recover without tokens)."""
 # Errors about the environment around the files, not the files: never a reason to move aside.
 _NOT_THE_FILES = (lmdb.ReadonlyError, lmdb.LockError, lmdb.ReadersFullError, lmdb.TlsFullError)
 # Errors of a write that say the files are damaged (a full disk or map says nothing about them).
@@ -109,6 +113,9 @@ class OpenedEnvironment:
     lost (a size no namespace has, so recovery deletes it)."""
     namespaces: dict[bytes, bytes] = field(default_factory=dict)  # unsealed bodies
     sessions: dict[bytes, bytes] = field(default_factory=dict)  # unsealed bodies
+    tokens_db: lmdb._Database | None = None
+    tokens: dict[bytes, bytes] = field(default_factory=dict)
+    """Unsealed bodies of ``TOKENS_DB`` (a bad one is left out and counted)."""
     num_unreadable_records: int = 0
     moved_aside_to: Path | None = None
 
@@ -150,7 +157,7 @@ def _open_checked(config: DiskTierConfig) -> OpenedEnvironment:
             raise UnreadableError(f"{data_file} is empty (0 B)")
     try:
         env = lmdb.open(
-            str(config.path), map_size=config.map_size_bytes, max_dbs=4, max_readers=1024,
+            str(config.path), map_size=config.map_size_bytes, max_dbs=5, max_readers=1024,
             writemap=False, meminit=False, lock=True,
         )
     except _NOT_THE_FILES as exc:
@@ -167,7 +174,8 @@ def _open_checked(config: DiskTierConfig) -> OpenedEnvironment:
         try:
             _check_blocks_db_exists(env)
             dbs = tuple(env.open_db(name) for name in DB_NAMES)
-            opened = OpenedEnvironment(env, dbs, MapBounds(data_file, None, file_bytes))
+            opened = OpenedEnvironment(env, dbs, MapBounds(data_file, None, file_bytes),
+                                       tokens_db=env.open_db(TOKENS_DB))
             opened.bounds.start = _map_start(env, opened.bounds)
             _walk(opened)
         except lmdb.Error as exc:
@@ -244,8 +252,10 @@ def _walk(opened: OpenedEnvironment) -> None:
     blocks_db, namespaces_db, sessions_db, heads_db = opened.dbs
     with opened.env.begin(buffers=True) as txn:
         _walk_blocks(txn, blocks_db, heads_db, opened.blocks)
+        assert opened.tokens_db is not None
         for name, db, found in ((b"namespaces", namespaces_db, opened.namespaces),
-                                (b"sessions", sessions_db, opened.sessions)):
+                                (b"sessions", sessions_db, opened.sessions),
+                                (TOKENS_DB, opened.tokens_db, opened.tokens)):
             num_entries = 0
             for key, value in txn.cursor(db=db):
                 num_entries += 1

@@ -62,7 +62,7 @@ class ReadOnlyStore:
         try:
             self._env = lmdb.open(
                 str(self.path), readonly=True, lock=self.server_running, create=False,
-                max_dbs=4, subdir=True, map_size=max(data_file.stat().st_size, 1 << 20),
+                max_dbs=5, subdir=True, map_size=max(data_file.stat().st_size, 1 << 20),
                 readahead=False,
             )
         except BaseException as exc:

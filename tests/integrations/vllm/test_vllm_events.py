@@ -43,7 +43,8 @@ def test_sidecar_events_match_vllms_own(tmp_path: Path) -> None:
     try:
         sidecar = pool.start("--host-bytes", "256MiB", "--disk-bytes", "1GiB", "--tokens-file",
                              str(tmp_path / "tokens"), "--events-endpoint",
-                             f"ipc://{tmp_path}/tkv-events", "--events-heartbeat-s", "0.2")
+                             f"ipc://{tmp_path}/tkv-events", "--events-heartbeat-s", "0.2",
+                             "--events-mode", "tierkv")
         index = EventIndex(sidecar.ready["events_endpoint"],
                            sidecar.ready["events_replay_endpoint"])
         index.resync()
