@@ -317,6 +317,20 @@ class _EventsCollector(Collector):
             family = CounterMetricFamily(f"tierkv_{name}", text)
             family.add_metric([], value)
             yield family
+        from tierkv.service.events import model_name  # (zmq: only with a publisher)
+
+        info = GaugeMetricFamily(
+            "tierkv_events_endpoint_info",
+            "where each namespace's KV events are published (value 1): in router mode, what "
+            "to register with a router as one worker of one model",
+            labels=["namespace", "tenant", "model", "block_size", "topic", "endpoint",
+                    "replay_endpoint"])
+        for where in self._publisher.endpoints():
+            namespace = where.namespace
+            info.add_metric([namespace.id.hex(), namespace.tenant, model_name(namespace.model_id),
+                             str(namespace.layout.block_size), where.topic, where.endpoint,
+                             where.replay_endpoint], 1)
+        yield info
 
 
 class StoreCollector(Collector):
