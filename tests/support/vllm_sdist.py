@@ -9,13 +9,17 @@ pip uses (``PIP_INDEX_URL``, else PyPI's simple API) and checked against its pin
 from __future__ import annotations
 
 import hashlib
+import importlib
+import importlib.util
 import os
 import re
 import shutil
+import sys
 import tarfile
 import urllib.parse
 import urllib.request
 from pathlib import Path
+from typing import Any
 
 from platformdirs import user_cache_path
 
@@ -53,6 +57,40 @@ def vllm_tests_root() -> Path:
     shutil.rmtree(root, ignore_errors=True)
     partial.rename(root)
     return root
+
+
+DISTRIBUTED = ("tests/distributed/__init__.py", "tests/distributed/conftest.py",
+               "tests/distributed/test_events.py")
+"""vLLM's KV-event test helpers: ``MockSubscriber`` (conftest) and what it imports."""
+
+
+def vllm_mock_subscriber() -> type[Any]:
+    """vLLM 0.32.0's own ``MockSubscriber`` (``tests/distributed/conftest.py``), from the
+    cached sdist, imported as a package of its own (``_vllm_distributed``: vLLM's ``tests``
+    package would clash with this repository's)."""
+    root = cache_dir() / "distributed"
+    if not all((root / name).exists() for name in DISTRIBUTED):
+        prefix = f"vllm-{VERSION}/"
+        partial = cache_dir() / "distributed.partial"
+        shutil.rmtree(partial, ignore_errors=True)
+        with tarfile.open(_sdist()) as tar:
+            for name in DISTRIBUTED:
+                member = tar.getmember(prefix + name)
+                member.name = name.rsplit("/", 1)[1]
+                tar.extract(member, partial, filter="data")
+        shutil.rmtree(root, ignore_errors=True)
+        partial.rename(root)
+    package = "_vllm_distributed"
+    if package not in sys.modules:
+        spec = importlib.util.spec_from_file_location(
+            package, root / "__init__.py", submodule_search_locations=[str(root)])
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[package] = module
+        spec.loader.exec_module(module)
+    conftest = importlib.import_module(f"{package}.conftest")
+    mock: type[Any] = conftest.MockSubscriber
+    return mock
 
 
 def _sdist() -> Path:
