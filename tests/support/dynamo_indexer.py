@@ -195,7 +195,7 @@ class DynamoIndexer:
         self._ids = itertools.count(1)
         self._proc: subprocess.Popen[bytes] | None = None
         workdir.mkdir(parents=True, exist_ok=True)
-        env = {**os.environ, "DYN_LOG": "info", "NO_COLOR": "1"}
+        env = {**os.environ, "DYN_LOG": "info"}  # logs in colour (NO_COLOR is ignored): log_text strips it
         for _ in range(3):  # a free port can be taken between free_port() and the bind
             self.port = free_port()
             self.url = f"http://127.0.0.1:{self.port}"
