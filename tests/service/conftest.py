@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest_asyncio
 
 from tests.support.client_fixtures import client, connect, kind, make_server, open_client, path, server
+from tests.support.dynamo_indexer import dynamo_indexer
 from tests.support.harness import Served, serving
 from tests.support.rpc_calls import Bench, put
 from tests.support.service_fixtures import payload
@@ -37,7 +38,10 @@ async def bench(served: Served) -> Bench:
     return Bench(served, stub, stored, fresh)
 
 
-# The SDK's fixtures (servers, clients of each kind on each path) are shared with tests/client/.
+# The SDK's fixtures (servers, clients of each kind on each path) are shared with tests/client/;
+# Dynamo's indexer (a subprocess, module scope) is for tests/service/test_dynamo_rules.py and the
+# sidecar's tests against a real router.
 __all__ = [
-    "bench", "client", "connect", "kind", "make_server", "open_client", "path", "served", "server", "small",
+    "bench", "client", "connect", "dynamo_indexer", "kind", "make_server", "open_client", "path", "served",
+    "server", "small",
 ]
