@@ -157,3 +157,18 @@ class EventIndex:
         """``topic``'s index: hashes by (medium, locality), empty places left out."""
         return {where: set(hashes) for where, hashes in self.index.get(topic, {}).items()
                 if hashes}
+
+
+def published_endpoints(metrics_port: int, timeout_s: float = 10.0) -> list[dict[str, str]]:
+    """Each namespace's events endpoints as a sidecar's Prometheus endpoint states them
+    (``tierkv_events_endpoint_info``: what an operator reads to register a router): one dict
+    of its labels a namespace."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics",
+                                timeout=timeout_s) as response:
+        text = response.read().decode()
+    return [dict(sample.labels) for family in text_string_to_metric_families(text)
+            if family.name == "tierkv_events_endpoint_info" for sample in family.samples]
