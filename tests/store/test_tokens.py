@@ -68,7 +68,7 @@ def test_tokens_and_parents_survive_a_restart_and_a_bad_record_loses_only_its_ow
     chain = keys(6, start=300)
     tokens = tuple(range(7000, 7000 + 6 * BS))
     data = blocks(6, seed=3)
-    with TieredStore(config) as store:
+    with TieredStore(config, events=EventLog()) as store:  # a publisher that wants tokens
         store.register(NAMESPACE)
         store.put(NAMESPACE, chain, data, tier=Tier.DISK,
                   detail=PutDetail(tokens, keys(1, start=299)[0]))
@@ -99,3 +99,22 @@ def test_tokens_and_parents_survive_a_restart_and_a_bad_record_loses_only_its_ow
         out = torch.zeros_like(data)
         assert store.get_into(NAMESPACE, chain, out) == 6
         assert torch.equal(out.view(torch.uint8), data.view(torch.uint8))  # every bit
+
+
+@pytest.mark.parametrize("events", [None, EventLog(keep_tokens=False)])
+def test_a_store_whose_events_publish_no_tokens_keeps_none(tmp_path: Path,
+                                                           events: EventLog | None) -> None:
+    """Token ids are prompt content: kept only for events that publish them (parents are
+    kept: the eviction order needs them after a restart too)."""
+    config = store_config(tmp_path, host_blocks=4, disk_blocks=64)
+    chain = keys(3, start=500)
+    with TieredStore(config, events=events) as store:
+        store.register(NAMESPACE)
+        store.put(NAMESPACE, chain, blocks(3), tier=Tier.DISK,
+                  detail=PutDetail(tuple(range(3 * BS)), None))
+    log = EventLog()
+    with TieredStore(config, events=log) as store:
+        store.register(NAMESPACE)
+        entries = {entry.block_hash: entry for entry in _restated(store, log).by_tier[Tier.DISK]}
+        assert all(entries[h].tokens is None for h in chain)
+        assert [entries[h].parent for h in chain] == [None, chain[0], chain[1]]

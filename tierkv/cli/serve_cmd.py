@@ -369,7 +369,8 @@ async def _serve(settings: Resolved, config: StoreConfig, service_config: Servic
     if service_config.events is not None:
         from tierkv.store import EventLog
 
-        events = EventLog(service_config.events.max_pending)
+        events = EventLog(service_config.events.max_pending,
+                          keep_tokens=service_config.events.token_ids)
     try:
         store = await _open_store(settings, config, events)
     except BaseException:

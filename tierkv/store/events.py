@@ -53,9 +53,13 @@ class EventLog:
     set once ``wake_at`` records wait (the publisher then sends before its interval is up).
     ``max_pending`` bounds the waiting records, give or take a few appended at once."""
 
-    def __init__(self, max_pending: int = 1_000_000, wake_at: int = 4096) -> None:
+    def __init__(self, max_pending: int = 1_000_000, wake_at: int = 4096,
+                 keep_tokens: bool = True) -> None:
         self.max_pending = max_pending
         self.wake_at = wake_at
+        # Whether the store keeps the token ids writers give (with each block, in memory and
+        # on disk) for these events: prompt content, kept only to be published.
+        self.keep_tokens = keep_tokens
         self.num_dropped = 0
         self.wake = threading.Event()
         self._lock = threading.Lock()  # the lost namespaces' only

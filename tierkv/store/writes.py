@@ -268,7 +268,7 @@ class Writer:
             core.reserve_disk_locked(len(records), state.record_bytes,
                                      core.share_of_locked(state, Tier.DISK), own, plan.parents)
             job = core.submit_disk_locked(records, token_puts=_token_records(
-                state, keys, indices, raw_keys, detail))
+                keys, indices, raw_keys, detail, self._said(state, keys, detail)))
         try:
             core.wait_disk(job)
         except TierKVError:
@@ -290,7 +290,7 @@ class Writer:
         core = self.core
         new, blocks = plan.new_set, state.blocks
         with_records = bool(plan.disk_indices) and core.disk is not None
-        said = pack_put(detail, len(keys), state.namespace.layout.block_size)
+        said = self._said(state, keys, detail)
         with core.lock:
             core.count_put_locked(state, count_put)
             num_stored = 0
@@ -333,6 +333,15 @@ class Writer:
                 core.use_locked([entry for key in keys
                                  if (entry := blocks.get(key)) is not None])
         return num_stored
+
+    def _said(self, state: NamespaceState, keys: list[bytes], detail: PutDetail | None
+              ) -> list[BlockTokens | None]:
+        """Each block's tokens, kept only for a publisher of KV events that publishes them
+        (token ids are prompt content)."""
+        events = self.core.events
+        if events is None or not events.keep_tokens:
+            detail = None
+        return pack_put(detail, len(keys), state.namespace.layout.block_size)
 
     def _entry_locked(self, state: NamespaceState, key: bytes, priority: Priority,
                       parent: bytes | None, tokens: BlockTokens | None) -> Entry:
@@ -388,10 +397,10 @@ class Writer:
         return num_written
 
 
-def _token_records(state: NamespaceState, keys: list[bytes], indices: list[int],
-                   raw_keys: list[bytes], detail: PutDetail | None) -> list[tuple[bytes, bytes]]:
+def _token_records(keys: list[bytes], indices: list[int], raw_keys: list[bytes],
+                   detail: PutDetail | None, said: list[BlockTokens | None]
+                   ) -> list[tuple[bytes, bytes]]:
     """What rides beside the records of ``indices``: each block's parent and tokens."""
-    said = pack_put(detail, len(keys), state.namespace.layout.block_size)
     return [(raw_key, encode_tokens(_parent_hash(detail, keys, index), said[index]))
             for index, raw_key in zip(indices, raw_keys, strict=True)]
 
