@@ -48,13 +48,16 @@ from tierkv.store import (
     REMOVED,
     SNAPSHOT,
     STORED,
+    BlockTokens,
     EventLog,
     EventRecord,
+    StoredBlock,
     TieredStore,
+    extra_key,
+    lora_name,
+    token_ids,
 )
 from tierkv.store import Snapshot as HoldingSnapshot
-from tierkv.store.index import Entry
-from tierkv.store.tokens import BlockTokens, extra_key, lora_name, token_ids
 
 log = logging.getLogger(__name__)
 
@@ -361,7 +364,7 @@ class EventPublisher:
             if held:
                 yield from self._stored(topic, REMOTE_TIER, [(h, None) for h in held])
 
-    def _stored(self, topic: _Topic, tier: int, items: list[tuple[bytes, Entry | None]]
+    def _stored(self, topic: _Topic, tier: int, items: list[tuple[bytes, StoredBlock | None]]
                 ) -> Iterator[dict[str, Any]]:
         """One ``BlockStored`` per contiguous chain of ``items`` (copies new in ``tier``),
         parent first; a chain is cut where its blocks' LoRA differs or tokens are missing
@@ -560,18 +563,18 @@ class _Events:
         self.topic = topic
         self.events: list[Any] = []
         self.snapshots: list[int] = []
-        self.run: list[tuple[bytes, Entry | None]] = []
+        self.run: list[tuple[bytes, StoredBlock | None]] = []
         self.run_kind = -1
         self.run_tier = -1
 
 
-def _said(entry: Entry | None) -> BlockTokens:
+def _said(entry: StoredBlock | None) -> BlockTokens:
     """The tokens of a block known to have them."""
     assert entry is not None and entry.tokens is not None
     return entry.tokens
 
 
-def _chains(items: list[tuple[bytes, Entry | None]]) -> list[list[tuple[bytes, Entry | None]]]:
+def _chains(items: list[tuple[bytes, StoredBlock | None]]) -> list[list[tuple[bytes, StoredBlock | None]]]:
     """``items`` (block hashes with their entries) as chains, parent first: each block of a
     chain is the child of the one before; a chain starts at a block whose parent is not among
     ``items``, or at a second child of a block (after the chain through its first). Every item
@@ -586,7 +589,7 @@ def _chains(items: list[tuple[bytes, Entry | None]]) -> list[list[tuple[bytes, E
             roots.append(number)
         else:
             children.setdefault(at, []).append(number)
-    chains: list[list[tuple[bytes, Entry | None]]] = []
+    chains: list[list[tuple[bytes, StoredBlock | None]]] = []
     seen = [False] * len(items)
     pending = roots[::-1]
     while True:

@@ -15,10 +15,12 @@ from tierkv.store.events import (
     EventLog,
     EventRecord,
     Snapshot,
+    StoredBlock,
 )
 from tierkv.store.inspection import BadRecord, DiskReport, NamespaceReport, inspect_disk
 from tierkv.store.leases import LeaseWriter, ReadLease, WriteLease, received_blocks
 from tierkv.store.tiered import TieredStore
+from tierkv.store.tokens import BlockTokens, extra_key, lora_name, token_ids
 from tierkv.types import (
     ClearResult,
     NamespaceStats,
@@ -42,6 +44,11 @@ __all__ = [
     "EventLog",
     "EventRecord",
     "Snapshot",
+    "StoredBlock",
+    "BlockTokens",
+    "extra_key",
+    "lora_name",
+    "token_ids",
     "ClearResult",
     "DiskReport",
     "LeaseWriter",

@@ -15,12 +15,14 @@ from __future__ import annotations
 
 import threading
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
+
+from tierkv.store.tokens import BlockTokens
 
 if TYPE_CHECKING:
-    from tierkv.store.index import Entry, NamespaceState
+    from tierkv.store.index import NamespaceState
 
 REMOTE_TIER = 3
 """The REMOTE tier's code in records (``Tier`` names the local tiers 0-2)."""
@@ -30,17 +32,31 @@ STORED, REMOVED, CLEARED, SNAPSHOT = range(4)
 namespace's whole holding at one instant (a resync)."""
 
 
+class StoredBlock(Protocol):
+    """What a publisher reads of a block a record names (the store's index entry): its hash,
+    its parent's, and its tokens (``tierkv.store.tokens``), fixed once set."""
+
+    @property
+    def block_hash(self) -> bytes: ...
+
+    @property
+    def parent(self) -> bytes | None: ...
+
+    @property
+    def tokens(self) -> BlockTokens | None: ...
+
+
 @dataclass(frozen=True, slots=True)
 class Snapshot:
     """What a namespace held at one instant: block hashes by tier code, and whether the
     publisher must add REMOTE's (read from the cluster when it reaches this record, so that
     every REMOTE change after it comes after it too)."""
 
-    by_tier: dict[int, list[Entry]]
+    by_tier: Mapping[int, Sequence[StoredBlock]]
     with_remote: bool
 
 
-EventRecord = tuple[int, int, "NamespaceState", object, "Entry | None"]
+EventRecord = tuple[int, int, "NamespaceState", object, "StoredBlock | None"]
 """``(kind, tier code, namespace, block hash | Snapshot | None, entry | None)``: a ``STORED``
 or ``REMOVED`` record of a local tier names the block's entry, whose ``parent`` and ``tokens``
 its event carries (fixed once set: the publisher reads them on its own thread)."""
@@ -67,7 +83,7 @@ class EventLog:
         self._lost: dict[bytes, NamespaceState] = {}
 
     def stored(self, state: NamespaceState, tier: int, block_hash: bytes,
-               entry: Entry | None = None) -> None:
+               entry: StoredBlock | None = None) -> None:
         """``block_hash``'s copy in ``tier`` is readable now (``entry``: its index entry, for
         its parent and tokens; None for a REMOTE copy)."""
         # Spelled out, as ``removed``: it runs for every copy linked.
@@ -81,7 +97,7 @@ class EventLog:
             self.wake.set()
 
     def removed(self, state: NamespaceState, tier: int, block_hash: bytes,
-                entry: Entry | None = None) -> None:
+                entry: StoredBlock | None = None) -> None:
         """``block_hash``'s copy in ``tier`` is gone (no reader gets it any more; ``entry``: its
         index entry, for the order of removals, children first)."""
         records = self._records
