@@ -113,6 +113,7 @@ def register(subparsers: Any) -> None:
     pd.set_defaults(func=_checked(run_pd))
     _register_chat(targets)
     _register_trace(targets)
+    _register_route(targets)
 
 
 def _register_chat(targets: Any) -> None:
@@ -172,6 +173,29 @@ def _register_trace(targets: Any) -> None:
     trace.add_argument("--plot", type=Path, nargs="?", const=Path("bench-out/trace.png"),
                        default=None, help="also write a PNG of hit ratio against HOST size")
     trace.set_defaults(func=_checked(run_trace))
+
+
+def _register_route(targets: Any) -> None:
+    """Add ``bench route``."""
+    route = targets.add_parser(
+        "route", help="prefix tokens saved on a chat trace by two sidecars routed by Dynamo's "
+                      "KV indexer vs round-robin and an oracle asking each sidecar")
+    route.add_argument("--dynamo-python", type=Path, required=True,
+                       help="the python of a venv with ai-dynamo-runtime installed (its "
+                            "dynamo.indexer); the tests build one: tests/support/dynamo_indexer.py")
+    route.add_argument("--requests", type=int, default=300, help="chat requests (default 300)")
+    route.add_argument("--seed", type=int, default=0, help="the synthetic trace's seed")
+    route.add_argument("--host-share", type=float, default=0.35,
+                       help="each sidecar's HOST as a share of the trace's distinct blocks "
+                            "(default 0.35)")
+    route.add_argument("--disk-share", type=float, default=0.0,
+                       help="each sidecar's DISK as a share of the distinct blocks (default 0: "
+                            "no DISK tier)")
+    route.add_argument("--work-dir", type=Path, default=None,
+                       help="where the sidecars and the indexer keep their files (default: a "
+                            "temp dir)")
+    route.add_argument("--json", type=Path, default=Path("bench-out/route.json"))
+    route.set_defaults(func=_checked(run_route))
 
 
 def _checked(run: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
@@ -581,6 +605,34 @@ def run_trace(args: argparse.Namespace) -> int:
     if args.plot is not None:
         save_plot(results, args.plot, f"block hit ratio: {source}, {len(requests)} requests")
         print(f"wrote {args.plot}")
+    return 0
+
+
+def run_route(args: argparse.Namespace) -> int:
+    """Run ``bench route`` (two ``tierkv serve`` of their own per policy, and Dynamo's indexer)."""
+    from tierkv.bench.route_bench import RouteBenchConfig, format_results, run_route_bench
+    from tierkv.bench.traces import synthetic
+
+    if args.requests < 1 or not 0 < args.host_share <= 1 or args.disk_share < 0:
+        raise ConfigError("bench route: --requests must be at least 1, --host-share in (0, 1], "
+                          "--disk-share at least 0")
+    requests = synthetic("chat", args.requests, seed=args.seed)
+    with tempfile.TemporaryDirectory(prefix="tierkv-bench-", dir=args.work_dir) as work:
+        cfg = RouteBenchConfig(Path(work), args.dynamo_python, host_share=args.host_share,
+                               disk_share=args.disk_share)
+        steps = len(cfg.policies) * (args.requests // 100)
+        with _progress(steps, "bench route") as progress:
+            results = run_route_bench(requests, cfg, progress)
+    print(f"synthetic chat (seed {args.seed}): {args.requests} requests, two workers of "
+          f"{args.host_share:.0%} HOST" + (f" + {args.disk_share:.0%} DISK" if args.disk_share
+                                           else "") + " of the distinct blocks each")
+    print(format_results(results))
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps(
+        {"seed": args.seed, "num_requests": args.requests, "host_share": args.host_share,
+         "disk_share": args.disk_share,
+         "results": [{**asdict(r), "hit_share": r.hit_share} for r in results]}, indent=2))
+    print(f"wrote {args.json}")
     return 0
 
 
