@@ -1,0 +1,162 @@
+"""Random workloads against NVIDIA Dynamo's own KV indexer (1.6.1, a venv built at test time):
+a store with HOST, DISK and REMOTE (a real Redis) publishes in the router mode, two namespaces
+registered as two workers of two models. Conversations grow as an engine grows them (their hit
+read first, then the rest put with token ids and parent), lose their tails, get read back
+(promotions), and a namespace is cleared now and then; HOST overflows into DISK and DISK into
+REMOTE. After each workload every conversation matches in Dynamo exactly as far as the store
+holds it locally, tier by tier; REMOTE is not said to Dynamo (it drops it on purpose)."""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import random
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.support.dynamo_indexer import DynamoIndexer, Match, wait_for
+from tests.support.harness import store_config
+from tests.support.redis_cluster import RedisServer
+from tests.support.tiny_blocks import TINY_LAYOUT, blocks
+from tierkv import Namespace, PutDetail, Tier
+from tierkv.config import RemoteTierConfig
+from tierkv.hashing import block_hashes
+from tierkv.service.config import EventsConfig
+from tierkv.service.events import EventPublisher, TopicEndpoints, model_name
+from tierkv.store import EventLog, TieredStore
+
+BS = TINY_LAYOUT.block_size
+NAMESPACES = [Namespace("model-a", TINY_LAYOUT, tenant="alice"),
+              Namespace("model-b", TINY_LAYOUT, tenant="bob")]
+NUM_CONVERSATIONS = 4
+MAX_BLOCKS = 8
+
+
+@dataclasses.dataclass
+class Conversation:
+    namespace: Namespace
+    tokens: list[int]
+
+    @property
+    def hashes(self) -> list[bytes]:
+        return [bytes(h) for h in block_hashes(self.tokens, BS, seed="dynamo-random")]
+
+
+def conversations() -> list[Conversation]:
+    rng = random.Random(7)
+    return [Conversation(namespace, [rng.randrange(30_000) for _ in range(MAX_BLOCKS * BS)])
+            for namespace in NAMESPACES for _ in range(NUM_CONVERSATIONS)]
+
+
+TOKENLESS: set[bytes] = set()
+"""Blocks a read brought back from REMOTE, which keeps their bytes only: no token ids, so a
+router cannot place them (docs/events.md) until a writer puts them again."""
+
+
+def grow(store: TieredStore, conversation: Conversation, num_blocks: int) -> None:
+    """As an engine: read the hit (promoting it), put the rest with its tokens and parent."""
+    hashes = conversation.hashes[:num_blocks]
+    hit = store.lookup(conversation.namespace, hashes)
+    if hit:
+        local = sum(store.sidecar.locate(conversation.namespace, hashes[:hit]).values())
+        out = torch.empty((hit, *TINY_LAYOUT.block_shape), dtype=TINY_LAYOUT.dtype.torch_dtype)
+        store.get_into(conversation.namespace, hashes[:hit], out)
+        TOKENLESS.update(conversation.namespace.id + h for h in hashes[local:hit])
+    hit = store.lookup(conversation.namespace, hashes)  # (what the read found, at most)
+    TOKENLESS.difference_update(conversation.namespace.id + h for h in hashes[hit:])
+    if hit < num_blocks:
+        store.put(conversation.namespace, hashes[hit:], blocks(num_blocks - hit, seed=hit),
+                  detail=PutDetail(tuple(conversation.tokens[hit * BS:num_blocks * BS]),
+                                   hashes[hit - 1] if hit else None))
+
+
+def workload(store: TieredStore, rng: random.Random, all_: list[Conversation],
+             num_steps: int) -> None:
+    for _ in range(num_steps):
+        conversation = rng.choice(all_)
+        action = rng.random()
+        if action < 0.7:
+            grow(store, conversation, rng.randint(1, MAX_BLOCKS))
+        elif action < 0.85:
+            store.delete(conversation.namespace, conversation.hashes[rng.randrange(MAX_BLOCKS):])
+        elif action < 0.97:
+            grow(store, conversation, MAX_BLOCKS // 2)  # a read, mostly
+        else:
+            store.clear(namespace=conversation.namespace)
+
+
+def _every_namespace(publisher: EventPublisher) -> list[TopicEndpoints] | None:
+    """Each namespace's endpoints, once all are bound (at their first blocks' events)."""
+    found = publisher.endpoints()
+    return found if len(found) == len(NAMESPACES) else None
+
+
+def _agrees(indexer: DynamoIndexer, instance: int, conversation: Conversation,
+            expected: Match) -> bool:
+    """Whether Dynamo's match of ``conversation`` is ``expected`` (yet: events are async)."""
+    model = model_name(conversation.namespace.model_id)
+    return (indexer.match(instance, conversation.tokens, model) or Match(0, 0, 0, 0)) == expected
+
+
+def _disagreement(indexer: DynamoIndexer, instance: int, conversation: Conversation,
+                  expected: Match) -> str:
+    model = model_name(conversation.namespace.model_id)
+    return (f"{conversation.namespace.tenant}: the store holds {expected}, Dynamo says "
+            f"{indexer.match(instance, conversation.tokens, model)}")
+
+
+@pytest.fixture(scope="module")
+def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    with RedisServer(tmp_path_factory.mktemp("redis")) as server:
+        yield server.url
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_dynamo_matches_what_the_store_holds_after_random_workloads(
+        tmp_path: Path, redis_url: str, dynamo_indexer: DynamoIndexer, seed: int) -> None:
+    import redis
+
+    redis.Redis.from_url(redis_url).flushall()
+    TOKENLESS.clear()
+    config = dataclasses.replace(store_config(tmp_path, host_blocks=16, disk_blocks=24),
+                                 remote=RemoteTierConfig.from_url(redis_url))
+    events_config = EventsConfig(f"ipc://{tmp_path}/ev", node="n", interval_s=0.01)
+    log = EventLog()
+    store = TieredStore(config, events=log)
+    publisher = EventPublisher(events_config, store, log)
+    try:
+        for namespace in NAMESPACES:
+            store.register(namespace)
+        publisher.start()
+        rng = random.Random(seed)
+        all_ = conversations()
+        for conversation in all_[::NUM_CONVERSATIONS]:  # each namespace's sockets exist now
+            grow(store, conversation, 1)
+        ids = {}
+        for where in wait_for(functools.partial(_every_namespace, publisher)):
+            ids[where.namespace.id] = instance = dynamo_indexer.next_instance_id()
+            dynamo_indexer.register(instance, where.endpoint, model_name(where.namespace.model_id),
+                                    BS, replay_endpoint=where.replay_endpoint)
+        for _ in range(2):
+            workload(store, rng, all_, 40)
+            store.wait_for_background(10)
+            assert store.flush_remote(10)
+            for conversation in all_:
+                hashes = conversation.hashes
+                cut = next((n for n, h in enumerate(hashes)
+                            if conversation.namespace.id + h in TOKENLESS), len(hashes))
+                held = store.sidecar.locate(conversation.namespace, hashes[:cut])
+                expected = Match(sum(held.values()) * BS, held.get(Tier.GPU, 0) * BS,
+                                 held.get(Tier.HOST, 0) * BS, held.get(Tier.DISK, 0) * BS)
+                wait_for(functools.partial(_agrees, dynamo_indexer, ids[conversation.namespace.id],
+                                           conversation, expected),
+                         what=functools.partial(_disagreement, dynamo_indexer,
+                                                ids[conversation.namespace.id], conversation,
+                                                expected))
+        remote = store.stats().remote
+        assert remote is not None and remote.hits > 0  # REMOTE took part: reads came back from it
+    finally:
+        store.close(flush=False)
+        publisher.close()
