@@ -132,8 +132,8 @@ class _Topic:
     """One namespace's topic: its name, next sequence number and block size, and in ``router``
     mode its own sockets."""
 
-    __slots__ = ("block_size", "first_seq", "name", "namespace", "next_seq", "pub", "ring",
-                 "ring_bytes", "router", "sent_s")
+    __slots__ = ("block_size", "endpoints", "first_seq", "name", "namespace", "next_seq", "pub",
+                 "ring", "ring_bytes", "router", "sent_s")
 
     def __init__(self, name: bytes, namespace: Namespace | None, first_seq: int,
                  ring_batches: int, pub: zmq.Socket[bytes], router: zmq.Socket[bytes]) -> None:
@@ -142,6 +142,10 @@ class _Topic:
         self.block_size = namespace.layout.block_size if namespace is not None else 0
         self.pub = pub
         self.router = router
+        # Where they are bound, read once here: a socket is its thread's alone, and the
+        # metrics read these from theirs.
+        self.endpoints = (pub.getsockopt_string(zmq.LAST_ENDPOINT),
+                          router.getsockopt_string(zmq.LAST_ENDPOINT))
         self.first_seq = first_seq
         self.next_seq = first_seq
         self.sent_s = 0.0  # when its last batch went (monotonic)
@@ -232,9 +236,7 @@ class EventPublisher:
     def endpoints(self) -> list[TopicEndpoints]:
         """Each namespace's topic and the endpoints it is published on (its own in ``router``
         mode: what an operator registers with a router as one worker of one model)."""
-        return [TopicEndpoints(topic.namespace, topic.name.decode(),
-                               topic.pub.getsockopt_string(zmq.LAST_ENDPOINT),
-                               topic.router.getsockopt_string(zmq.LAST_ENDPOINT))
+        return [TopicEndpoints(topic.namespace, topic.name.decode(), *topic.endpoints)
                 for topic in list(self._topics.values()) if topic.namespace is not None]
 
     # --- the thread ---------------------------------------------------------------------------
