@@ -361,6 +361,13 @@ class StoreCore:
         if self.events is not None:
             self.events.stored(entry.ns, tier, entry.block_hash, entry)
 
+    def announce_locked(self, entry: Entry) -> None:
+        """Record every copy ``entry`` has again (its tokens became known)."""
+        if self.events is not None:
+            for tier in (Tier.GPU, Tier.HOST, Tier.DISK):
+                if entry.residency(tier) is not None:
+                    self.events.stored(entry.ns, tier, entry.block_hash, entry)
+
     def drop_locked(self, entry: Entry, tier: Tier) -> None:
         """Remove ``entry``'s copy in ``tier`` and free its room; forget the entry if it was the
         last copy. A paged copy must not be busy (its pages would be reused under a reader)."""

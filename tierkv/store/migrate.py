@@ -262,6 +262,10 @@ class Mover:
         ledger = core.paged[destination]
         by_source: dict[Tier, list[Entry]] = {}
         done: set[Entry] = set()
+        # The chain's own copies there are never evicted to make room for the rest of it: a
+        # read that brought a tail up by pushing its head down would leave the head in the
+        # slower tier, where a router walking fastest tier first stops (docs/events.md).
+        chain = frozenset(entries)
         with core.busy() as marks:
             with core.lock:
                 room_pages = ledger.allocator.num_pages
@@ -276,7 +280,8 @@ class Mover:
                     marks.add_locked(entry)
                     by_source.setdefault(top, []).append(entry)
             for source, batch in by_source.items():
-                copied = self.copy_between(batch, source, destination, wait=False)
+                copied = self.copy_between(batch, source, destination, wait=False,
+                                           exclude=chain)
                 done |= copied
                 if copied:
                     continue  # what is left failed its checks (it is doomed now), not for room
@@ -285,7 +290,8 @@ class Mover:
                         gone = entry.priority == DOOMED or entry.residency(source) is None
                     if gone:
                         break  # it failed its checks in the batch copy: never copied twice
-                    one = self.copy_between([entry], source, destination, wait=False)
+                    one = self.copy_between([entry], source, destination, wait=False,
+                                            exclude=chain)
                     if not one:
                         break  # the tier is full (or the block was damaged): the chain ends
                     done |= one

@@ -293,6 +293,8 @@ class Writer:
         said = self._said(state, keys, detail)
         with core.lock:
             core.count_put_locked(state, count_put)
+            if any(tokens is not None for tokens in said):
+                self._fill_tokens_locked(state, keys, said)
             num_stored = 0
             # Tail first, each block linked or touched where it is met: the head ends most
             # recently used, in one pass over the keys (this runs for every block of a put).
@@ -333,6 +335,16 @@ class Writer:
                 core.use_locked([entry for key in keys
                                  if (entry := blocks.get(key)) is not None])
         return num_stored
+
+    def _fill_tokens_locked(self, state: NamespaceState, keys: list[bytes],
+                            said: list[BlockTokens | None]) -> None:
+        """Give the tokens a writer says now to stored blocks that had none (brought back from
+        REMOTE, say), and announce their copies again with them: a router can place them now."""
+        for key, tokens in zip(keys, said, strict=True):
+            entry = state.blocks.get(key)
+            if entry is not None and entry.tokens is None and tokens is not None:
+                entry.tokens = tokens
+                self.core.announce_locked(entry)
 
     def _said(self, state: NamespaceState, keys: list[bytes], detail: PutDetail | None
               ) -> list[BlockTokens | None]:
