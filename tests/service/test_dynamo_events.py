@@ -3,8 +3,9 @@ a store with HOST, DISK and REMOTE (a real Redis) publishes in the router mode, 
 registered as two workers of two models. Conversations grow as an engine grows them (their hit
 read first, then the rest put with token ids and parent), lose their tails, get read back
 (promotions), and a namespace is cleared now and then; HOST overflows into DISK and DISK into
-REMOTE. After each workload every conversation matches in Dynamo exactly as far as the store
-holds it locally, tier by tier; REMOTE is not said to Dynamo (it drops it on purpose)."""
+REMOTE. After each workload every conversation matches in Dynamo exactly as far as Dynamo's
+walk (HOST from the head, then DISK) finds it in the store's copies, tier by tier; REMOTE is
+not said to Dynamo (it drops it on purpose)."""
 from __future__ import annotations
 
 import dataclasses
@@ -94,15 +95,26 @@ def _every_namespace(publisher: EventPublisher) -> list[TopicEndpoints] | None:
 
 
 def _held(store: TieredStore, conversation: Conversation) -> Match:
-    """What a router should match of ``conversation`` now: the store's local leading run, up to
-    the first block without tokens, per tier (the store may still be moving blocks: asked anew
-    at each poll)."""
-    hashes = conversation.hashes
-    cut = next((n for n, h in enumerate(hashes) if conversation.namespace.id + h in TOKENLESS),
-               len(hashes))
-    held = store.sidecar.locate(conversation.namespace, hashes[:cut])
-    return Match(sum(held.values()) * BS, held.get(Tier.GPU, 0) * BS,
-                 held.get(Tier.HOST, 0) * BS, held.get(Tier.DISK, 0) * BS)
+    """What a router should match of ``conversation`` now, walking the store's copies as
+    Dynamo walks its tiers: from the head while blocks have a HOST copy, then on from there
+    while they have a DISK copy, each with its tokens known. Asked anew at each poll: the
+    store may still be moving blocks. (Chains the store keeps tier-ordered, head in the
+    faster tier, match in full; under pressure a continuation can be saved in HOST while its
+    prefix stayed on DISK, and a router then stops at the prefix: docs/events.md.)"""
+    held = store.sidecar.blocks_by_tier(conversation.namespace)
+    host, disk = set(held.get(Tier.HOST, ())), set(held.get(Tier.DISK, ()))
+    known = [conversation.namespace.id + h not in TOKENLESS for h in conversation.hashes]
+    num_host = 0
+    for block_hash, tokens in zip(conversation.hashes, known, strict=True):
+        if block_hash not in host or not tokens:
+            break
+        num_host += 1
+    num_disk = 0
+    for block_hash, tokens in zip(conversation.hashes[num_host:], known[num_host:], strict=True):
+        if block_hash not in disk or not tokens:
+            break
+        num_disk += 1
+    return Match((num_host + num_disk) * BS, 0, num_host * BS, num_disk * BS)
 
 
 def _seen(indexer: DynamoIndexer, instance: int, conversation: Conversation) -> Match:
