@@ -10,6 +10,7 @@ tierkv's vLLM-format KV events against it.
   ``Match`` per instance, in tokens per tier. ``DynamoError``: an answer other than the call's.
 * ``wait_matched``/``wait_active``: polling (events are applied asynchronously);
   ``DeadlineExceededError`` with the log's tail when the wait runs out.
+* ``free_port``: ``tierkv.bench.servers``'s, re-exported for the indexer's users.
 """
 
 from __future__ import annotations
@@ -20,7 +21,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import time
 import urllib.error
@@ -31,12 +31,15 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
+from tierkv.bench.servers import free_port
 from tierkv.errors import (
     ConfigError,
     DeadlineExceededError,
     ServiceUnavailableError,
     TierKVError,
 )
+
+__all__ = ["DynamoError", "DynamoIndexer", "Match", "free_port"]
 
 START_TIMEOUT_S = 30.0
 HTTP_TIMEOUT_S = 10.0
@@ -62,14 +65,6 @@ class Match:
     gpu: int
     cpu: int
     disk: int
-
-
-def free_port() -> int:
-    """A TCP port of 127.0.0.1 that was free when asked (another process may take it since)."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port: int = probe.getsockname()[1]
-        return port
 
 
 class DynamoIndexer:

@@ -33,8 +33,8 @@ from pathlib import Path
 
 import torch
 
-from tierkv.bench.dynamo_indexer import DynamoIndexer, free_port
-from tierkv.bench.servers import tierkv_server
+from tierkv.bench.dynamo_indexer import DynamoIndexer
+from tierkv.bench.servers import free_port, tierkv_server
 from tierkv.bench.traces import Request
 from tierkv.client import Client
 from tierkv.errors import ConfigError, ServiceUnavailableError
