@@ -23,25 +23,18 @@ ids are equal tokens and equal chained hashes (``tierkv.hashing.block_hashes``) 
 from __future__ import annotations
 
 import contextlib
-import json
-import os
 import random
-import signal
-import socket
-import subprocess
 import tempfile
 import time
-import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from types import TracebackType
-from typing import Any
 
 import torch
 
-from tierkv.bench.servers import tierkv_server
+from tierkv.bench.dynamo_indexer import DynamoIndexer
+from tierkv.bench.servers import free_port, tierkv_server
 from tierkv.bench.traces import Request
 from tierkv.client import Client
 from tierkv.errors import ConfigError, ServiceUnavailableError
@@ -66,7 +59,7 @@ PUT_BLOCKS = 16  # blocks per put, as a chunked prefill saves them
 # event sockets exist (they are bound with its first published block) when Dynamo registers.
 _SENTINEL_TOKENS = [VOCAB_SIZE + n for n in range(BLOCK_TOKENS)]
 _INDEXER_START_TIMEOUT_S = 60.0
-_HTTP_TIMEOUT_S = 10.0
+_HTTP_TIMEOUT_S = 10.0  # the sidecars' /metrics
 
 
 @dataclass(frozen=True, slots=True)
@@ -140,105 +133,25 @@ class _Trace:
 # --- Dynamo's indexer --------------------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port: int = probe.getsockname()[1]
-        return port
+def _matched(indexer: DynamoIndexer, token_ids: Sequence[int]) -> dict[int, int]:
+    """Tokens of ``token_ids``' prefix each instance holds, by instance id (0 if absent)."""
+    matched = dict.fromkeys(INSTANCES, 0)
+    for instance, match in indexer.query(token_ids, MODEL).items():
+        matched[instance] = match.longest_matched
+    return matched
 
 
-class DynamoIndexer:
-    """``python -m dynamo.indexer --port <free> --threads 1`` of ``python``'s venv, started and
-    answering ``GET /health`` when the constructor returns; its output in ``workdir``.
-    ``ServiceUnavailableError`` when it does not start; ``close`` (or ``with``) stops it."""
-
-    def __init__(self, python: Path, workdir: Path) -> None:
-        if not python.is_file():
-            raise ConfigError(f"--dynamo-python {python}: no such file (a venv's python with "
-                              "ai-dynamo-runtime installed)")
-        workdir.mkdir(parents=True, exist_ok=True)
-        self.log_path = workdir / "dynamo-indexer.log"
-        self.port = _free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        with self.log_path.open("ab") as log:
-            self._proc: subprocess.Popen[bytes] | None = subprocess.Popen(
-                [str(python), "-m", "dynamo.indexer", "--port", str(self.port), "--threads", "1"],
-                stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                env={**os.environ, "DYN_LOG": "warn"}, start_new_session=True)
-        deadline = time.monotonic() + _INDEXER_START_TIMEOUT_S
-        while time.monotonic() < deadline:
-            if self._proc.poll() is not None:
-                break
-            with contextlib.suppress(OSError):
-                if self._request("GET", "/health", None, timeout_s=1.0)[0] == 200:
-                    return
-            time.sleep(0.05)
-        self.close()
-        tail = self.log_path.read_text(errors="replace")[-2000:]
-        raise ServiceUnavailableError(f"Dynamo's indexer did not start:\n{tail}")
-
-    def _request(self, method: str, path: str, body: object,
-                 timeout_s: float = _HTTP_TIMEOUT_S) -> tuple[int, bytes]:
-        data = None if body is None else json.dumps(body).encode()
-        request = urllib.request.Request(self.url + path, data=data, method=method,
-                                         headers={"content-type": "application/json"})
-        try:
-            with urllib.request.urlopen(request, timeout=timeout_s) as response:
-                status: int = response.status
-                return status, response.read()
-        except urllib.error.HTTPError as error:
-            return error.code, error.read()
-
-    def _call(self, path: str, body: object, expect: int) -> Any:
-        status, answer = self._request("POST", path, body)
-        if status != expect:
-            raise ServiceUnavailableError(f"Dynamo's indexer: POST {path}: {status} "
-                                          f"{answer.decode(errors='replace')[:500]}")
-        return json.loads(answer) if answer else None
-
-    def register(self, instance_id: int, endpoint: str, replay_endpoint: str) -> None:
-        """Listen to a worker's PUB ``endpoint`` (gaps replayed from ``replay_endpoint``)."""
-        self._call("/register", {"instance_id": instance_id, "endpoint": endpoint,
-                                 "model_name": MODEL, "block_size": BLOCK_TOKENS,
-                                 "replay_endpoint": replay_endpoint}, 201)
-
-    def longest_matched(self, token_ids: Sequence[int]) -> dict[int, int]:
-        """Tokens of ``token_ids``' prefix each instance holds, by instance id (0 if absent)."""
-        answer = self._call("/query", {"token_ids": list(token_ids), "model_name": MODEL}, 200)
-        matched = {instance: 0 for instance in INSTANCES}
-        for instance, counts in answer["instances"].items():
-            matched[int(instance)] = int(counts["longest_matched"])
-        return matched
-
-    def settle(self, instance_id: int, token_ids: Sequence[int], tokens: int,
-               timeout_s: float) -> bool:
-        """Wait until the instance's match of ``token_ids`` is ``tokens``; whether it was."""
-        deadline = time.monotonic() + timeout_s
-        while True:
-            if self.longest_matched(token_ids)[instance_id] == tokens:
-                return True
-            if time.monotonic() >= deadline:
-                return False
-            time.sleep(0.005)
-
-    def close(self) -> None:
-        """SIGTERM, then SIGKILL after 5 s; idempotent."""
-        proc, self._proc = self._proc, None
-        if proc is None or proc.poll() is not None:
-            return
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(5.0)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(5.0)
-
-    def __enter__(self) -> DynamoIndexer:
-        return self
-
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> None:
-        self.close()
+def _settle(indexer: DynamoIndexer, instance_id: int, token_ids: Sequence[int], tokens: int,
+            timeout_s: float) -> bool:
+    """Wait until the instance's match of ``token_ids`` is ``tokens``; whether it was."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        match = indexer.match(instance_id, token_ids, MODEL)
+        if (match.longest_matched if match else 0) == tokens:
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.005)
 
 
 def _endpoints(metrics_port: int) -> list[dict[str, str]]:
@@ -271,7 +184,7 @@ def _workers(cfg: RouteBenchConfig, trace: _Trace, work: Path) -> Iterator[list[
         sockets = stack.enter_context(tempfile.TemporaryDirectory(prefix="tkv-ev-", dir="/tmp"))
         workers = []
         for number in range(len(INSTANCES)):
-            metrics_port = _free_port()
+            metrics_port = free_port()
             flags = ["--metrics-port", str(metrics_port),
                      "--events-endpoint", f"ipc://{sockets}/ev{number}",
                      "--events-interval-s", str(cfg.events_interval_s)]
@@ -297,12 +210,13 @@ def _register(indexer: DynamoIndexer, workers: Sequence[_Worker], timeout_s: flo
             if time.monotonic() > deadline:
                 raise ServiceUnavailableError("a sidecar published no events endpoint")
             time.sleep(0.05)
-        indexer.register(instance, found[0]["endpoint"], found[0]["replay_endpoint"])
-        if not indexer.settle(instance, _SENTINEL_TOKENS, BLOCK_TOKENS, 10.0):
+        indexer.register(instance, found[0]["endpoint"], MODEL, BLOCK_TOKENS,
+                         replay_endpoint=found[0]["replay_endpoint"])
+        if not _settle(indexer, instance, _SENTINEL_TOKENS, BLOCK_TOKENS, 10.0):
             raise ServiceUnavailableError(f"Dynamo never saw instance {instance}'s events "
                                           f"(log: {indexer.log_path})")
         worker.client.delete(NAMESPACE, hashes)
-        if not indexer.settle(instance, _SENTINEL_TOKENS, 0, 10.0):
+        if not _settle(indexer, instance, _SENTINEL_TOKENS, 0, 10.0):
             raise ServiceUnavailableError(f"Dynamo never saw instance {instance}'s delete")
 
 
@@ -338,7 +252,9 @@ def replay(policy: str, trace: _Trace, cfg: RouteBenchConfig,
             _workers(cfg, trace, Path(work)) as workers, contextlib.ExitStack() as stack:
         indexer = None
         if policy == "dynamo":
-            indexer = stack.enter_context(DynamoIndexer(cfg.dynamo_python, Path(work)))
+            indexer = stack.enter_context(DynamoIndexer(
+                cfg.dynamo_python, Path(work), start_timeout_s=_INDEXER_START_TIMEOUT_S,
+                log_level="warn"))
             _register(indexer, workers, cfg.settle_timeout_s * 5)
         for number, request in enumerate(trace.requests):
             tokens = trace.tokens(request)
@@ -347,7 +263,7 @@ def replay(policy: str, trace: _Trace, cfg: RouteBenchConfig,
             found = [worker.client.lookup(NAMESPACE, hashes) for worker in workers]
             oracle = _ranked(found, first)
             if indexer is not None:
-                matched = indexer.longest_matched(tokens)
+                matched = _matched(indexer, tokens)
                 chosen = _ranked([matched[instance] for instance in INSTANCES], first)
                 disagreements += matched[INSTANCES[chosen]] != found[chosen] * BLOCK_TOKENS
             elif policy == "oracle":
@@ -362,7 +278,7 @@ def replay(policy: str, trace: _Trace, cfg: RouteBenchConfig,
             hits_by_worker[chosen] += found[chosen] * BLOCK_TOKENS
             if indexer is not None:
                 held = client.lookup(NAMESPACE, hashes) * BLOCK_TOKENS
-                if not indexer.settle(INSTANCES[chosen], tokens, held, cfg.settle_timeout_s):
+                if not _settle(indexer, INSTANCES[chosen], tokens, held, cfg.settle_timeout_s):
                     unsettled += 1
             if progress is not None and number % 100 == 99:
                 progress(f"{policy}: {number + 1} requests")

