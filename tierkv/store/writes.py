@@ -155,12 +155,13 @@ class Writer:
         pages (``checksums``: of each block in HOST, by index). Returns the blocks newly stored.
         On failure it raises with nothing visible; the caller gives the pages back."""
         state, keys, plan = reservation.state, reservation.keys, reservation.plan
+        said = self._said(state, keys, reservation.detail)  # once: the records' and the index's
         if plan.disk_indices:
             assert payload_of is not None
-            self.write_records(state, keys, plan, payload_of, expected, reservation.detail)
+            self.write_records(state, keys, plan, payload_of, expected, reservation.detail, said)
         locations, reservation.locations = reservation.locations, {}  # published: not ours
         return self.publish(state, keys, reservation.priority, reservation.target, plan,
-                            locations, checksums, count_put, reservation.detail)
+                            locations, checksums, count_put, reservation.detail, said)
 
     def _host_checksums(
         self, flat: torch.Tensor, block_bytes: int, indices: list[int], locations: list[Location]
@@ -213,8 +214,8 @@ class Writer:
 
     def write_records(
         self, state: NamespaceState, keys: list[bytes], plan: PutPlan,
-        payload_of: Callable[[int], np.ndarray], expected: dict[int, int] | None = None,
-        detail: PutDetail | None = None,
+        payload_of: Callable[[int], np.ndarray], expected: dict[int, int] | None,
+        detail: PutDetail | None, said: list[BlockTokens | None],
     ) -> dict[int, int]:
         """Write-through: durable disk records of the plan's ``disk_indices`` (bytes from
         ``payload_of``) before returning; their disk room is reserved, and given back on failure.
@@ -223,7 +224,8 @@ class Writer:
         ``expected``: the checksum each block's bytes must have (a client's, checked at
         commit). Each record is checked against it on its own copy of the bytes, so that what
         is written is exactly what was verified; ``IntegrityError`` (nothing written) if not.
-        ``detail``: each record's parent and tokens (``tierkv.store.tokens``) ride beside it.
+        ``detail`` and ``said`` (``_said``'s tokens of each block): each record's parent and
+        tokens (``tierkv.store.tokens``) ride beside it.
 
         Blocks that got a disk copy since the plan was made (making room for the put can demote
         the chain's own blocks to disk) are dropped from ``plan.disk_indices`` and not written
@@ -268,7 +270,7 @@ class Writer:
             core.reserve_disk_locked(len(records), state.record_bytes,
                                      core.share_of_locked(state, Tier.DISK), own, plan.parents)
             job = core.submit_disk_locked(records, token_puts=_token_records(
-                keys, indices, raw_keys, detail, self._said(state, keys, detail)))
+                keys, indices, raw_keys, detail, said))
         try:
             core.wait_disk(job)
         except TierKVError:
@@ -280,17 +282,16 @@ class Writer:
     def publish(
         self, state: NamespaceState, keys: list[bytes], priority: Priority, target: Tier,
         plan: PutPlan, locations: dict[int, Location], checksums: dict[int, int],
-        count_put: bool = True, detail: PutDetail | None = None,
+        count_put: bool, detail: PutDetail | None, said: list[BlockTokens | None],
     ) -> int:
         """Make a put visible: link the copies in ``target`` (``locations`` by block index, with
         their ``checksums`` in HOST; room reserved for blocks another put stored meanwhile is
         given back) and, when the plan wrote records, on disk. Returns the blocks newly stored
         in ``target``. ``count_put``: False for blocks a read brought from REMOTE; ``detail``:
-        what the writer said of the blocks, for their KV events."""
+        what the writer said of the blocks, for their KV events; ``said``: their tokens (``_said``)."""
         core = self.core
         new, blocks = plan.new_set, state.blocks
         with_records = bool(plan.disk_indices) and core.disk is not None
-        said = self._said(state, keys, detail)
         with core.lock:
             core.count_put_locked(state, count_put)
             if any(tokens is not None for tokens in said):
@@ -308,7 +309,7 @@ class Writer:
                 parent = anchors[index] if anchors else None
                 if location is not None:
                     if index in new and (entry is None or entry.residency(target) is None):
-                        if entry is None or (entry.tokens is None and said[index] is not None):
+                        if entry is None:
                             entry = self._entry_locked(state, keys[index], priority,
                                                        _parent_hash(detail, keys, index),
                                                        said[index])
@@ -357,14 +358,12 @@ class Writer:
 
     def _entry_locked(self, state: NamespaceState, key: bytes, priority: Priority,
                       parent: bytes | None, tokens: BlockTokens | None) -> Entry:
-        """``key``'s entry, made if new; tokens a writer gives now fill in an entry's unknown
-        ones (a block first stored without them)."""
+        """``key``'s entry, made if new (an existing one got the put's tokens already:
+        ``_fill_tokens_locked``)."""
         entry = state.blocks.get(key)
         if entry is None:
             entry = Entry(key, state, priority, parent, tokens)
             self.core.index_locked(entry)
-        elif entry.tokens is None:
-            entry.tokens = tokens
         return entry
 
     def _publish_disk(
