@@ -1,6 +1,6 @@
 """The wire rules of NVIDIA Dynamo 1.6.1's KV indexer that tierkv's vLLM-format events rely on,
-one test a rule, against the real indexer (``tests/support/dynamo_indexer.py``; the module skips
-where its venv cannot be built, and fails instead under ``TIERKV_REQUIRE_DYNAMO=1``, as in CI).
+one test a rule, against the real indexer (``tests/support/dynamo_indexer.py``; the module fails,
+with pip's reason, where its venv cannot be built).
 
 No sidecar: each test registers an instance of its own model on a fresh PUB socket (an XPUB, so
 the test knows when Dynamo's SUB has subscribed), sends hand-built batches (frames: topic, 8-byte

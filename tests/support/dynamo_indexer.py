@@ -7,8 +7,8 @@ itself is the package's ``tierkv.bench.dynamo_indexer.DynamoIndexer`` (re-export
   once at test time by ``python -m venv`` and ``pip install`` (pip's own configuration and index)
   under ``platformdirs.user_cache_path("tierkv") / "dynamo-1.6.1"`` (``TIERKV_DYNAMO_VENV``
   overrides it), and reused while its marker file is there. Not the project's venv: the package
-  pins pydantic <= 2.13.5, below what vLLM uses there. Linux only (PyPI has no other wheel). If
-  pip fails the test skips with pip's last lines, or fails where ``TIERKV_REQUIRE_DYNAMO=1`` (CI).
+  pins pydantic <= 2.13.5, below what vLLM uses there. Linux only (PyPI has no other wheel). Where
+  it cannot be built the test fails, with pip's last lines: never a silent skip.
 * ``dynamo_indexer``: a module-scoped fixture yielding a started indexer of that venv; each test
   registers instance ids of its own (``next_instance_id()``).
 * ``wait_for``: polling with ``AssertionError``, since events are applied asynchronously (a
@@ -57,15 +57,15 @@ def venv_dir() -> Path:
 
 def dynamo_python() -> Path:
     """``bin/python`` of the venv holding ``ai-dynamo-runtime==1.6.1``, built if it is not there
-    yet (about 75 MB from PyPI, 275 MB installed). Skips (or, with ``TIERKV_REQUIRE_DYNAMO=1``,
-    fails) the calling test where it cannot be built.
+    yet (about 75 MB from PyPI, 275 MB installed). Fails the calling test, with the reason,
+    where it cannot be built.
 
     The venv is built under a temporary name and renamed, so its scripts' shebangs name the
     temporary path: run its python (``python -m pip``, ``python -m dynamo.indexer``), never
     ``bin/pip``."""
     if sys.platform != "linux" or platform.machine() not in WHEEL_MACHINES:
-        pytest.skip(f"{PACKAGE} has no wheel for {sys.platform} {platform.machine()} (Linux "
-                    f"{'/'.join(WHEEL_MACHINES)} only)")
+        pytest.fail(f"{PACKAGE} has no wheel for {sys.platform} {platform.machine()} (Linux "
+                    f"{'/'.join(WHEEL_MACHINES)} only)", pytrace=False)
     root = venv_dir()
     python = root / "bin" / "python"
     if _installed(root):
@@ -122,10 +122,7 @@ def _build(root: Path) -> None:
 
 def _unavailable(what: str, output: str) -> None:
     tail = "\n".join(output.strip().splitlines()[-12:])
-    reason = f"{PACKAGE} not installable ({what}):\n{tail}"
-    if os.environ.get("TIERKV_REQUIRE_DYNAMO") == "1":
-        pytest.fail(reason + "\n(TIERKV_REQUIRE_DYNAMO=1: no skipping)", pytrace=False)
-    pytest.skip(reason)
+    pytest.fail(f"{PACKAGE} not installable ({what}):\n{tail}", pytrace=False)
 
 
 # ------------------------------------------------------------------------------ the indexer's use
