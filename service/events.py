@@ -432,17 +432,17 @@ class EventPublisher:
                     router.close(linger=0)
                     raise
                 self._poller.register(router, zmq.POLLIN)
-                log_event(log, logging.INFO, "events_namespace",
-                          f"KV events of namespace {namespace.id.hex()[:16]} ({namespace.tenant}, "
-                          f"{model_name(namespace.model_id)}) on "
-                          f"{pub.getsockopt_string(zmq.LAST_ENDPOINT)}",
-                          namespace=namespace.id.hex(), tenant=namespace.tenant,
-                          model=model_name(namespace.model_id),
-                          block_size=namespace.layout.block_size,
-                          endpoint=pub.getsockopt_string(zmq.LAST_ENDPOINT),
-                          replay_endpoint=router.getsockopt_string(zmq.LAST_ENDPOINT))
             topic = _Topic(name, namespace, self._first_seq, self.config.ring_batches, pub,
                            router)
+            if self._router_mode:
+                endpoint, replay_endpoint = topic.endpoints
+                model = model_name(namespace.model_id)
+                log_event(log, logging.INFO, "events_namespace",
+                          f"KV events of namespace {namespace.id.hex()[:16]} ({namespace.tenant}, "
+                          f"{model}) on {endpoint}", namespace=namespace.id.hex(),
+                          tenant=namespace.tenant, model=model,
+                          block_size=namespace.layout.block_size, endpoint=endpoint,
+                          replay_endpoint=replay_endpoint)
             self._topics[namespace.id] = topic
             self._by_name[name] = topic
         return topic
